@@ -1,0 +1,45 @@
+# mpformer developer entry points. `make demo` and `make test` install what they need themselves.
+PYTHON     ?= python3
+VENV       ?= .venv
+BIN        := $(VENV)/bin
+# CPU torch is pinned here (an unpinned torch resolves to a multi-GB CUDA build). GPU users install
+# their own CUDA torch first and run `make venv TORCH_SPEC=` to keep it.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DATA  ?= demo_data
+DEMO_RUN   ?= outputs/demo
+PYTEST_ARGS ?=
+
+# Tests and the demo never reach a hub: tiny models are built locally, wandb runs offline.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export MPFORMER_DEMO_DIR := $(DEMO_DATA)
+
+.PHONY: venv demo test lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
+	touch $@
+
+demo: venv
+	$(BIN)/python -m mpformer.data.demo_corpus --out $(DEMO_DATA)
+	rm -rf $(DEMO_RUN)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 pretrain/pretrain_gpt.py \
+		experiment=demo hydra.run.dir=$(DEMO_RUN)
+	$(BIN)/python tools/convert_checkpoint.py mpformer-to-hf --ckpt $(DEMO_RUN)/checkpoints --out $(DEMO_RUN)/hf
+	$(BIN)/python tools/demo_report.py --run $(DEMO_RUN) --hf $(DEMO_RUN)/hf
+
+test: venv
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/hadolint docker/Dockerfile
+
+clean:
+	rm -rf $(DEMO_RUN) .pytest_cache .ruff_cache

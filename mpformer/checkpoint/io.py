@@ -1,0 +1,227 @@
+"""Layout-free checkpoints on torch.distributed.checkpoint (DCP).
+
+Every tensor is stored under its canonical global name (see Transformer.canonical_tensors):
+``model.<name>`` for weights and ``optim.<state>.<name>`` for per-parameter optimizer state, with
+its global shape. DCP writes each rank's share and reads back exactly the slices a rank asks for,
+so a later layout (TP, ZeRO) loads any checkpoint by asking for its own slices under the same names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from mpformer.checkpoint.manifest import (
+    LATEST,
+    check_files,
+    fsync_dir,
+    point_latest,
+    read_manifest,
+    resolve_checkpoint_dir,
+    step_dir_name,
+    write_manifest,
+)
+from mpformer.errors import ConfigError
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+
+
+# ---- canonical views of parameters and of per-parameter state -------------------------------
+def _owner(view: torch.Tensor, params: Iterable[nn.Parameter]) -> nn.Parameter:
+    ptr = view.untyped_storage().data_ptr()
+    for p in params:
+        if p.untyped_storage().data_ptr() == ptr:
+            return p
+    raise AssertionError("canonical tensor is not a view of any parameter")
+
+
+def views_like(canonical: dict[str, torch.Tensor], params: list[nn.Parameter],
+               per_param: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """Apply each canonical view's slicing of its parameter to ``per_param(param)`` instead.
+
+    Used for optimizer state: exp_avg of the fused QKV weight is cut into q, k, v exactly as the
+    weight is. Both tensors must be contiguous with the parameter's shape.
+    """
+    out = {}
+    for name, v in canonical.items():
+        p = _owner(v, params)
+        t = per_param(p)
+        if t is None:
+            continue
+        assert t.shape == p.shape and t.is_contiguous() and p.is_contiguous(), name
+        offset = v.storage_offset() - p.storage_offset()
+        out[name] = t.as_strided(v.shape, v.stride(), t.storage_offset() + offset)
+    return out
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create zero Adam/AdamW state (as the first step would) so DCP can load into it in place."""
+    for group in optimizer.param_groups:
+        fused_or_capturable = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if st:
+                continue
+            st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused_or_capturable
+                          else torch.tensor(0.0, dtype=torch.float32))
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            if group.get("amsgrad"):
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {MODEL_PREFIX + k: v for k, v in model.canonical_tensors().items()}
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Per-parameter tensors under optim.<key>.<canonical name>; the shared step count once."""
+    init_adam_state(optimizer)
+    canonical = model.canonical_tensors()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    keys = sorted({k for p in params for k, t in optimizer.state[p].items() if t.dim() > 0})
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        views = views_like(canonical, params, lambda p, key=key: optimizer.state[p].get(key))
+        out.update({f"{OPTIM_PREFIX}{key}.{n}": v for n, v in views.items()})
+    steps = {float(optimizer.state[p]["step"]) for p in params}
+    assert len(steps) == 1, f"parameters disagree on the optimizer step: {steps}"
+    out[OPTIM_PREFIX + "step"] = optimizer.state[params[0]]["step"].detach().clone().cpu().reshape(1)
+    return out
+
+
+def set_optimizer_step(optimizer: torch.optim.Optimizer, step_tensor: torch.Tensor) -> None:
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            optimizer.state[p]["step"].fill_(float(step_tensor.reshape(-1)[0]))
+
+
+# ---- load / save -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that it 'assumes a single process' even when told so with no_dist=True."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+        yield
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def stored_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
+    """name -> (shape, dtype) of every tensor in a checkpoint, without loading any."""
+    md = dcp.FileSystemReader(str(resolve_checkpoint_dir(ckpt_dir))).read_metadata()
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+            if hasattr(v, "size")}
+
+
+def load_tensors(ckpt_dir: str | Path, targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` (name -> tensor, written in place) from a checkpoint; casts dtypes if needed."""
+    stored = stored_metadata(ckpt_dir)
+    missing = [k for k in targets if k not in stored]
+    if missing:
+        raise ConfigError(f"checkpoint {ckpt_dir} lacks {len(missing)} tensors, first: {missing[0]}")
+    bad = [(k, stored[k][0], tuple(t.shape)) for k, t in targets.items() if stored[k][0] != tuple(t.shape)]
+    if bad:
+        k, got, want = bad[0]
+        raise ConfigError(f"checkpoint {ckpt_dir}: tensor {k} has shape {list(got)}, the model needs {list(want)}")
+    staged = {k: (t if stored[k][1] == t.dtype else torch.empty(t.shape, dtype=stored[k][1], device=t.device))
+              for k, t in targets.items()}
+    with _quiet():
+        dcp.load(staged, checkpoint_id=str(ckpt_dir), no_dist=_no_dist())
+    with torch.no_grad():
+        for k, t in targets.items():
+            if staged[k] is not t:
+                t.copy_(staged[k])
+
+
+def read_all_tensors(ckpt_dir: str | Path, prefix: str = MODEL_PREFIX) -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` as a full CPU tensor in its stored dtype (single process)."""
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    stored = stored_metadata(ckpt_dir)
+    out = {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in stored.items() if k.startswith(prefix)}
+    if out:
+        with _quiet():
+            dcp.load(out, checkpoint_id=str(ckpt_dir), no_dist=True)
+    return {k[len(prefix):]: v for k, v in out.items()}
+
+
+def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load weights (and optimizer state if the checkpoint has it); returns the manifest."""
+    manifest = read_manifest(ckpt_dir)
+    check_files(manifest)
+    d = manifest["path"]
+    load_tensors(d, model_state(model))
+    manifest["loaded_optimizer"] = False
+    if optimizer is not None and manifest.get("has_optimizer"):
+        targets = optimizer_state(model, optimizer)
+        load_tensors(d, targets)
+        set_optimizer_step(optimizer, targets[OPTIM_PREFIX + "step"])
+        manifest["loaded_optimizer"] = True
+    return manifest
+
+
+def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
+                    manifest: dict[str, Any], *, rank_files: dict[str, Any] | None = None,
+                    copy_dirs: dict[str, Path] | None = None, keep: int = 0) -> Path:
+    """Atomically write ``save_dir/step_N``: temp dir, payload, manifest, rename, then ``latest``.
+
+    Collective when torch.distributed is initialised: every rank calls it with its tensors (DCP
+    deduplicates replicated ones); ``rank_files`` are this rank's own objects (e.g. RNG states);
+    ``copy_dirs`` (name -> source folder, e.g. the tokenizer) are copied in by rank 0.
+    """
+    save_dir = Path(save_dir)
+    rank = 0 if _no_dist() else dist.get_rank()
+    final = save_dir / step_dir_name(step)
+    tmp = save_dir / (step_dir_name(step) + ".tmp")
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir()
+    _barrier()
+    with _quiet():
+        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=_no_dist())
+    for name, obj in (rank_files or {}).items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(obj, tmp / name)
+    _barrier()
+    if rank == 0:
+        for name, src in (copy_dirs or {}).items():
+            shutil.copytree(src, tmp / name)
+        write_manifest(tmp, {"step": step, **manifest})
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(save_dir)
+        point_latest(save_dir, final.name)
+        _prune(save_dir, keep)
+    _barrier()
+    return final
+
+
+def _prune(save_dir: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    steps = sorted(p for p in save_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    latest = (save_dir / LATEST).read_text().strip()
+    for old in steps[:-keep]:
+        if old.name != latest:
+            shutil.rmtree(old)
+
+
+def _barrier() -> None:
+    if not _no_dist():
+        dist.barrier()

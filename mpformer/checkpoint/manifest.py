@@ -1,0 +1,127 @@
+"""Checkpoint directories, manifests and the ``latest`` pointer.
+
+    save_dir/
+      latest                 text file naming the newest complete step directory
+      step_0000010/
+        manifest.json        format, step, model config, layout, trainer state, sha256 of every file
+        .metadata, *.distcp  torch.distributed.checkpoint payload: tensors by global (canonical) name
+        rng/rank_00000.pt    per-rank RNG states
+
+A directory only gets its final name after every file and the manifest are on disk, and the
+``latest`` pointer moves last, so a crash at any point leaves the previous checkpoint intact.
+These functions are pure file operations: they run before any process group exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mpformer.errors import ConfigError
+from mpformer.models.config import ModelConfig
+
+FORMAT = "mpformer-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
+    """Hash every payload file and write manifest.json (fsynced)."""
+    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {"format": FORMAT, "version": VERSION, **manifest,
+                "files": {str(p.relative_to(ckpt_dir)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                          for p in files}}
+    tmp = ckpt_dir / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_dir / MANIFEST)
+
+
+def point_latest(save_dir: Path, name: str) -> None:
+    tmp = save_dir / (LATEST + ".tmp")
+    tmp.write_text(name + "\n")
+    with open(tmp) as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST)
+    fsync_dir(save_dir)
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """A step directory (has manifest.json) or a save_dir (has ``latest``) -> the step directory."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"checkpoint.load={path}: no such directory")
+    if (p / MANIFEST).is_file():
+        return p
+    if (p / LATEST).is_file():
+        name = (p / LATEST).read_text().strip()
+        target = p / name
+        if not (target / MANIFEST).is_file():
+            raise ConfigError(f"checkpoint.load={path}: 'latest' points to {name}, which has no {MANIFEST}")
+        return target
+    raise ConfigError(f"checkpoint.load={path} is not a checkpoint: expected {MANIFEST} (a step directory) or "
+                      f"'{LATEST}' (a save directory)")
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    d = resolve_checkpoint_dir(path)
+    try:
+        m = json.loads((d / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"checkpoint {d}: unreadable {MANIFEST} ({e})") from None
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise ConfigError(f"checkpoint {d}: format {m.get('format')} v{m.get('version')} is not "
+                          f"{FORMAT} v{VERSION}")
+    m["path"] = str(d)
+    return m
+
+
+def check_files(manifest: dict[str, Any], *, checksums: bool = False) -> None:
+    """Every file the manifest lists exists with its size (and, if asked, its sha256)."""
+    d = Path(manifest["path"])
+    for rel, info in manifest["files"].items():
+        p = d / rel
+        if not p.is_file():
+            raise ConfigError(f"checkpoint {d}: file {rel} listed in the manifest is missing")
+        if p.stat().st_size != info["bytes"]:
+            raise ConfigError(f"checkpoint {d}: file {rel} has {p.stat().st_size} bytes, manifest says "
+                              f"{info['bytes']} (truncated or overwritten)")
+        if checksums and sha256_file(p) != info["sha256"]:
+            raise ConfigError(f"checkpoint {d}: file {rel} fails its sha256 check (corrupt)")
+
+
+def check_model_matches(manifest: dict[str, Any], model: ModelConfig) -> None:
+    """A checkpoint of another model shape fails with the first differing field named."""
+    saved = ModelConfig.from_dict(manifest["model"]).shape_signature()
+    want = model.shape_signature()
+    diff = [k for k in want if saved.get(k) != want.get(k)]
+    if diff:
+        details = ", ".join(f"{k}: checkpoint {saved.get(k)} vs config {want.get(k)}" for k in diff)
+        raise ConfigError(f"checkpoint {manifest['path']} holds another model shape ({details}); use the "
+                          f"model config it was saved with or another checkpoint")

@@ -1,0 +1,185 @@
+"""Whole-folder conversions: an HF folder -> an mpformer checkpoint directory, and back.
+
+The mpformer side is an ordinary checkpoint step directory (DCP payload with tensors keyed
+``model.<canonical name>``, manifest.json with step 0 and no optimizer state), written directly at
+the requested path rather than under ``save_dir/step_N``, so ``load_checkpoint(out, model)``,
+``read_manifest(out)`` and ``read_all_tensors(out)`` accept it. Both directions write into a temp
+sibling and rename at the end, so an interrupted conversion never leaves a half-written output.
+
+The manifest's ``source`` keeps the HF config.json and generation_config.json verbatim: the model
+config is rebuilt from ModelConfig on export, and only the token ids and generation settings,
+which ModelConfig has no fields for, are taken from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mpformer.checkpoint.io import MODEL_PREFIX, read_all_tensors
+from mpformer.checkpoint.manifest import check_files, fsync_dir, read_manifest, write_manifest
+from mpformer.convert import adapter_for_arch, adapter_for_hf_config
+from mpformer.convert.base import hf_dtype_name
+from mpformer.convert.hf_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    TOKENIZER_FILES,
+    copy_tokenizer,
+    read_generation_config,
+    read_hf_config,
+    read_hf_state,
+    write_hf_dir,
+)
+from mpformer.errors import ConfigError, format_choices
+from mpformer.models.config import ModelConfig
+
+TOKENIZER_DIR = "tokenizer"
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@dataclass
+class ConversionSummary:
+    out: Path
+    arch: str
+    num_tensors: int
+    num_params: int
+    dtype: str
+    tokenizer_files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- output directories ----------------------------------------------------------------------
+def _check_out(out: Path, flag: str) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{flag} {out} already exists and is not an empty directory; choose a new path")
+
+
+@contextlib.contextmanager
+def _atomic_dir(out: Path):
+    """Yield a temp sibling of ``out``; on success it is renamed to ``out``, on failure removed."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(tmp)
+    if out.exists():
+        out.rmdir()  # checked empty before the conversion started
+    tmp.rename(out)
+    fsync_dir(out.parent)
+
+
+def write_checkpoint_dir(path: str | os.PathLike, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
+                         *, populate: Callable[[Path], None] | None = None) -> Path:
+    """Write a single-process mpformer checkpoint (step 0, weights only) directly at ``path``.
+
+    ``tensors`` are canonical name -> tensor, stored in their own dtypes; ``populate(tmp_dir)`` may
+    add files (e.g. the tokenizer) before the manifest hashes everything.
+    """
+    out = Path(path)
+    _check_out(out, "checkpoint output")
+    with _atomic_dir(out) as tmp:
+        with warnings.catch_warnings():  # DCP says it "assumes a single process", which is the intent
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+            dcp.save({MODEL_PREFIX + k: v for k, v in tensors.items()}, checkpoint_id=str(tmp), no_dist=True)
+        if populate is not None:
+            populate(tmp)
+        write_manifest(tmp, {"step": 0, **manifest})
+    return out
+
+
+# ---- HF -> mpformer --------------------------------------------------------------------------
+def hf_to_mpformer(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ConversionSummary:
+    """Convert an HF folder (config.json + safetensors [+ tokenizer]) to an mpformer checkpoint."""
+    src, out = Path(hf_dir), Path(out_dir)
+    hf_cfg = read_hf_config(src)
+    _check_out(out, "--out")
+    adapter = adapter_for_hf_config(hf_cfg)
+    cfg = adapter.config_from_hf(hf_cfg)
+    canonical = adapter.to_canonical(read_hf_state(src), cfg)
+    manifest: dict[str, Any] = {
+        "model": cfg.to_dict(),
+        "has_optimizer": False,
+        "source": {"format": "huggingface", "path": str(src.resolve()), "architecture": adapter.hf_architecture,
+                   "config": hf_cfg, "generation_config": read_generation_config(src)},
+    }
+    copied: list[str] = []
+    if any((src / f).is_file() for f in TOKENIZER_FILES):
+        manifest["tokenizer"] = TOKENIZER_DIR
+
+    def populate(tmp: Path) -> None:
+        copied.extend(copy_tokenizer(src, tmp / TOKENIZER_DIR))
+
+    write_checkpoint_dir(out, canonical, manifest, populate=populate)
+    notes = [] if copied else [f"no tokenizer files in {src}; the checkpoint has none"]
+    return _summary(out, cfg, canonical, copied, notes)
+
+
+# ---- mpformer -> HF --------------------------------------------------------------------------
+def mpformer_to_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *,
+                   tokenizer: str | os.PathLike | None = None,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ConversionSummary:
+    """Convert an mpformer checkpoint (step dir or save dir with ``latest``) to an HF folder."""
+    manifest = read_manifest(ckpt)
+    check_files(manifest)
+    out = Path(out_dir)
+    _check_out(out, "--out")
+    tok_src = _tokenizer_source(manifest, tokenizer)
+    cfg = ModelConfig.from_dict(manifest["model"]).validate()
+    adapter = adapter_for_arch(cfg.arch)
+    canonical = read_all_tensors(manifest["path"])
+    hf_state = adapter.to_hf(canonical, cfg)
+    hf_cfg, notes = adapter.config_to_hf(cfg)
+    hf_cfg["dtype"] = hf_dtype_name(hf_state)
+
+    source = manifest.get("source") or {}
+    same_arch = source.get("architecture") == adapter.hf_architecture
+    old_cfg = (source.get("config") or {}) if same_arch else {}
+    # Token ids are tokenizer facts ModelConfig does not hold; unknown ones are written as null so
+    # HF does not fill in its class defaults (GPT2Config would claim 50256).
+    hf_cfg.update({k: old_cfg.get(k) for k in TOKEN_ID_KEYS})
+    generation = source.get("generation_config") if same_arch else None
+    if generation is None and hf_cfg["eos_token_id"] is not None:
+        generation = {k: hf_cfg[k] for k in TOKEN_ID_KEYS if hf_cfg[k] is not None}
+
+    copied: list[str] = []
+    with _atomic_dir(out) as tmp:
+        write_hf_dir(tmp, hf_state, hf_cfg, generation, max_shard_bytes=max_shard_bytes)
+        if tok_src is not None:
+            copied = copy_tokenizer(tok_src, tmp)
+    if tok_src is None:
+        notes.append("no tokenizer (none in the checkpoint, no --tokenizer given)")
+    return _summary(out, cfg, canonical, copied, notes)
+
+
+def _tokenizer_source(manifest: dict[str, Any], tokenizer: str | os.PathLike | None) -> Path | None:
+    if tokenizer is not None:
+        src = Path(tokenizer)
+        if not src.is_dir():
+            raise ConfigError(f"--tokenizer {src} does not exist or is not a directory")
+        if not any((src / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"--tokenizer {src} holds no tokenizer files; expected any of "
+                              f"{format_choices(TOKENIZER_FILES)}")
+        return src
+    name = manifest.get("tokenizer")
+    if name and (Path(manifest["path"]) / name).is_dir():
+        return Path(manifest["path"]) / name
+    return None
+
+
+def _summary(out: Path, cfg: ModelConfig, canonical: dict[str, torch.Tensor], tokenizer_files: list[str],
+             notes: list[str]) -> ConversionSummary:
+    return ConversionSummary(out=out, arch=cfg.arch, num_tensors=len(canonical),
+                             num_params=sum(t.numel() for t in canonical.values()),
+                             dtype=hf_dtype_name(canonical), tokenizer_files=tokenizer_files, notes=notes)

@@ -1,0 +1,1 @@
+"""Transformer building blocks (single-device here; tensor-parallel variants build on these)."""

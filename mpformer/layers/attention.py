@@ -1,0 +1,125 @@
+"""Causal self-attention with grouped-query heads, RoPE and torch's SDPA core.
+
+Shape legend (suffixes on tensor names):
+    s  sequence length        b  micro-batch size        h  hidden size
+    n  query heads            k  key/value heads          d  head dim
+Activations between layers are sequence-first ``[s, b, h]`` (Megatron's order: sequence-parallel
+scatter/gather later works on dim 0, which gloo/NCCL collectives concatenate along).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpformer.models.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [d/2] as HF computes them, with Llama 3 scaling when configured."""
+    d = cfg.head_size
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling_factor is None:
+        return inv
+    factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_position
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables in HF's "rotate half" convention, so HF Llama q/k weights need no permutation."""
+
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+    def forward(self, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        pos_s = torch.arange(offset, offset + seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        freqs_sd = torch.outer(pos_s, self.inv_freq.float())
+        emb_sd = torch.cat((freqs_sd, freqs_sd), dim=-1)
+        return emb_sd.cos(), emb_sd.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_sd.to(x_bnsd.dtype), sin_sd.to(x_bnsd.dtype)
+    return x_bnsd * cos + _rotate_half(x_bnsd) * sin
+
+
+def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, *,
+                   dropout_p: float, sliding_window: int | None) -> torch.Tensor:
+    """Causal SDPA; kv heads are shared by groups of n/k query heads (enable_gqa, no copies)."""
+    s_q, s_k = q_bnsd.shape[2], k_bksd.shape[2]
+    gqa = q_bnsd.shape[1] != k_bksd.shape[1]
+    if sliding_window is None or s_k <= sliding_window:
+        return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p,
+                                              is_causal=True, enable_gqa=gqa)
+    i = torch.arange(s_q, device=q_bnsd.device)[:, None] + (s_k - s_q)
+    j = torch.arange(s_k, device=q_bnsd.device)[None, :]
+    mask_ss = (j <= i) & (i - j < sliding_window)
+    return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, attn_mask=mask_ss, dropout_p=dropout_p,
+                                          enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Self-attention with one fused QKV projection laid out [q (n*d) | k (k*d) | v (k*d)]."""
+
+    def __init__(self, cfg: ModelConfig, *, selective_recompute: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
+        self.q_size, self.kv_size = self.n_heads * self.d, self.n_kv * self.d
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
+                             device=device, dtype=dtype)
+        self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.out_proj_bias, device=device, dtype=dtype)
+        self.dropout_p = cfg.attention_dropout
+        self.sliding_window = cfg.sliding_window
+        self.rope = not cfg.learned_positions
+        self.selective_recompute = selective_recompute
+
+    def forward(self, x_sbh: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        s, b, _ = x_sbh.shape
+        qkv = self.qkv(x_sbh)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q_bnsd = q.view(s, b, self.n_heads, self.d).permute(1, 2, 0, 3)
+        k_bksd = k.view(s, b, self.n_kv, self.d).permute(1, 2, 0, 3)
+        v_bksd = v.view(s, b, self.n_kv, self.d).permute(1, 2, 0, 3)
+        if self.rope:
+            assert rope_cos_sin is not None
+            q_bnsd = apply_rope(q_bnsd, *rope_cos_sin)
+            k_bksd = apply_rope(k_bksd, *rope_cos_sin)
+        p = self.dropout_p if self.training else 0.0
+        if self.selective_recompute and self.training:
+            # Korthikanti et al.'s selective recompute: keep the core's inputs, recompute its internals.
+            out_bnsd = torch.utils.checkpoint.checkpoint(
+                attention_core, q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window,
+                use_reentrant=False)
+        else:
+            out_bnsd = attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window)
+        out_sbh = out_bnsd.permute(2, 0, 1, 3).reshape(s, b, self.q_size)
+        return self.o(out_sbh)
+
+    def canonical_tensors(self) -> dict[str, torch.Tensor]:
+        """Layout-free views: q, k, v and o as separate tensors (no copies: row slices are contiguous)."""
+        out: dict[str, torch.Tensor] = {}
+        sizes = (self.q_size, self.kv_size, self.kv_size)
+        for name, w in zip(("q", "k", "v"), self.qkv.weight.split(sizes, dim=0)):
+            out[f"{name}.weight"] = w
+        if self.qkv.bias is not None:
+            for name, bias in zip(("q", "k", "v"), self.qkv.bias.split(sizes, dim=0)):
+                out[f"{name}.bias"] = bias
+        out["o.weight"] = self.o.weight
+        if self.o.bias is not None:
+            out["o.bias"] = self.o.bias
+        return out

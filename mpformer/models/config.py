@@ -1,0 +1,176 @@
+"""ModelConfig: one decoder-only family covering GPT-2, Llama, Mistral and Qwen2.
+
+The architecture name fixes the structural choices that Hugging Face fixes per class (norm type,
+position encoding, which projections carry biases), so that every valid config can be exported to
+its HF class. The knobs HF exposes per checkpoint (sizes, GQA, RoPE theta and scaling, tying,
+eps, sliding window, optional biases) are fields here with the same meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from mpformer.errors import ConfigError, format_choices
+
+ARCHS = ("gpt2", "llama", "mistral", "qwen2")
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_kv_heads: int | None = None  # None: as many as query heads (MHA)
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
+    vocab_size: int = 512
+    max_position_embeddings: int = 1024
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    activation: str = "swiglu"  # gpt2 uses gelu_tanh (HF "gelu_new")
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3.x frequency scaling (HF rope_scaling rope_type="llama3"); factor None disables it.
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v (gpt2, qwen2) and on o for gpt2/llama
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # mistral/qwen2: attend to at most this many previous tokens
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+
+    # ---- derived structure -------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def norm_type(self) -> str:
+        return "layernorm" if self.arch == "gpt2" else "rmsnorm"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.arch == "gpt2"
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def out_proj_bias(self) -> bool:
+        """Bias on the attention output projection: HF Qwen2 and Mistral never have one."""
+        return self.attention_bias and self.arch in ("gpt2", "llama")
+
+    @property
+    def norm_bias(self) -> bool:
+        return self.norm_type == "layernorm"
+
+    # ---- checks and sizes ----------------------------------------------------------------
+    def validate(self) -> ModelConfig:
+        """Check the config on its own (layouts are checked by parallel.layout.validate)."""
+        if self.arch not in ARCHS:
+            raise ConfigError(f"model.arch={self.arch!r} is unknown; valid: {format_choices(ARCHS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"model.activation={self.activation!r} is unknown; valid: {format_choices(ACTIVATIONS)}"
+            )
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
+        heads, kv = self.num_attention_heads, self.kv_heads
+        if self.head_dim is None and self.hidden_size % heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
+                f"set model.head_dim or use heads in {format_choices(_divisors(self.hidden_size))}"
+            )
+        if kv < 1 or heads % kv:
+            raise ConfigError(
+                f"model.num_kv_heads={kv} must divide num_attention_heads={heads}; "
+                f"valid: {format_choices(_divisors(heads))}"
+            )
+        if self.head_size % 2 and not self.learned_positions:
+            raise ConfigError(f"model head_dim={self.head_size} must be even for rotary embeddings")
+        self._validate_arch()
+        return self
+
+    def _validate_arch(self) -> None:
+        a = self.arch
+        if a == "gpt2":
+            if self.activation == "swiglu":
+                raise ConfigError("model.activation=swiglu is not available for arch=gpt2; valid: gelu_tanh, gelu")
+            if self.kv_heads != self.num_attention_heads:
+                raise ConfigError("model.num_kv_heads must equal num_attention_heads for arch=gpt2 (no GQA)")
+            if not (self.attention_bias and self.mlp_bias):
+                raise ConfigError("arch=gpt2 has biases on every linear layer: set model.attention_bias and "
+                                  "model.mlp_bias to true")
+        else:
+            if self.activation != "swiglu":
+                raise ConfigError(f"model.activation={self.activation} is not available for arch={a}; "
+                                  "valid: swiglu")
+            if a in ("mistral",) and (self.attention_bias or self.mlp_bias):
+                raise ConfigError("arch=mistral has no linear biases: set model.attention_bias and "
+                                  "model.mlp_bias to false")
+            if a == "qwen2" and (not self.attention_bias or self.mlp_bias):
+                raise ConfigError("arch=qwen2 has biases on q, k, v only: set model.attention_bias=true "
+                                  "and model.mlp_bias=false")
+        if self.sliding_window is not None and a in ("gpt2", "llama"):
+            raise ConfigError(f"model.sliding_window is not available for arch={a}; valid: mistral, qwen2")
+
+    def num_params(self) -> int:
+        """Parameter count of the model as built (tied embeddings counted once)."""
+        h, f, d = self.hidden_size, self.ffn_size, self.head_size
+        q, kv = self.num_attention_heads * d, self.kv_heads * d
+        attn = h * (q + 2 * kv) + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.out_proj_bias:
+            attn += h
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        if self.mlp_bias:
+            mlp += (2 * f if self.gated_mlp else f) + h
+        norm = (2 if self.norm_bias else 1) * h
+        layer = attn + mlp + 2 * norm
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        if self.learned_positions:
+            embed += self.max_position_embeddings * h
+        return self.num_layers * layer + embed + norm
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config keys {unknown}; valid: {format_choices(sorted(known))}")
+        return cls(**d)
+
+    def shape_signature(self) -> dict[str, Any]:
+        """The fields that decide tensor shapes: two configs that agree here can share weights."""
+        keys = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
+                "ffn_hidden_size", "vocab_size", "head_dim", "tie_embeddings", "attention_bias",
+                "mlp_bias", "activation")
+        d = {k: getattr(self, k) for k in keys}
+        d["num_kv_heads"], d["ffn_hidden_size"], d["head_dim"] = self.kv_heads, self.ffn_size, self.head_size
+        if self.learned_positions:
+            d["max_position_embeddings"] = self.max_position_embeddings
+        return d
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]

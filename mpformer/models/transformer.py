@@ -1,0 +1,136 @@
+"""One decoder-only transformer for the GPT-2 / Llama / Mistral / Qwen2 family.
+
+Shape legend (suffixes on tensor names):
+    b  micro-batch size     s  sequence length     h  hidden size     v  vocabulary size
+Tokens come in batch-first ``[b, s]`` like Hugging Face; inside, activations are sequence-first
+``[s, b, h]`` (see layers/attention.py for why).
+
+Parameters live in fused modules (one QKV and one gate/up matmul per layer) for speed, and are
+exposed under layout-free *canonical* names by :meth:`Transformer.canonical_tensors` (views, no
+copies). Checkpoints, HF conversion and initialisation all work on the canonical names, so a
+tensor's value never depends on how the model is laid out.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mpformer.layers.attention import Attention, RotaryEmbedding
+from mpformer.layers.mlp import MLP
+from mpformer.layers.norm import build_norm, canonical_norm
+from mpformer.models.config import ModelConfig
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, recompute: str, use_apex: bool, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.attn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
+        self.attn = Attention(cfg, selective_recompute=recompute == "selective", **kw)
+        self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
+        self.mlp = MLP(cfg, **kw)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x_sbh: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x_sbh = x_sbh + self.dropout(self.attn(self.attn_norm(x_sbh), rope))
+        return x_sbh + self.dropout(self.mlp(self.mlp_norm(x_sbh)))
+
+    def canonical_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = canonical_norm(f"{prefix}.attn_norm", self.attn_norm)
+        out.update({f"{prefix}.attn.{k}": t for k, t in self.attn.canonical_tensors().items()})
+        out.update(canonical_norm(f"{prefix}.mlp_norm", self.mlp_norm))
+        out.update({f"{prefix}.mlp.{k}": t for k, t in self.mlp.canonical_tensors().items()})
+        return out
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. ``forward(tokens_bs)`` gives logits ``[b, s, v]``; with labels, the mean loss."""
+
+    def __init__(self, cfg: ModelConfig, *, recompute: str = "none", use_apex: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 seed: int | None = 1234) -> None:
+        super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
+        self.cfg = cfg.validate()
+        kw = {"device": device, "dtype": dtype}
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.pos_embed = (nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
+                          if cfg.learned_positions else None)
+        self.rotary = None if cfg.learned_positions else RotaryEmbedding(cfg, device=device)
+        self.embed_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(
+            Block(cfg, recompute=recompute, use_apex=use_apex, **kw) for _ in range(cfg.num_layers))
+        self.final_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
+        self.full_recompute = recompute == "full"
+        if seed is not None and device != "meta":
+            self.init_weights(seed)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        """Final-norm output ``[s, b, h]``."""
+        s = tokens_bs.shape[1]
+        x_sbh = self.embed(tokens_bs.t())
+        if self.pos_embed is not None:
+            if s > self.cfg.max_position_embeddings:
+                raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
+                                 f"{self.cfg.max_position_embeddings}")
+            x_sbh = x_sbh + self.pos_embed.weight[:s, None, :]
+        x_sbh = self.embed_dropout(x_sbh)
+        rope = self.rotary(s) if self.rotary is not None else None
+        for layer in self.layers:
+            if self.full_recompute and self.training:
+                x_sbh = checkpoint(layer, x_sbh, rope, use_reentrant=False)
+            else:
+                x_sbh = layer(x_sbh, rope)
+        return self.final_norm(x_sbh)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
+        logits_sbv = F.linear(self.hidden_states(tokens_bs), self.output_weight())
+        if labels_bs is None:
+            return logits_sbv.transpose(0, 1)
+        # Mean next-token cross entropy over every labelled token, computed in fp32.
+        return F.cross_entropy(logits_sbv.float().flatten(0, 1), labels_bs.t().reshape(-1), ignore_index=-100)
+
+    # ---- layout-free view and initialisation ---------------------------------------------
+    def canonical_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its layout-free name, as views into the module's storage."""
+        out = {"embedding.word.weight": self.embed.weight}
+        if self.pos_embed is not None:
+            out["embedding.position.weight"] = self.pos_embed.weight
+        for i, layer in enumerate(self.layers):
+            out.update(layer.canonical_tensors(f"layers.{i}"))
+        out.update(canonical_norm("final_norm", self.final_norm))
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.weight
+        return out
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Megatron-style init; each canonical tensor draws from its own generator seeded by
+        (seed, name), so any slice of any layout gets the same values as the full model."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        for name, t in self.canonical_tensors().items():
+            if name.endswith(".bias"):
+                t.zero_()
+            elif "norm" in name:
+                t.fill_(1.0)
+            else:
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                sd = out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std
+                t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, sd, generator=g))

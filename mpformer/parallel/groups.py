@@ -1,0 +1,82 @@
+"""ProcessGroups: the communicators of one layout, built once and passed explicitly (no globals).
+
+Built on torch's DeviceMesh with dims ("pp", "dp", "cp", "tp") so that tp varies fastest, the
+same order as parallel/topology.py (checked at construction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mpformer.parallel.device import Device
+from mpformer.parallel.layout import ParallelLayout
+from mpformer.parallel.topology import Topology
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
+
+
+@dataclass
+class ProcessGroups:
+    """One process group per parallel dimension, plus this rank's coordinates."""
+
+    layout: ParallelLayout
+    device: Device
+    mesh: DeviceMesh
+    rank: int
+    coords: dict[str, int]
+
+    @classmethod
+    def build(cls, layout: ParallelLayout, device: Device) -> ProcessGroups:
+        """Create the groups; torch.distributed must be initialised with world size = layout's."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
+        topo = layout.topology
+        world = dist.get_world_size()
+        if world != topo.world_size:
+            raise RuntimeError(f"layout needs {topo.world_size} ranks but the world has {world}")
+        shape = tuple(getattr(topo, d) for d in MESH_DIMS)
+        mesh = init_device_mesh(device.kind, shape, mesh_dim_names=MESH_DIMS)
+        rank = dist.get_rank()
+        groups = cls(layout=layout, device=device, mesh=mesh, rank=rank, coords=topo.coords(rank))
+        groups._check_against_topology(topo)
+        return groups
+
+    def _check_against_topology(self, topo: Topology) -> None:
+        for d in MESH_DIMS:
+            expected = topo.group_of(self.rank, d)
+            got = sorted(dist.get_process_group_ranks(self.group(d)))
+            assert got == expected, f"{d} group {got} != topology {expected}"
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(dim)
+
+    def size(self, dim: str) -> int:
+        return self.mesh.size(self.mesh.mesh_dim_names.index(dim))
+
+    @property
+    def dp(self) -> dist.ProcessGroup:
+        return self.group("dp")
+
+    @property
+    def tp(self) -> dist.ProcessGroup:
+        return self.group("tp")
+
+    @property
+    def pp(self) -> dist.ProcessGroup:
+        return self.group("pp")
+
+    @property
+    def cp(self) -> dist.ProcessGroup:
+        return self.group("cp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Rank 0 logs, shows the progress bar and talks to wandb."""
+        return self.rank == 0

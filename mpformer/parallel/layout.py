@@ -1,0 +1,188 @@
+"""ParallelLayout and the one validator every entry point uses (DESIGN principle 4).
+
+validate() runs before any process group exists. Each rule raises a ConfigError whose single line
+names the key, its value, the rule, and the values that would be valid. Rules run in the order a
+user can act on them: value ranges, model compatibility, batch arithmetic, world size, and last
+the features that are specified but not implemented yet (rejected, never silently ignored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+
+from mpformer.errors import ConfigError, format_choices
+from mpformer.models.config import ModelConfig
+from mpformer.parallel.topology import Topology
+
+CP_KINDS = ("ring", "ulysses", "hybrid")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one training job is split. dp=-1 means "whatever the world size leaves"."""
+
+    dp: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    cp_kind: str = "ring"
+    vpp: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    pp_split: tuple[int, ...] | None = None
+
+    @property
+    def topology(self) -> Topology:
+        if self.dp < 1:
+            raise AssertionError("resolve the layout (validate()) before asking for its topology")
+        return Topology(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["pp_split"] = list(self.pp_split) if self.pp_split is not None else None
+        return d
+
+
+# (predicate, key, what) for features whose config exists but whose runtime lands in a later issue.
+NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = [
+    (lambda L: L.tp > 1, "tp", "tensor parallelism", "1"),
+    (lambda L: L.sequence_parallel, "sequence_parallel", "sequence parallelism", "false"),
+    (lambda L: L.pp > 1, "pp", "pipeline parallelism", "1"),
+    (lambda L: L.vpp > 1, "vpp", "virtual pipeline stages", "1"),
+    (lambda L: L.pp_split is not None, "pp_split", "explicit pipeline splits", "null"),
+    (lambda L: L.cp > 1, "cp", "context parallelism", "1"),
+    (lambda L: L.zero > 0, "zero", "ZeRO-sharded optimizers", "0"),
+]
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def valid_tp_values(model: ModelConfig) -> list[int]:
+    """tp must divide query heads and ffn size; kv heads are split if tp divides them, else
+    replicated, which needs tp to be a multiple of kv heads."""
+    heads, kv, ffn = model.num_attention_heads, model.kv_heads, model.ffn_size
+    return [t for t in _divisors(heads) if ffn % t == 0 and (kv % t == 0 or t % kv == 0)]
+
+
+def valid_pp_values(model: ModelConfig, vpp: int = 1) -> list[int]:
+    return [p for p in _divisors(model.num_layers) if model.num_layers % (p * vpp) == 0]
+
+
+def _check_values(L: ParallelLayout) -> None:
+    for key in ("tp", "pp", "cp", "vpp"):
+        v = getattr(L, key)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"parallel.{key}={v} must be an integer >= 1")
+    if not isinstance(L.dp, int) or (L.dp < 1 and L.dp != -1):
+        raise ConfigError(f"parallel.dp={L.dp} must be an integer >= 1, or -1 to use what the world size leaves")
+    for key, choices in (("cp_kind", CP_KINDS), ("schedule", SCHEDULES), ("recompute", RECOMPUTE),
+                         ("zero", ZERO_STAGES)):
+        if getattr(L, key) not in choices:
+            raise ConfigError(f"parallel.{key}={getattr(L, key)!r} is unknown; valid: {format_choices(choices)}")
+
+
+def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) -> None:
+    heads, kv, ffn = model.num_attention_heads, model.kv_heads, model.ffn_size
+    valid_tp = format_choices(valid_tp_values(model))
+    if heads % L.tp:
+        raise ConfigError(f"parallel.tp={L.tp} does not divide num_attention_heads={heads}; "
+                          f"valid tp for this model: {valid_tp}")
+    if kv % L.tp and L.tp % kv:
+        raise ConfigError(f"parallel.tp={L.tp} neither divides num_kv_heads={kv} nor is a multiple of it "
+                          f"(needed to replicate kv heads); valid tp for this model: {valid_tp}")
+    if ffn % L.tp:
+        raise ConfigError(f"parallel.tp={L.tp} does not divide ffn_hidden_size={ffn}; "
+                          f"valid tp for this model: {valid_tp}")
+    if L.sequence_parallel and L.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; valid: false, or tp in "
+                          f"{valid_tp}")
+    _check_pipeline(L, model)
+    if L.cp > 1 and seq_length is not None:
+        if L.cp_kind in ("ring", "hybrid") and seq_length % (2 * L.cp):
+            raise ConfigError(f"train.seq_length={seq_length} must be divisible by 2*cp={2 * L.cp} for the "
+                              "load-balanced causal split of ring attention")
+        if L.cp_kind == "ulysses" and heads % (L.tp * L.cp):
+            raise ConfigError(f"parallel.cp={L.cp} with cp_kind=ulysses needs tp*cp to divide "
+                              f"num_attention_heads={heads}; valid cp: "
+                              f"{format_choices([c for c in _divisors(heads // L.tp)])}")
+
+
+def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
+    layers = model.num_layers
+    if L.vpp > 1 and L.pp == 1:
+        raise ConfigError(f"parallel.vpp={L.vpp} needs parallel.pp > 1; valid: vpp=1")
+    if L.schedule == "interleaved" and L.vpp == 1 and L.pp > 1:
+        raise ConfigError("parallel.schedule=interleaved needs parallel.vpp > 1; valid: vpp in "
+                          f"{format_choices([v for v in range(2, layers + 1) if layers % (L.pp * v) == 0])}")
+    if L.pp_split is not None:
+        split = list(L.pp_split)
+        if len(split) != L.pp * L.vpp or any((not isinstance(n, int)) or n < 1 for n in split) \
+                or sum(split) != layers:
+            raise ConfigError(f"parallel.pp_split={split} is malformed: it needs pp*vpp={L.pp * L.vpp} positive "
+                              f"layer counts summing to num_layers={layers}")
+        return
+    if L.pp > layers:
+        raise ConfigError(f"parallel.pp={L.pp} exceeds num_layers={layers}; valid pp: "
+                          f"{format_choices(valid_pp_values(model, L.vpp))}")
+    if layers % (L.pp * L.vpp):
+        what = f"pp*vpp={L.pp * L.vpp}" if L.vpp > 1 else f"pp={L.pp}"
+        raise ConfigError(f"num_layers={layers} cannot be split into {what} equal stages; valid pp: "
+                          f"{format_choices(valid_pp_values(model, L.vpp))} (or give parallel.pp_split)")
+
+
+def _resolve_dp(L: ParallelLayout, world_size: int) -> ParallelLayout:
+    others = L.tp * L.pp * L.cp
+    if L.dp == -1:
+        if world_size % others:
+            raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp={others} "
+                              f"(tp={L.tp}, pp={L.pp}, cp={L.cp}); valid tp*pp*cp: "
+                              f"{format_choices(_divisors(world_size))}")
+        return replace(L, dp=world_size // others)
+    if L.dp * others != world_size:
+        hint = f"parallel.dp={world_size // others}" if world_size % others == 0 else \
+            f"tp*pp*cp dividing {world_size}: {format_choices(_divisors(world_size))}"
+        raise ConfigError(f"dp*tp*pp*cp = {L.dp}*{L.tp}*{L.pp}*{L.cp} = {L.dp * others} but the world size is "
+                          f"{world_size}; valid: {hint} (or parallel.dp=-1)")
+    return L
+
+
+def _check_batch(L: ParallelLayout, global_batch_size: int, micro_batch_size: int) -> None:
+    if micro_batch_size < 1 or global_batch_size < 1:
+        raise ConfigError(f"train.global_batch_size={global_batch_size} and train.micro_batch_size="
+                          f"{micro_batch_size} must be >= 1")
+    per_step = micro_batch_size * L.dp
+    if global_batch_size % per_step:
+        mbs_ok = [m for m in _divisors(global_batch_size // L.dp)] if global_batch_size % L.dp == 0 else []
+        alt = f"; or micro_batch_size in {format_choices(mbs_ok)}" if mbs_ok else ""
+        raise ConfigError(f"train.global_batch_size={global_batch_size} is not divisible by "
+                          f"micro_batch_size*dp = {micro_batch_size}*{L.dp} = {per_step}; valid global batch "
+                          f"sizes: multiples of {per_step}{alt}")
+
+
+def validate(layout: ParallelLayout, model: ModelConfig, world_size: int, *,
+             global_batch_size: int | None = None, micro_batch_size: int | None = None,
+             seq_length: int | None = None) -> ParallelLayout:
+    """Check every rule; return the layout with dp resolved. Raises ConfigError (one line)."""
+    model.validate()
+    _check_values(layout)
+    _check_model(layout, model, seq_length)
+    resolved = _resolve_dp(layout, world_size)
+    if global_batch_size is not None and micro_batch_size is not None:
+        _check_batch(resolved, global_batch_size, micro_batch_size)
+    for pred, key, what, valid in NOT_IMPLEMENTED:
+        if pred(resolved):
+            raise ConfigError(f"parallel.{key}={getattr(resolved, key)}: {what} is not implemented yet; "
+                              f"valid: parallel.{key}={valid}")
+    return resolved

@@ -1,0 +1,158 @@
+"""Typed configuration: the Hydra schema (dataclasses in the ConfigStore) for every entry point.
+
+The YAML files under configs/ only choose values; these dataclasses decide which keys exist and
+their types, so an unknown key or a wrong type is an error (Hydra structured configs are strict).
+Entry points turn the composed config into these objects and hand each component its own section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpformer.errors import ConfigError, format_choices
+from mpformer.models.config import ModelConfig
+from mpformer.parallel.layout import ParallelLayout
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DECAYS = ("cosine", "linear", "constant")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1  # -1: world_size / (tp * pp * cp)
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    cp_kind: str = "ring"
+    vpp: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    pp_split: list[int] | None = None
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, vpp=self.vpp,
+                              sequence_parallel=self.sequence_parallel, zero=self.zero, schedule=self.schedule,
+                              recompute=self.recompute,
+                              pp_split=tuple(self.pp_split) if self.pp_split is not None else None)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seq_length: int = 256
+    seed: int = 1234
+    precision: str = "fp32"
+    stop_at: int | None = None  # end cleanly after this step (checkpoint written); schedules aim at `steps`
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int | None = None  # CPU threads per rank (torch.set_num_threads); None keeps torch's default
+    use_apex: bool = False  # apex fused kernels when installed (optional fast path)
+    dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
+    grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 0
+    decay: str = "cosine"
+    decay_steps: int | None = None  # None: decay until train.steps
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    fused: bool | None = None  # None: torch's fused AdamW where the device supports it
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)  # indexed-dataset prefixes (P for P.bin / P.idx)
+    weights: list[float] | None = None  # blending weights, one per path
+    tokenizer: str | None = None  # HF tokenizer folder, copied into checkpoints for export
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str | None = None  # default: <run dir>/checkpoints
+    save_interval: int = 0  # 0: only at the end (and at stop_at)
+    load: str | None = None  # a step directory or a save_dir with a `latest` pointer
+    keep: int = 0  # keep the newest N checkpoints; 0 keeps all
+    finetune: bool = False  # load weights only: fresh optimizer, step 0, data from the start
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    project: str = "mpformer"
+    name: str | None = None
+    entity: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 1
+    progress: bool = True  # a progress bar on a terminal, plain lines otherwise
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class EvalConfig:
+    tokens: str | None = None  # .npy int64 [batch, seq+1]
+    micro_batch_size: int = 4
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is unknown; valid: {format_choices(choices)}")
+
+
+def check_training_config(cfg: Config) -> None:
+    """Rules of the train/optim/logging sections (the layout has its own validator)."""
+    t, o = cfg.train, cfg.optim
+    _choice("train.precision", t.precision, PRECISIONS)
+    if t.precision == "fp16":
+        raise ConfigError("train.precision=fp16: fp16 with dynamic loss scaling is not implemented yet; "
+                          "valid: fp32, bf16")
+    _choice("optim.decay", o.decay, DECAYS)
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    if t.seq_length < 1:
+        raise ConfigError(f"train.seq_length={t.seq_length} must be >= 1")
+    if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
+        raise ConfigError(f"train.stop_at={t.stop_at} must be between 1 and train.steps={t.steps}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two values in [0, 1)")
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} need 0 <= min_lr <= lr")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if cfg.logging.interval < 1:
+        raise ConfigError(f"logging.interval={cfg.logging.interval} must be >= 1")
+    if cfg.checkpoint.save_interval < 0 or cfg.checkpoint.keep < 0:
+        raise ConfigError("checkpoint.save_interval and checkpoint.keep must be >= 0")
+    if cfg.model.learned_positions and t.seq_length > cfg.model.max_position_embeddings:
+        raise ConfigError(f"train.seq_length={t.seq_length} exceeds model.max_position_embeddings="
+                          f"{cfg.model.max_position_embeddings} (learned positions); valid: <= "
+                          f"{cfg.model.max_position_embeddings}")
+    if cfg.data.weights is not None and len(cfg.data.weights) != len(cfg.data.paths):
+        raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
+                          f"{len(cfg.data.paths)}; give one weight per path or none")

@@ -1,0 +1,160 @@
+"""The training loop: micro-batches -> data-parallel gradients -> clipped AdamW step, with checkpoints.
+
+One step consumes ``global_batch_size`` samples: each data-parallel rank takes its contiguous share
+of the step's global sample range and runs it as micro-batches, accumulating gradients locally
+(no-sync) until the last micro-batch, whose backward overlaps the bucketed all-reduce. The
+reported loss is the mean over the whole global batch, identical for every dp size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpformer.checkpoint.io import load_checkpoint, model_state, optimizer_state, save_checkpoint
+from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
+from mpformer.models.transformer import Transformer
+from mpformer.optim.builder import build_optimizer
+from mpformer.optim.clip import clip_grad_norm
+from mpformer.optim.lr import LRSchedule
+from mpformer.parallel.data_parallel import DataParallel
+from mpformer.parallel.groups import ProcessGroups
+from mpformer.parallel.layout import ParallelLayout
+from mpformer.training.config import Config
+from mpformer.training.metrics import MetricsLogger, StepTimer
+
+
+class Trainer:
+    def __init__(self, cfg: Config, layout: ParallelLayout, groups: ProcessGroups, run_dir: Path,
+                 resolved_config: dict[str, Any]) -> None:
+        self.cfg, self.layout, self.groups = cfg, layout, groups
+        self.run_dir = run_dir
+        self.resolved_config = resolved_config
+        self.device = groups.device
+        t = cfg.train
+        self.dtype_ctx = (torch.autocast(self.device.kind, dtype=torch.bfloat16) if t.precision == "bf16"
+                          else contextlib.nullcontext())
+        self.model = Transformer(cfg.model, recompute=layout.recompute, use_apex=t.use_apex,
+                                 device=self.device.torch_device, seed=t.seed)
+        self.dp = DataParallel(self.model, groups.dp, bucket_mb=t.grad_bucket_mb)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.kind)
+        o = cfg.optim
+        self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                                   decay_steps=o.decay_steps or t.steps, decay=o.decay)
+        self.dataset = build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)
+        self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
+        self.step = 0
+        self.consumed_samples = 0
+        self.wandb_run_id: str | None = None
+        # Different dropout masks per data-parallel replica and pipeline stage (Megatron's offsets).
+        torch.manual_seed(t.seed + 100 * groups.coords["pp"] + 10 * groups.coords["dp"])
+        if cfg.checkpoint.load:
+            self._load(cfg.checkpoint.load)
+        self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else run_dir / "checkpoints"
+        self.is_logger = groups.is_logging_rank
+        self.metrics = MetricsLogger(run_dir, enabled=self.is_logger, total_steps=t.steps, start_step=self.step,
+                                     interval=cfg.logging.interval, progress=cfg.logging.progress,
+                                     wandb_cfg=cfg.logging.wandb, wandb_run_id=self.wandb_run_id,
+                                     config=resolved_config)
+        self.wandb_run_id = self.metrics.wandb_run_id
+
+    # ---- one optimizer step -----------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.train
+        self.dp.zero_grad()
+        loss_sum = torch.zeros((), device=self.device.torch_device)
+        for j in range(self.micro_steps):
+            offsets = micro_batch_sample_indices(0, j, dp_rank=self.groups.dp_rank, dp_size=self.layout.dp,
+                                                 global_batch_size=t.global_batch_size,
+                                                 micro_batch_size=t.micro_batch_size)
+            batch = get_batch(self.dataset, [self.consumed_samples + i for i in offsets])
+            batch = batch.to(self.device.torch_device, non_blocking=True)
+            last = j == self.micro_steps - 1
+            with self.dp.no_sync() if not last else contextlib.nullcontext():
+                with self.dtype_ctx:
+                    loss = self.model(batch[:, :-1], batch[:, 1:])
+                (loss / self.micro_steps).backward()
+            loss_sum += loss.detach().float()
+        self.dp.finish()
+        grad_norm = clip_grad_norm(self.dp.params, self.cfg.optim.clip_grad)
+        lr = self.schedule.apply(self.optimizer, self.step)
+        self.optimizer.step()
+        self.step += 1
+        self.consumed_samples += t.global_batch_size
+        loss_mean = loss_sum / self.micro_steps
+        if self.layout.dp > 1:
+            dist.all_reduce(loss_mean, group=self.groups.dp)
+            loss_mean /= self.layout.dp
+        return {"loss": float(loss_mean), "grad_norm": grad_norm, "lr": lr}
+
+    def fit(self) -> list[float]:
+        """Train until train.steps (or train.stop_at); return the losses of the steps run here."""
+        t, ck = self.cfg.train, self.cfg.checkpoint
+        end = t.stop_at if t.stop_at is not None else t.steps
+        tokens_per_step = t.global_batch_size * t.seq_length
+        self.metrics.message(self._banner(end))
+        losses: list[float] = []
+        timer = StepTimer()
+        while self.step < end:
+            m = self.train_step()
+            dt = timer.lap()
+            losses.append(m["loss"])
+            comm = self.dp.reset_comm_bytes()
+            self.metrics.log(self.step, {**m, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                                         "consumed_samples": self.consumed_samples,
+                                         "comm_bytes": sum(comm.values()), "eta_s": timer.eta(end - self.step)})
+            if ck.save_interval and self.step % ck.save_interval == 0 and self.step != end:
+                self.save()
+        if not losses or self.step == end:
+            self.save()
+        self.metrics.close()
+        return losses
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        t = self.cfg.train
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "wandb_run_id": self.wandb_run_id,
+                "data": {"paths": list(self.cfg.data.paths), "weights": self.cfg.data.weights,
+                         "seq_length": t.seq_length, "global_batch_size": t.global_batch_size, "seed": t.seed}}
+
+    def save(self) -> Path:
+        tensors = {**model_state(self.model), **optimizer_state(self.model, self.optimizer)}
+        manifest = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
+                    "trainer": self.trainer_state(), "world_size": self.layout.world_size,
+                    "config": self.resolved_config}
+        copy = {}
+        if self.cfg.data.tokenizer:
+            copy["tokenizer"] = Path(self.cfg.data.tokenizer)
+            manifest["tokenizer"] = "tokenizer"
+        rng = {"torch": torch.get_rng_state()}
+        path = save_checkpoint(self.save_dir, self.step, tensors, manifest, keep=self.cfg.checkpoint.keep,
+                               rank_files={f"rng/rank_{self.groups.rank:05d}.pt": rng}, copy_dirs=copy)
+        self.metrics.message(f"saved checkpoint {path}")
+        return path
+
+    def _load(self, path: str) -> None:
+        finetune = self.cfg.checkpoint.finetune
+        manifest = load_checkpoint(path, self.model, None if finetune else self.optimizer)
+        state = manifest.get("trainer")
+        if finetune or not manifest["loaded_optimizer"] or state is None:
+            return  # weights only (an HF conversion or checkpoint.finetune=true): start at step 0
+        self.step, self.consumed_samples = state["step"], state["consumed_samples"]
+        self.wandb_run_id = state.get("wandb_run_id")
+        rng_file = Path(manifest["path"]) / "rng" / f"rank_{self.groups.rank:05d}.pt"
+        if manifest.get("world_size") == self.layout.world_size and rng_file.is_file():
+            torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+
+    def _banner(self, end: int) -> str:
+        t, L = self.cfg.train, self.layout
+        n = sum(p.numel() for p in self.model.parameters())
+        start = f"resuming at step {self.step}" if self.step else "starting at step 0"
+        return (f"mpformer: {self.cfg.model.arch} {n / 1e6:.2f}M params | dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} | "
+                f"global batch {t.global_batch_size} x {t.seq_length} tokens, {self.micro_steps} micro-batches of "
+                f"{t.micro_batch_size} per rank | {t.precision} on {self.device.kind} | {start}, training to {end} | "
+                f"run dir {self.run_dir}")
+
+

@@ -1,0 +1,83 @@
+"""The one validator: every rule gives one line naming the key and the valid values."""
+
+import pytest
+
+from mpformer.errors import ConfigError
+from mpformer.models.config import ModelConfig
+from mpformer.parallel.layout import ParallelLayout, valid_pp_values, valid_tp_values, validate
+
+LLAMA = ModelConfig(arch="llama", num_layers=4, hidden_size=64, num_attention_heads=8, num_kv_heads=2,
+                    ffn_hidden_size=192, vocab_size=100)
+
+
+def _err(layout, world=1, model=LLAMA, **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(layout, model, world, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_resolves_dp_from_world():
+    assert validate(ParallelLayout(), LLAMA, 4).dp == 4
+    assert validate(ParallelLayout(dp=2), LLAMA, 2).dp == 2
+
+
+def test_world_size_mismatch_lists_the_valid_dp():
+    msg = _err(ParallelLayout(dp=2), world=1)
+    assert "world size is 1" in msg and "parallel.dp=1" in msg
+
+
+def test_heads_not_divisible_by_tp_lists_valid_tp():
+    msg = _err(ParallelLayout(tp=3), world=3)
+    assert "parallel.tp=3" in msg and "num_attention_heads=8" in msg
+    assert "valid tp for this model: 1, 2, 4, 8" in msg
+    assert valid_tp_values(LLAMA) == [1, 2, 4, 8]
+
+
+def test_kv_heads_must_divide_or_be_replicable():
+    m = ModelConfig(arch="llama", num_layers=2, hidden_size=96, num_attention_heads=12, num_kv_heads=4,
+                    ffn_hidden_size=96 * 4, vocab_size=100)
+    # tp=6 divides 12 heads but neither divides 4 kv heads nor is a multiple of it.
+    msg = _err(ParallelLayout(tp=6), world=6, model=m)
+    assert "num_kv_heads=4" in msg
+    assert 6 not in valid_tp_values(m) and 12 in valid_tp_values(m)
+
+
+def test_layers_not_splittable_into_pp():
+    msg = _err(ParallelLayout(pp=3), world=3)
+    assert "num_layers=4" in msg and "valid pp: 1, 2, 4" in msg
+    assert "exceeds num_layers" in _err(ParallelLayout(pp=8), world=8)
+    assert valid_pp_values(LLAMA, vpp=2) == [1, 2]
+
+
+def test_malformed_pp_split():
+    msg = _err(ParallelLayout(pp=2, pp_split=(3, 2)), world=2)
+    assert "pp_split" in msg and "summing to num_layers=4" in msg
+
+
+def test_global_batch_not_divisible():
+    msg = _err(ParallelLayout(), world=2, global_batch_size=10, micro_batch_size=3)
+    assert "global_batch_size=10" in msg and "multiples of 6" in msg and "micro_batch_size in 1, 5" in msg
+
+
+def test_enum_values():
+    assert "valid: gpipe, 1f1b" in _err(ParallelLayout(schedule="zb"))
+    assert "valid: none, selective, full" in _err(ParallelLayout(recompute="some"))
+    assert "valid: 0, 1, 2, 3" in _err(ParallelLayout(zero=4))
+    assert "needs parallel.tp > 1" in _err(ParallelLayout(sequence_parallel=True))
+
+
+@pytest.mark.parametrize("layout,world,key", [
+    (ParallelLayout(tp=2), 2, "tp"),
+    (ParallelLayout(pp=2), 2, "pp"),
+    (ParallelLayout(cp=2), 2, "cp"),
+    (ParallelLayout(zero=1), 1, "zero"),
+])
+def test_unimplemented_features_are_rejected_not_ignored(layout, world, key):
+    msg = _err(layout, world=world)
+    assert f"parallel.{key}=" in msg and "not implemented yet" in msg
+
+
+def test_recompute_is_implemented():
+    assert validate(ParallelLayout(recompute="full"), LLAMA, 1).recompute == "full"

@@ -1,0 +1,96 @@
+"""Model structure checks that need no oracle beyond torch itself (HF parity lives in integration/)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mpformer.errors import ConfigError
+from mpformer.layers.attention import attention_core
+from mpformer.models import ModelConfig, Transformer
+
+CFGS = {
+    "llama": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=96, vocab_size=101),
+    "gpt2": ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, activation="gelu_tanh",
+                        vocab_size=101, max_position_embeddings=64, tie_embeddings=True, attention_bias=True,
+                        mlp_bias=True),
+    "qwen2": ModelConfig(arch="qwen2", num_layers=1, hidden_size=32, num_attention_heads=4, num_kv_heads=1,
+                         ffn_hidden_size=48, vocab_size=50, attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_canonical_tensors_cover_every_parameter_once(name):
+    cfg = CFGS[name]
+    m = Transformer(cfg)
+    canon = m.canonical_tensors()
+    assert sum(t.numel() for t in canon.values()) == cfg.num_params() == sum(p.numel() for p in m.parameters())
+    # Views, not copies: writing through the canonical name changes the module's parameter.
+    name0 = "layers.0.attn.k.weight"
+    with torch.no_grad():
+        canon[name0].fill_(3.0)
+    k_rows = m.layers[0].attn.qkv.weight[cfg.num_attention_heads * cfg.head_size:][: cfg.kv_heads * cfg.head_size]
+    assert torch.all(k_rows == 3.0)
+
+
+def test_init_is_a_function_of_seed_and_name_only():
+    a, b, c = Transformer(CFGS["llama"], seed=7), Transformer(CFGS["llama"], seed=7), Transformer(CFGS["llama"], seed=8)
+    for (n, x), y, z in zip(a.canonical_tensors().items(), b.canonical_tensors().values(),
+                            c.canonical_tensors().values()):
+        assert torch.equal(x, y), n
+        if "norm" not in n and not n.endswith("bias"):
+            assert not torch.equal(x, z), n
+    # A deeper model shares the first layers' initial values (same names, same seed).
+    deeper = Transformer(ModelConfig(**{**CFGS["llama"].to_dict(), "num_layers": 3}), seed=7)
+    q = "layers.0.attn.q.weight"
+    assert torch.equal(deeper.canonical_tensors()[q], a.canonical_tensors()[q])
+
+
+def test_loss_is_mean_cross_entropy_of_logits():
+    m = Transformer(CFGS["gpt2"]).eval()
+    t = torch.randint(0, 101, (3, 17))
+    logits = m(t[:, :-1])
+    assert logits.shape == (3, 16, 101)
+    ref = F.cross_entropy(logits.reshape(-1, 101), t[:, 1:].reshape(-1))
+    torch.testing.assert_close(m(t[:, :-1], t[:, 1:]), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_gives_identical_loss_and_grads(recompute):
+    t = torch.randint(0, 101, (2, 33))
+    grads = []
+    for mode in ("none", recompute):
+        m = Transformer(CFGS["llama"], recompute=mode, seed=3).train()
+        loss = m(t[:, :-1], t[:, 1:])
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    for g0, g1 in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
+
+
+def test_gqa_and_sliding_window_match_explicit_attention():
+    torch.manual_seed(0)
+    b, n, k, s, d, w = 2, 4, 2, 12, 8, 5
+    q, kk, v = torch.randn(b, n, s, d), torch.randn(b, k, s, d), torch.randn(b, k, s, d)
+    out = attention_core(q, kk, v, dropout_p=0.0, sliding_window=w)
+    kr, vr = kk.repeat_interleave(n // k, dim=1), v.repeat_interleave(n // k, dim=1)
+    scores = q @ kr.transpose(-1, -2) / d**0.5
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    scores = scores.masked_fill(~((j <= i) & (i - j < w)), float("-inf"))
+    torch.testing.assert_close(out, scores.softmax(-1) @ vr, rtol=1e-5, atol=1e-6)
+
+
+def test_config_errors_are_one_line():
+    bad = [
+        dict(arch="bert"),
+        dict(num_attention_heads=3, hidden_size=64),
+        dict(num_kv_heads=3),
+        dict(arch="gpt2", activation="swiglu"),
+        dict(arch="qwen2", attention_bias=False),
+        dict(arch="llama", sliding_window=4),
+    ]
+    for kw in bad:
+        with pytest.raises(ConfigError) as e:
+            ModelConfig(**{**CFGS["llama"].to_dict(), **kw}).validate()
+        assert "\n" not in str(e.value)
