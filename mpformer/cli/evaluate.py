@@ -12,20 +12,20 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from mpformer.cli import user_errors_to_exit
 from mpformer.cli.compose import compose_config
 from mpformer.errors import ConfigError
-from mpformer.parallel.device import resolve_device
-from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.launch import init_distributed, shutdown, world_size_from_env
 from mpformer.parallel.layout import validate
 from mpformer.training.preflight import adopt_checkpoint_model
+
+if TYPE_CHECKING:  # torch loads after validation, so bad input exits in about a second
+    import torch
+    import torch.distributed as dist
 
 
 def load_eval_tokens(path: str | None, vocab_size: int) -> np.ndarray:
@@ -48,15 +48,19 @@ def load_eval_tokens(path: str | None, vocab_size: int) -> np.ndarray:
     return np.asarray(arr, dtype=np.int64)
 
 
-@torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, device: torch.device,
                   dp_rank: int = 0, dp_size: int = 1, group: dist.ProcessGroup | None = None) -> tuple[float, int]:
     """Sum of token losses over this dp rank's rows, all-reduced: returns (mean loss, token count)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
     rows = np.array_split(np.arange(tokens.shape[0]), dp_size)[dp_rank]
     total = torch.zeros((), dtype=torch.float64)
     for i in range(0, len(rows), micro_batch):
         batch = torch.from_numpy(tokens[rows[i:i + micro_batch]]).to(device)
-        logits = model(batch[:, :-1]).float()
+        with torch.no_grad():
+            logits = model(batch[:, :-1]).float()
         total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].reshape(-1), reduction="sum").double().cpu()
     if dp_size > 1:
         dist.all_reduce(total, group=group)
@@ -74,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     assert manifest is not None
     layout = validate(cfg.parallel.layout(), cfg.model, world_size_from_env(), seq_length=None)
     tokens = load_eval_tokens(cfg.eval.tokens, cfg.model.vocab_size)
+    from mpformer.checkpoint.io import load_checkpoint
+    from mpformer.models.transformer import Transformer
+    from mpformer.parallel.device import resolve_device
+    from mpformer.parallel.groups import ProcessGroups
+
     device = resolve_device(cfg.train.device)
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
-        from mpformer.checkpoint.io import load_checkpoint
-        from mpformer.models.transformer import Transformer
-
         groups = ProcessGroups.build(layout, device)
         model = Transformer(cfg.model, device=device.torch_device, seed=None).eval()
         load_checkpoint(manifest["path"], model)

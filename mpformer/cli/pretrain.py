@@ -9,29 +9,32 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from omegaconf import OmegaConf
-
 from mpformer.cli import user_errors_to_exit
-from mpformer.cli.compose import compose_config
-from mpformer.parallel.device import resolve_device
-from mpformer.parallel.groups import ProcessGroups
-from mpformer.parallel.launch import broadcast_str, init_distributed, shutdown, world_size_from_env
+from mpformer.cli.compose import Composed, compose_config
+from mpformer.parallel.launch import world_size_from_env
 from mpformer.training.preflight import preflight_train
 
 
-@user_errors_to_exit
-def main(argv: list[str] | None = None) -> int:
-    composed = compose_config(sys.argv[1:] if argv is None else argv)
+def run_pretraining(composed: Composed) -> list[float]:
+    """Validate, start (or join) the process group, train; returns the losses of the steps run."""
     cfg = composed.cfg
     layout = preflight_train(composed, world_size_from_env())
+    # torch and friends load only once the config is known to be good: bad input exits in ~1 s.
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from mpformer.parallel.device import resolve_device
+    from mpformer.parallel.groups import ProcessGroups
+    from mpformer.parallel.launch import broadcast_str, init_distributed, shutdown
+    from mpformer.training.trainer import Trainer
+
     device = resolve_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    owns_group = not dist.is_initialized()  # tests spawn ranks with a group already up
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
-        from mpformer.training.trainer import Trainer  # after validation: keeps bad-input exits fast
-
         groups = ProcessGroups.build(layout, device)
         run_dir = Path(broadcast_str(composed.run_dir))
         resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
@@ -46,8 +49,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"done: {len(losses)} steps in {time.perf_counter() - t0:.1f}s | loss {sum(losses[:k]) / k:.4f} "
                   f"(first {k} steps) -> {sum(losses[-k:]) / k:.4f} (last {k}) | checkpoints in {trainer.save_dir}",
                   flush=True)
+        return losses
     finally:
-        shutdown()
+        if owns_group:
+            shutdown()
+
+
+@user_errors_to_exit
+def main(argv: list[str] | None = None) -> int:
+    run_pretraining(compose_config(sys.argv[1:] if argv is None else argv))
     return 0
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from mpformer.parallel.device import Device
+if TYPE_CHECKING:
+    from mpformer.parallel.device import Device
 
 
 def world_size_from_env() -> int:
@@ -17,6 +17,8 @@ def world_size_from_env() -> int:
 
 def init_distributed(device: Device, timeout_s: float) -> None:
     """init_process_group with the device's backend; a single process gets a private local store."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:  # not launched by torchrun: a world of one
@@ -30,11 +32,15 @@ def init_distributed(device: Device, timeout_s: float) -> None:
 
 def broadcast_str(value: str, src: int = 0) -> str:
     """Rank ``src``'s string on every rank (e.g. the run directory, which embeds a timestamp)."""
+    import torch.distributed as dist
+
     obj = [value]
     dist.broadcast_object_list(obj, src=src)
     return obj[0]
 
 
 def shutdown() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()

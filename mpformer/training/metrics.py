@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
+import string
 import sys
 import time
 from pathlib import Path
@@ -49,8 +51,8 @@ class MetricsLogger:
     def _init_wandb(self, run_dir: Path, cfg: WandbConfig, config: dict[str, Any]):
         import wandb  # lazy: only runs that log to wandb pay for the import
 
-        if self.wandb_run_id is None:
-            self.wandb_run_id = wandb.util.generate_id()
+        if self.wandb_run_id is None:  # ours, not wandb's helper: that one moved between wandb releases
+            self.wandb_run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         return wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, id=self.wandb_run_id,
                           resume="allow", mode=cfg.mode, dir=str(run_dir), config=config)
 

@@ -227,3 +227,26 @@ def test_bad_inputs_exit_2_with_one_error_line(hf_dirs, tmp_path, capsys):
     line = _error_line(capsys, ["mpformer-to-hf", "--ckpt", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert "no such directory" in line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name,ranks", [("gpt2", None), ("llama", 2), ("mistral-window8", None), ("qwen2", None)])
+def test_evaluate_cli_gives_the_hf_loss(name, ranks, hf_dirs, tmp_path):
+    """DESIGN's evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5)."""
+    from tests.conftest import run_cli
+
+    ckpt = tmp_path / "ckpt"
+    assert main(["hf-to-mpformer", "--hf", str(hf_dirs[name]), "--out", str(ckpt)]) == 0
+    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=torch.Generator().manual_seed(11))
+    np_path = tmp_path / "tokens.npy"
+    import numpy as np
+
+    np.save(np_path, tokens.numpy().astype(np.int64))
+    hf = T.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=tokens, labels=tokens).loss.item()
+    args = ["tools/evaluate.py", f"checkpoint.load={ckpt}", f"eval.tokens={np_path}", "eval.micro_batch_size=2"]
+    res = run_cli(args, torchrun=ranks, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == 3 * SEQ
+    assert abs(out["loss"] - ref) <= RTOL * abs(ref), (out, ref)

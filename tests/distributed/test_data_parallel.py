@@ -1,0 +1,149 @@
+"""Data parallelism on gloo ranks against single-process training (the oracle), fp32.
+
+Tolerance: 1e-5 relative on losses, gradient norms and final weights; the only differences allowed
+are the order of floating-point sums (all-reduce, accumulation over micro-batches).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpformer.testing.spawn import run_distributed
+
+RTOL = 1e-5
+
+
+def _overrides(data: str, run_dir: Path, **kw) -> list[str]:
+    base = {"model": "tiny-llama", "data.paths": f"[{data}]", "train.seq_length": 32, "train.steps": 6,
+            "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.device": "cpu",
+            "optim.lr": 3e-3, "optim.warmup_steps": 2, "optim.clip_grad": 0.5, "logging.progress": False,
+            "hydra.run.dir": str(run_dir)}
+    base.update(kw)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _train(overrides: list[str]) -> dict:
+    from mpformer.cli.compose import compose_config
+    from mpformer.cli.pretrain import run_pretraining
+
+    composed = compose_config(overrides)
+    losses = run_pretraining(composed)
+    run_dir = Path(composed.run_dir)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    return {"losses": losses, "grad_norms": [m["grad_norm"] for m in metrics], "steps": [m["step"] for m in metrics],
+            "comm_bytes": [m["comm_bytes"] for m in metrics]}
+
+
+def _final_weights(ckpt: Path) -> torch.Tensor:
+    from mpformer.checkpoint.io import read_all_tensors
+
+    t = read_all_tensors(ckpt)
+    return torch.cat([t[k].flatten() for k in sorted(t)])
+
+
+def _check_grad_buckets() -> dict:
+    """DataParallel alone: mean gradients across ranks, several buckets, no traffic under no_sync."""
+    import torch.distributed as dist
+
+    from mpformer.models import ModelConfig, Transformer
+    from mpformer.parallel.data_parallel import DataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=64, vocab_size=64)
+    batches = [torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    ref = Transformer(cfg, seed=1)
+    for b in batches:  # the oracle: mean gradient over every rank's batch, in one process
+        (ref(b[:, :-1], b[:, 1:]) / world).backward()
+    model = Transformer(cfg, seed=1)
+    dp = DataParallel(model, dist.group.WORLD, bucket_mb=0.01)  # ~2.6k floats per bucket: several buckets
+    with dp.no_sync():
+        model(batches[rank][:, :-1], batches[rank][:, 1:]).mul(0.5).backward()
+    assert dp.reset_comm_bytes() == {}, "no_sync must not communicate"
+    model(batches[rank][:, :-1], batches[rank][:, 1:]).mul(0.5).backward()
+    dp.finish()
+    sent = dp.reset_comm_bytes()["all_reduce"]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=1e-7, msg=name)
+    dp.zero_grad()
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    return {"buckets": len(dp.buckets), "bytes": sent, "numel": sum(p.numel() for p in model.parameters())}
+
+
+def _worker_dp2(data: str, root: str) -> dict:
+    out = {"buckets": _check_grad_buckets()}
+    root_p = Path(root)
+    out["dp2"] = _train(_overrides(data, root_p / "dp2"))
+    out["dp2_resumed"] = _train(_overrides(data, root_p / "dp2_resumed",
+                                           **{"checkpoint.load": str(root_p / "dp1_stop3" / "checkpoints")}))
+    out["dp2_stop3"] = _train(_overrides(data, root_p / "dp2_stop3", **{"train.stop_at": 3}))
+    out["dp2_same_dp"] = _train(_overrides(data, root_p / "dp2_same_dp",
+                                           **{"checkpoint.load": str(root_p / "dp2_stop3" / "checkpoints")}))
+    return out
+
+
+def _worker_dp1(data: str, root: str) -> dict:
+    root_p = Path(root)
+    return {
+        "big_batch": _train(_overrides(data, root_p / "big", **{"train.micro_batch_size": 8})),
+        "accum4": _train(_overrides(data, root_p / "accum4")),
+        "dp1_stop3": _train(_overrides(data, root_p / "dp1_stop3", **{"train.stop_at": 3})),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    one = run_distributed(_worker_dp1, 1, args=(tiny_data, str(root)), timeout=180)[0]
+    two = run_distributed(_worker_dp2, 2, args=(tiny_data, str(root)), timeout=180)
+    return root, one, two
+
+
+def test_dp2_equals_dp1_with_the_same_global_batch(runs):
+    root, one, two = runs
+    ref, dp2 = one["accum4"], two[0]["dp2"]
+    assert len(dp2["losses"]) == 6
+    torch.testing.assert_close(torch.tensor(dp2["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(dp2["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=RTOL, atol=0)
+    assert two[0]["dp2"]["losses"] == two[1]["dp2"]["losses"], "every rank reports the global-batch loss"
+    torch.testing.assert_close(_final_weights(root / "dp2" / "checkpoints"),
+                               _final_weights(root / "accum4" / "checkpoints"), rtol=RTOL, atol=1e-7)
+    assert ref["losses"][-1] < ref["losses"][0], "the loss falls"
+
+
+def test_accumulated_micro_batches_equal_one_large_batch(runs):
+    _, one, _ = runs
+    torch.testing.assert_close(torch.tensor(one["accum4"]["losses"]), torch.tensor(one["big_batch"]["losses"]),
+                               rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(one["accum4"]["grad_norms"]),
+                               torch.tensor(one["big_batch"]["grad_norms"]), rtol=RTOL, atol=0)
+
+
+def test_dp1_checkpoint_resumes_at_dp2_with_the_same_samples(runs):
+    _, one, two = runs
+    resumed = two[0]["dp2_resumed"]
+    assert resumed["steps"] == [4, 5, 6]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(one["accum4"]["losses"][3:]),
+                               rtol=RTOL, atol=0)
+
+
+def test_dp2_resume_at_dp2_is_bit_identical(runs):
+    _, _, two = runs
+    full, first, second = two[0]["dp2"], two[0]["dp2_stop3"], two[0]["dp2_same_dp"]
+    assert first["losses"] + second["losses"] == full["losses"]  # exact
+    assert first["grad_norms"] + second["grad_norms"] == full["grad_norms"]
+
+
+def test_gradient_buckets_reduce_to_the_mean(runs):
+    _, _, two = runs
+    b = two[0]["buckets"]
+    assert b["buckets"] > 2
+    # Every gradient element crosses the all-reduce once per synchronised step (fp32 bytes).
+    assert b["bytes"] == 4 * b["numel"]
+    dp2 = two[0]["dp2"]
+    assert all(c == dp2["comm_bytes"][0] > 0 for c in dp2["comm_bytes"])

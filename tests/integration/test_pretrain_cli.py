@@ -1,0 +1,112 @@
+"""pretrain/pretrain_gpt.py as a user runs it: resume exactness, wandb resume, and bad input.
+
+Bad input must exit non-zero within seconds, before any process group starts, with exactly one
+line on stderr that names the problem (and the valid values), and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+PRETRAIN = "pretrain/pretrain_gpt.py"
+
+
+def _args(data: str, run_dir: Path, *extra: str) -> list[str]:
+    return [PRETRAIN, "model=tiny-llama", f"data.paths=[{data}]", "train.seq_length=32", "train.steps=20",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "optim.lr=3e-3", "optim.warmup_steps=3",
+            "train.device=cpu", "logging.progress=false", f"hydra.run.dir={run_dir}", *extra]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def resumed(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    full = run_cli(_args(tiny_data, root / "full"))
+    assert full.returncode == 0, full.stderr[-3000:]
+    wandb = ["logging.wandb.mode=offline", "logging.wandb.project=test"]
+    first = run_cli(_args(tiny_data, root / "first", "train.stop_at=10", *wandb))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli(_args(tiny_data, root / "second", f"checkpoint.load={root / 'first' / 'checkpoints'}", *wandb))
+    assert second.returncode == 0, second.stderr[-3000:]
+    return root
+
+
+def test_resume_is_bit_identical(resumed):
+    full, first, second = (_metrics(resumed / n) for n in ("full", "first", "second"))
+    assert [m["step"] for m in first] == list(range(1, 11))
+    assert [m["step"] for m in second] == list(range(11, 21))
+    assert [m["loss"] for m in first] == [m["loss"] for m in full[:10]]
+    assert [m["loss"] for m in second] == [m["loss"] for m in full[10:]]  # exact, not approximate
+    assert [m["grad_norm"] for m in second] == [m["grad_norm"] for m in full[10:]]
+    assert full[-1]["loss"] < full[0]["loss"]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
+        assert key in full[0]
+    assert (resumed / "full" / "resolved_config.yaml").is_file()
+
+
+def test_checkpoints_are_atomic_and_keep_the_wandb_run(resumed):
+    ck = resumed / "first" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_0000010"
+    m1 = json.loads((ck / "step_0000010" / "manifest.json").read_text())
+    m2 = json.loads((resumed / "second" / "checkpoints" / "step_0000020" / "manifest.json").read_text())
+    assert m1["trainer"]["wandb_run_id"] and m1["trainer"]["wandb_run_id"] == m2["trainer"]["wandb_run_id"]
+    assert not list(ck.glob("*.tmp"))
+    assert all(len(f["sha256"]) == 64 for f in m1["files"].values())
+    runs = list((resumed / "second" / "wandb").glob(f"offline-run-*-{m1['trainer']['wandb_run_id']}"))
+    assert runs, "the resumed run logs to the same wandb run id"
+
+
+def _one_line_error(res, *needles: str) -> str:
+    assert res.returncode == 2, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+BAD_INPUTS = {
+    "unknown key": (["train.foo=1"], ["train.foo", "valid keys under train"]),
+    "world size": (["parallel.dp=2"], ["world size is 1", "parallel.dp=1"]),
+    "heads vs tp": (["parallel.tp=3"], ["num_attention_heads=4", "valid tp for this model: 1, 2, 4"]),
+    "layers vs pp": (["model.num_layers=4", "parallel.pp=3"], ["num_layers=4", "valid pp: 1, 2, 4"]),
+    "batch": (["train.global_batch_size=10", "train.micro_batch_size=4"], ["global_batch_size=10", "multiples of 4"]),
+    "not implemented": (["parallel.zero=1"], ["not implemented yet", "parallel.zero=0"]),
+    "fp16": (["train.precision=fp16"], ["not implemented yet"]),
+    "unknown preset": (["model=llama-9000"], ["valid: gpt2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_fails_fast_in_one_line(case, tiny_data, tmp_path):
+    extra, needles = BAD_INPUTS[case]
+    t0 = time.monotonic()
+    res = run_cli(_args(tiny_data, tmp_path / "run", *extra), timeout=60)
+    _one_line_error(res, *needles)
+    assert time.monotonic() - t0 < 20
+    assert not (tmp_path / "run").exists(), "nothing is written before validation passes"
+
+
+def test_bad_data_and_checkpoints(tiny_data, resumed, tmp_path):
+    _one_line_error(run_cli(_args("/nonexistent/corpus", tmp_path / "r1")), "/nonexistent/corpus")
+    trunc = tmp_path / "trunc"
+    for ext in (".bin", ".idx"):
+        shutil.copy(tiny_data + ext, str(trunc) + ext)
+    idx = Path(str(trunc) + ".idx")
+    idx.write_bytes(idx.read_bytes()[:-5])
+    _one_line_error(run_cli(_args(str(trunc), tmp_path / "r2")), ".idx")
+    ckpt = resumed / "first" / "checkpoints"
+    line = _one_line_error(run_cli(_args(tiny_data, tmp_path / "r3", "model=tiny-gpt2", f"checkpoint.load={ckpt}")))
+    assert "another model shape" in line and "arch" in line
+    _one_line_error(run_cli(_args(tiny_data, tmp_path / "r4", "checkpoint.load=/nonexistent/ckpt")), "no such")
