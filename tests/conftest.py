@@ -1,16 +1,12 @@
-"""Shared fixtures: a small random-token dataset and helpers to run the CLIs as a user would."""
+"""Shared fixtures: a small random-token dataset; hub access off, wandb off unless a test asks."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,13 +28,3 @@ def tiny_data(tmp_path_factory) -> str:
         builder.add_document(np.append(doc, 0))
     builder.finalize()
     return str(prefix)
-
-
-def run_cli(args: list[str], *, timeout: float = 120, torchrun: int | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a repository script as a subprocess (optionally under torchrun with N CPU ranks)."""
-    cmd = [sys.executable]
-    if torchrun:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd + args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)

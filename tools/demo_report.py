@@ -11,27 +11,30 @@ import sys
 from pathlib import Path
 
 
-def loss_summary(metrics_path: Path) -> str:
+def loss_summary(metrics_path: Path, windows: int = 10, width: int = 40) -> str:
+    """Mean loss over ~10 consecutive windows of the logged steps (single steps are noisy)."""
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     if not rows:
         raise SystemExit(f"error: {metrics_path} has no logged steps")
-    first, last = rows[0], rows[-1]
-    best = min(rows, key=lambda r: r["loss"])
+    size = max(1, len(rows) // windows)
+    chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+    means = [(c[0]["step"], c[-1]["step"], sum(r["loss"] for r in c) / len(c)) for c in chunks]
     tok_s = sum(r["tokens_per_s"] for r in rows[1:]) / max(1, len(rows) - 1)
-    width = 40
-    lo, hi = best["loss"], max(r["loss"] for r in rows)
-    lines = [f"loss: step {first['step']} {first['loss']:.3f} -> step {last['step']} {last['loss']:.3f} "
-             f"(best {best['loss']:.3f} at step {best['step']}), mean {tok_s:.0f} tokens/s"]
-    for r in rows[:: max(1, len(rows) // 10)] + ([last] if len(rows) > 1 else []):
-        bar = "#" * max(1, round(width * (r["loss"] - lo) / max(hi - lo, 1e-9)))
-        lines.append(f"  step {r['step']:>5}  {r['loss']:7.3f}  {bar}")
+    lo, hi = min(m for *_, m in means), max(m for *_, m in means)
+    lines = [f"loss (mean per window of logged steps): {means[0][2]:.3f} -> {means[-1][2]:.3f}, "
+             f"mean {tok_s:.0f} tokens/s over {rows[-1]['step']} steps"]
+    for a, b, m in means:
+        bar = "#" * max(1, round(width * (m - lo) / max(hi - lo, 1e-9)))
+        lines.append(f"  steps {a:>4}-{b:<4} {m:7.3f}  {bar}")
     return "\n".join(lines)
 
 
 def sample(hf_dir: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     torch.manual_seed(seed)

@@ -42,6 +42,18 @@ class Device:
         if self.kind == "cuda":
             torch.cuda.reset_peak_memory_stats(self.local_rank)
 
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The generators dropout draws from: the CPU one, and this GPU's when on cuda."""
+        state = {"torch": torch.get_rng_state()}
+        if self.kind == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.local_rank)
+        return state
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["torch"])
+        if self.kind == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.local_rank)
+
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         if self.kind == "cuda" and dtype == torch.bfloat16:
             return torch.cuda.is_bf16_supported()

@@ -6,6 +6,7 @@ traceback from N ranks after start-up.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -53,5 +54,8 @@ def preflight_train(composed: Composed, world_size: int) -> ParallelLayout:
     layout = validate(cfg.parallel.layout(), cfg.model, world_size, global_batch_size=t.global_batch_size,
                       micro_batch_size=t.micro_batch_size, seq_length=t.seq_length)
     check_data(list(cfg.data.paths), cfg.data.tokenizer)
+    if t.use_apex and importlib.util.find_spec("apex") is None:
+        raise ConfigError("train.use_apex=true but NVIDIA apex is not installed; valid: false (torch's native "
+                          "kernels), or install apex (the docker image has it)")
     build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)  # too-small data fails here
     return layout

@@ -109,7 +109,7 @@ class Trainer:
                                          "comm_bytes": sum(comm.values()), "eta_s": timer.eta(end - self.step)})
             if ck.save_interval and self.step % ck.save_interval == 0 and self.step != end:
                 self.save()
-        if not losses or self.step == end:
+        if losses:  # the final (or stop_at) checkpoint; a run that had nothing left to do writes none
             self.save()
         self.metrics.close()
         return losses
@@ -130,7 +130,7 @@ class Trainer:
         if self.cfg.data.tokenizer:
             copy["tokenizer"] = Path(self.cfg.data.tokenizer)
             manifest["tokenizer"] = "tokenizer"
-        rng = {"torch": torch.get_rng_state()}
+        rng = self.device.rng_state()
         path = save_checkpoint(self.save_dir, self.step, tensors, manifest, keep=self.cfg.checkpoint.keep,
                                rank_files={f"rng/rank_{self.groups.rank:05d}.pt": rng}, copy_dirs=copy)
         self.metrics.message(f"saved checkpoint {path}")
@@ -146,7 +146,7 @@ class Trainer:
         self.wandb_run_id = state.get("wandb_run_id")
         rng_file = Path(manifest["path"]) / "rng" / f"rank_{self.groups.rank:05d}.pt"
         if manifest.get("world_size") == self.layout.world_size and rng_file.is_file():
-            torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+            self.device.set_rng_state(torch.load(rng_file, weights_only=True))
 
     def _banner(self, end: int) -> str:
         t, L = self.cfg.train, self.layout

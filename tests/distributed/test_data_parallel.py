@@ -93,6 +93,7 @@ def _worker_dp1(data: str, root: str) -> dict:
         "big_batch": _train(_overrides(data, root_p / "big", **{"train.micro_batch_size": 8})),
         "accum4": _train(_overrides(data, root_p / "accum4")),
         "dp1_stop3": _train(_overrides(data, root_p / "dp1_stop3", **{"train.stop_at": 3})),
+        "bf16": _train(_overrides(data, root_p / "bf16", **{"train.precision": "bf16", "train.stop_at": 3})),
     }
 
 
@@ -122,6 +123,14 @@ def test_accumulated_micro_batches_equal_one_large_batch(runs):
                                rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(one["accum4"]["grad_norms"]),
                                torch.tensor(one["big_batch"]["grad_norms"]), rtol=RTOL, atol=0)
+
+
+def test_bf16_autocast_tracks_fp32(runs):
+    """bf16 matmuls with fp32 weights: the first losses stay within 2e-2 relative of fp32."""
+    _, one, _ = runs
+    torch.testing.assert_close(torch.tensor(one["bf16"]["losses"]), torch.tensor(one["accum4"]["losses"][:3]),
+                               rtol=2e-2, atol=0)
+    assert one["bf16"]["losses"] != one["accum4"]["losses"][:3], "bf16 really ran in bf16"
 
 
 def test_dp1_checkpoint_resumes_at_dp2_with_the_same_samples(runs):

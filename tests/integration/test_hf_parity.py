@@ -232,7 +232,7 @@ def test_bad_inputs_exit_2_with_one_error_line(hf_dirs, tmp_path, capsys):
 @pytest.mark.parametrize("name,ranks", [("gpt2", None), ("llama", 2), ("mistral-window8", None), ("qwen2", None)])
 def test_evaluate_cli_gives_the_hf_loss(name, ranks, hf_dirs, tmp_path):
     """DESIGN's evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5)."""
-    from tests.conftest import run_cli
+    from mpformer.testing.cli import run_cli
 
     ckpt = tmp_path / "ckpt"
     assert main(["hf-to-mpformer", "--hf", str(hf_dirs[name]), "--out", str(ckpt)]) == 0

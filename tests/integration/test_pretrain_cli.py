@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from mpformer.testing.cli import run_cli
 
 PRETRAIN = "pretrain/pretrain_gpt.py"
 
