@@ -149,6 +149,10 @@ def mpformer_to_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *,
     # Token ids are tokenizer facts ModelConfig does not hold; unknown ones are written as null so
     # HF does not fill in its class defaults (GPT2Config would claim 50256).
     hf_cfg.update({k: old_cfg.get(k) for k in TOKEN_ID_KEYS})
+    if tok_src is not None:  # a trainer checkpoint carries its tokenizer: its special ids are the truth
+        for k, v in _token_ids(tok_src).items():
+            if hf_cfg.get(k) is None:
+                hf_cfg[k] = v
     generation = source.get("generation_config") if same_arch else None
     if generation is None and hf_cfg["eos_token_id"] is not None:
         generation = {k: hf_cfg[k] for k in TOKEN_ID_KEYS if hf_cfg[k] is not None}
@@ -161,6 +165,13 @@ def mpformer_to_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *,
     if tok_src is None:
         notes.append("no tokenizer (none in the checkpoint, no --tokenizer given)")
     return _summary(out, cfg, canonical, copied, notes)
+
+
+def _token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
+    from transformers import AutoTokenizer  # late: only exports that carry a tokenizer pay for it
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return {k: getattr(tok, k, None) for k in TOKEN_ID_KEYS}
 
 
 def _tokenizer_source(manifest: dict[str, Any], tokenizer: str | os.PathLike | None) -> Path | None:
