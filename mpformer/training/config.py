@@ -105,6 +105,7 @@ class LoggingConfig:
 class EvalConfig:
     tokens: str | None = None  # .npy int64 [batch, seq+1]
     micro_batch_size: int = 4
+    interval: int = 0  # pretraining: validation loss on eval.tokens every N steps and at the end (0: off)
 
 
 @dataclass
@@ -153,6 +154,8 @@ def check_training_config(cfg: Config) -> None:
         raise ConfigError(f"train.seq_length={t.seq_length} exceeds model.max_position_embeddings="
                           f"{cfg.model.max_position_embeddings} (learned positions); valid: <= "
                           f"{cfg.model.max_position_embeddings}")
+    if cfg.eval.interval < 0 or (cfg.eval.interval and not cfg.eval.tokens):
+        raise ConfigError(f"eval.interval={cfg.eval.interval} needs eval.tokens=FILE.npy (and must be >= 0)")
     if cfg.data.weights is not None and len(cfg.data.weights) != len(cfg.data.paths):
         raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
                           f"{len(cfg.data.paths)}; give one weight per path or none")

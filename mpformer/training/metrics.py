@@ -63,7 +63,7 @@ class MetricsLogger:
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                                   refresh=False)
-        if step % self.interval and step != self.total:
+        if step % self.interval and step != self.total and "val_loss" not in metrics:
             return
         record = {"step": step, **metrics}
         assert self._file is not None
@@ -74,7 +74,8 @@ class MetricsLogger:
             eta = metrics.get("eta_s", float("nan"))
             print(f"step {step}/{self.total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3g} | "
                   f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:.0f} tok/s | "
-                  f"{metrics['step_time_s'] * 1000:.0f} ms/step | ETA {_fmt_eta(eta)}", flush=True)
+                  f"{metrics['step_time_s'] * 1000:.0f} ms/step | ETA {_fmt_eta(eta)}"
+                  + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""), flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

@@ -18,6 +18,7 @@ from mpformer.errors import ConfigError
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout, validate
 from mpformer.training.config import check_training_config
+from mpformer.training.evaluation import load_eval_tokens
 
 
 def adopt_checkpoint_model(composed: Composed) -> dict[str, Any] | None:
@@ -58,4 +59,6 @@ def preflight_train(composed: Composed, world_size: int) -> ParallelLayout:
         raise ConfigError("train.use_apex=true but NVIDIA apex is not installed; valid: false (torch's native "
                           "kernels), or install apex (the docker image has it)")
     build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)  # too-small data fails here
+    if cfg.eval.interval:
+        load_eval_tokens(cfg.eval.tokens, cfg.model.vocab_size)
     return layout

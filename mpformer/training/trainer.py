@@ -25,6 +25,7 @@ from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.layout import ParallelLayout
 from mpformer.training.config import Config
+from mpformer.training.evaluation import evaluate_loss, load_eval_tokens
 from mpformer.training.metrics import MetricsLogger, StepTimer
 
 
@@ -47,6 +48,8 @@ class Trainer:
                                    decay_steps=o.decay_steps or t.steps, decay=o.decay)
         self.dataset = build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
+        self.eval_tokens = (load_eval_tokens(cfg.eval.tokens, cfg.model.vocab_size) if cfg.eval.interval
+                            else None)
         self.step = 0
         self.consumed_samples = 0
         self.wandb_run_id: str | None = None
@@ -104,15 +107,27 @@ class Trainer:
             dt = timer.lap()
             losses.append(m["loss"])
             comm = self.dp.reset_comm_bytes()
-            self.metrics.log(self.step, {**m, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                                         "consumed_samples": self.consumed_samples,
-                                         "comm_bytes": sum(comm.values()), "eta_s": timer.eta(end - self.step)})
+            m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "comm_bytes": sum(comm.values()),
+                      "consumed_samples": self.consumed_samples, "eta_s": timer.eta(end - self.step)})
+            if self.eval_tokens is not None and (self.step % self.cfg.eval.interval == 0 or self.step == end):
+                m["val_loss"] = self.validate()
+                timer.lap()  # validation time is not training step time
+            self.metrics.log(self.step, m)
             if ck.save_interval and self.step % ck.save_interval == 0 and self.step != end:
                 self.save()
         if losses:  # the final (or stop_at) checkpoint; a run that had nothing left to do writes none
             self.save()
         self.metrics.close()
         return losses
+
+    def validate(self) -> float:
+        """Mean loss on eval.tokens, rows split over the data-parallel ranks."""
+        assert self.eval_tokens is not None
+        self.model.eval()
+        loss, _ = evaluate_loss(self.model, self.eval_tokens, self.cfg.eval.micro_batch_size,
+                                self.device.torch_device, self.groups.dp_rank, self.layout.dp, self.groups.dp)
+        self.model.train()
+        return loss
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:

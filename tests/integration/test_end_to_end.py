@@ -29,8 +29,15 @@ def test_text_to_generate(tmp_path: Path):
                    "--output-prefix", str(prefix), "--workers", "1"])
     assert res.returncode == 0, res.stderr[-2000:]
 
+    import numpy as np
+
+    from mpformer.data.indexed import IndexedDataset
+
+    held_out = tmp_path / "val.npy"  # validation rows: the first 4 windows of 65 tokens of the stream
+    np.save(held_out, np.asarray(IndexedDataset(prefix).tokens[: 4 * 65], dtype=np.int64).reshape(4, 65))
     run = tmp_path / "run"
     res = run_cli(["pretrain/pretrain_gpt.py", "model=tiny-llama", "model.vocab_size=320",
+                   f"eval.tokens={held_out}", "eval.interval=3",
                    f"data.paths=[{prefix}]", f"data.tokenizer={tok_dir}", "train.seq_length=64", "train.steps=6",
                    "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=5e-3",
                    "checkpoint.save_interval=3", "checkpoint.keep=1", "logging.wandb.mode=offline",
@@ -39,6 +46,8 @@ def test_text_to_generate(tmp_path: Path):
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 7))
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert [m["step"] for m in metrics if "val_loss" in m] == [3, 6]
+    assert metrics[5]["val_loss"] < metrics[2]["val_loss"]
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_0000006"], "keep=1 prunes the step-3 checkpoint"
     assert (run / "checkpoints" / "step_0000006" / "tokenizer" / "tokenizer.json").is_file()

@@ -1,0 +1,54 @@
+"""Held-out loss: the evaluate CLI's core, also run by the trainer every eval.interval steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mpformer.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads after validation, so bad input exits in about a second
+    import torch
+    import torch.distributed as dist
+
+
+def load_eval_tokens(path: str | None, vocab_size: int) -> np.ndarray:
+    if not path:
+        raise ConfigError("eval.tokens is not set; give eval.tokens=FILE.npy (int64 array [batch, seq+1])")
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"eval.tokens={path}: no such file")
+    try:
+        arr = np.load(p, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"eval.tokens={path}: not a readable .npy file ({e})") from None
+    if arr.ndim != 2 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"eval.tokens={path}: expected an integer array [batch, seq+1] with seq >= 1, got "
+                          f"{arr.dtype} {list(arr.shape)}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ConfigError(f"eval.tokens={path}: token ids span [{lo}, {hi}] but the model's vocabulary is "
+                          f"[0, {vocab_size - 1}]")
+    return np.asarray(arr, dtype=np.int64)
+
+
+def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, device: torch.device,
+                  dp_rank: int = 0, dp_size: int = 1, group: dist.ProcessGroup | None = None) -> tuple[float, int]:
+    """Sum of token losses over this dp rank's rows, all-reduced: returns (mean loss, token count)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rows = np.array_split(np.arange(tokens.shape[0]), dp_size)[dp_rank]
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(0, len(rows), micro_batch):
+        batch = torch.from_numpy(tokens[rows[i:i + micro_batch]]).to(device)
+        with torch.no_grad():
+            logits = model(batch[:, :-1]).float()
+        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].reshape(-1), reduction="sum").double().cpu()
+    if dp_size > 1:
+        dist.all_reduce(total, group=group)
+    count = tokens.shape[0] * (tokens.shape[1] - 1)
+    return float(total / count), count
