@@ -55,7 +55,7 @@ from mpformer.training.config import OptimConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # --quick: a model small enough that fp32 and bf16 together finish in well under a minute.
 QUICK = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 4096, "seq": 128, "batch": 2,
-         "steps": 6, "bf16_steps": 3, "warmup": 1, "peak_sizes": [512], "bf16_peak_sizes": [256]}
+         "steps": 12, "bf16_steps": 3, "warmup": 1, "bf16_warmup": 1, "peak_sizes": [512], "bf16_peak_sizes": [256]}
 FLOPS_FORMULA = ("model FLOPs/step = (6 * N_matmul + 12 * L * s * n_heads * head_dim) * b * s, "
                  "N_matmul = weights of q,k,v,o,gate,up,down in every layer + the LM head "
                  "(embedding lookup and norm gains excluded); attention counted without the causal halving "
@@ -110,7 +110,8 @@ def build_pair(cfg: ModelConfig, seed: int, attn_impl: str | None) -> tuple[Tran
     return mp, hf
 
 
-def make_runners(cfg: ModelConfig, precision: str, seed: int, attn_impl: str | None) -> dict[str, Runner]:
+def make_runners(cfg: ModelConfig, precision: str, seed: int, attn_impl: str | None) -> tuple[dict[str, Runner], str]:
+    """The two runners, and the attention implementation HF ended up using."""
     mp, hf = build_pair(cfg, seed, attn_impl)
     ocfg = OptimConfig()
     dtype = DTYPES[precision]
@@ -142,8 +143,7 @@ def make_runners(cfg: ModelConfig, precision: str, seed: int, attn_impl: str | N
 
     runners = {"mpformer": Runner("mpformer", lambda b: mp(*b), mp_update, dtype),
                "hf": Runner("hf", hf_loss, hf_update, dtype)}
-    runners["hf"].attn_impl = hf.config._attn_implementation  # type: ignore[attr-defined]
-    return runners
+    return runners, hf.config._attn_implementation
 
 
 def check_parity(runners: dict[str, Runner], batch: Batch, precision: str) -> dict[str, float]:
@@ -171,13 +171,13 @@ def flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, int]:
 
 
 def measure(args: argparse.Namespace, cfg: ModelConfig, precision: str) -> dict:
-    runners = make_runners(cfg, precision, args.seed, args.hf_attn)
+    runners, attn = make_runners(cfg, precision, args.seed, args.hf_attn)
     g = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, cfg.vocab_size, (4, args.batch, args.seq + 1), generator=g)
     # Inputs and next-token labels, split once and contiguous (HF's loss .view()s its labels).
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in data]
     parity = check_parity(runners, batches[0], precision)
-    steps = args.steps if precision == "fp32" else args.bf16_steps
+    steps, warmup = (args.steps, args.warmup) if precision == "fp32" else (args.bf16_steps, args.bf16_warmup)
     counters = dict.fromkeys(runners, 0)
 
     def one_step(name: str) -> list[float]:
@@ -185,11 +185,11 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, precision: str) -> dict:
         counters[name] += 1  # each model sees the same batch sequence
         return [runners[name].step(batches[i % len(batches)])]
 
-    interleave({n: (lambda n=n: one_step(n)) for n in runners}, args.warmup)
+    interleave({n: (lambda n=n: one_step(n)) for n in runners}, warmup)
     for r in runners.values():
         r.phases.clear()
     times = interleave({n: (lambda n=n: one_step(n)) for n in runners}, steps)
-    return {"runners": runners, "times": times, "parity": parity, "steps": steps}
+    return {"runners": runners, "times": times, "parity": parity, "steps": steps, "warmup": warmup, "attn": attn}
 
 
 def summarize(precision: str, m: dict, tokens: int, flops: float, peak: float) -> list[dict]:
@@ -224,10 +224,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=256, help="tokens per sample the model sees")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20, help="timed fp32 steps per model (interleaved)")
+    p.add_argument("--steps", type=int, default=30, help="timed fp32 steps per model (interleaved)")
     p.add_argument("--bf16-steps", type=int, default=3, help="timed bf16 steps per model (bf16 is slow on CPUs "
                                                              "without AVX512-BF16/AMX)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model and precision")
+    p.add_argument("--warmup", type=int, default=2, help="untimed fp32 steps per model")
+    p.add_argument("--bf16-warmup", type=int, default=1, help="untimed bf16 steps per model")
     p.add_argument("--precision", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--hf-attn", default=None, help="HF attn_implementation (default: HF's own default)")
     p.add_argument("--peak-sizes", type=int, nargs="+", default=[1024, 2048], help="fp32 GEMM sizes")
@@ -254,17 +255,19 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = args.batch * args.seq
     flops, n_matmul = flops_per_step(cfg, args.batch, args.seq)
     sizes = {"fp32": args.peak_sizes, "bf16": args.bf16_peak_sizes}
-    t_start = time.perf_counter()
+    t_start, env = time.perf_counter(), environment()
     before = {p: matmul_flops(DTYPES[p], sizes[p]) for p in args.precision}
     measured = {p: measure(args, cfg, p) for p in args.precision}
     peaks = {p: merge_peaks(before[p], matmul_flops(DTYPES[p], sizes[p])) for p in args.precision}
     rows = [r for p in args.precision for r in summarize(p, measured[p], tokens, flops, max(peaks[p].values()))]
-    attn = next(iter(measured.values()))["runners"]["hf"].attn_impl
+    attn = next(iter(measured.values()))["attn"]
+    load_end = os.getloadavg()[0]
 
     print(f"model: llama L={cfg.num_layers} h={cfg.hidden_size} heads={cfg.num_attention_heads}/"
           f"{cfg.kv_heads} kv ffn={cfg.ffn_size} vocab={cfg.vocab_size} | batch {args.batch} x seq {args.seq} = "
           f"{tokens} tokens/step | {cfg.num_params() / 1e6:.2f}M params, N_matmul {n_matmul / 1e6:.2f}M | "
-          f"HF attn_implementation={attn} | threads={torch.get_num_threads()}")
+          f"HF attn_implementation={attn}, use_cache=False | threads={torch.get_num_threads()} | "
+          f"load avg (1 min) at start {env['load_avg_1m']:.2f}, at end {load_end:.2f}")
     print(FLOPS_FORMULA + f" = {flops / 1e9:.2f} GFLOP/step")
     for p in args.precision:
         best = max(peaks[p], key=peaks[p].get)
@@ -272,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{p} matmul peak {peaks[p][best] / 1e9:.1f} GFLOP/s ({best}); GFLOP/s by size_layout: {detail}")
     print()
     print(format_table(
-        ["precision", "impl", "tokens/s (median)", "step ms", "ratio vs HF", "model TFLOP/s", "fraction of peak"],
+        ["precision", "impl", "tokens/s (median)", "step ms", "ratio vs HF", "model TFLOP/s",
+         "fraction of matmul peak"],
         [[r["precision"], r["impl"], r["tokens_per_s"], r["step_ms"], r["ratio_vs_hf"], r["model_tflops"],
           r["fraction_of_peak"]] for r in rows]))
     print()
@@ -280,11 +284,13 @@ def main(argv: list[str] | None = None) -> dict:
         ["precision", "impl", "forward ms", "backward ms", "clip+step+zero ms", "step ms q25-q75", "paired ratio"],
         [[r["precision"], r["impl"], r["forward_ms"], r["backward_ms"], r["clip_step_zero_ms"],
           f"{r['step_ms_q25']:.1f}-{r['step_ms_q75']:.1f}", r["paired_ratio_median"]] for r in rows]))
-    print("\nsteps per model: " + ", ".join(f"{p} {measured[p]['steps']}" for p in args.precision)
-          + f" (+{args.warmup} warm-up) | total {time.perf_counter() - t_start:.1f} s")
+    print("\ntimed steps per model (interleaved ABBA, after warm-up): "
+          + ", ".join(f"{p} {measured[p]['steps']} (+{measured[p]['warmup']})" for p in args.precision)
+          + f" | total {time.perf_counter() - t_start:.1f} s")
 
     payload = {
-        "benchmark": "throughput", "env": environment(), "args": vars(args), "model": cfg.to_dict(),
+        "benchmark": "throughput", "env": {**env, "load_avg_1m_end": load_end}, "args": vars(args),
+        "model": cfg.to_dict(),
         "hf_attn_implementation": attn, "tokens_per_step": tokens, "flops_per_step": flops,
         "n_matmul_params": n_matmul, "flops_formula": FLOPS_FORMULA,
         "matmul_peak_flops": {p: {"best": max(peaks[p].values()), "by_size_layout": peaks[p]}

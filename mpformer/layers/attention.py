@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.layers.linear import Linear
 from mpformer.models.config import ModelConfig
 
 
@@ -80,9 +81,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
         self.q_size, self.kv_size = self.n_heads * self.d, self.n_kv * self.d
-        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
+        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
                              device=device, dtype=dtype)
-        self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.out_proj_bias, device=device, dtype=dtype)
+        self.o = Linear(self.q_size, cfg.hidden_size, bias=cfg.out_proj_bias, device=device, dtype=dtype)
         self.dropout_p = cfg.attention_dropout
         self.sliding_window = cfg.sliding_window
         self.rope = not cfg.learned_positions

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.layers.linear import Linear
 from mpformer.models.config import ModelConfig
 
 
@@ -21,8 +22,8 @@ class MLP(nn.Module):
         self.ffn = cfg.ffn_size
         self.activation = cfg.activation
         width = 2 * self.ffn if self.gated else self.ffn
-        self.up = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias, device=device, dtype=dtype)
-        self.down = nn.Linear(self.ffn, cfg.hidden_size, bias=cfg.mlp_bias, device=device, dtype=dtype)
+        self.up = Linear(cfg.hidden_size, width, bias=cfg.mlp_bias, device=device, dtype=dtype)
+        self.down = Linear(self.ffn, cfg.hidden_size, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
         up_sbf = self.up(x_sbh)

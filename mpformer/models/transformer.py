@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mpformer.layers.attention import Attention, RotaryEmbedding
+from mpformer.layers.linear import linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm, canonical_norm
 from mpformer.models.config import ModelConfig
@@ -100,7 +101,7 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
-        logits_sbv = F.linear(self.hidden_states(tokens_bs), self.output_weight())
+        logits_sbv = linear(self.hidden_states(tokens_bs), self.output_weight())
         if labels_bs is None:
             return logits_sbv.transpose(0, 1)
         # Mean next-token cross entropy over every labelled token, computed in fp32.

@@ -94,3 +94,28 @@ def test_config_errors_are_one_line():
         with pytest.raises(ConfigError) as e:
             ModelConfig(**{**CFGS["llama"].to_dict(), **kw}).validate()
         assert "\n" not in str(e.value)
+
+
+def test_cpu_bf16_linear_matches_autocast_reference():
+    """The CPU low-precision linear (fast-layout input gradient) equals autocast's F.linear: same
+    forward bits, gradients within bf16 rounding (rtol 1e-2), fp32 master-weight grads stay fp32."""
+    from mpformer.layers.linear import Linear
+
+    torch.manual_seed(0)
+    ours = Linear(48, 40)
+    ref = torch.nn.Linear(48, 40)
+    ref.load_state_dict(ours.state_dict())
+    x1 = torch.randn(3, 5, 48, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    dy = torch.randn(3, 5, 40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1, y2 = ours(x1), ref(x2)
+    assert y1.dtype == torch.bfloat16 and torch.equal(y1, y2)
+    (y1.float() * dy).sum().backward()
+    (y2.float() * dy).sum().backward()
+    assert ours.weight.grad.dtype == torch.float32 and x1.grad.dtype == torch.float32
+    for a, b in [(x1.grad, x2.grad), (ours.weight.grad, ref.weight.grad), (ours.bias.grad, ref.bias.grad)]:
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    # fp32 takes torch's own path: bit-identical.
+    x3 = torch.randn(4, 48)
+    assert torch.equal(ours(x3), ref(x3))
