@@ -3,8 +3,10 @@ PYTHON     ?= python3
 VENV       ?= .venv
 BIN        := $(VENV)/bin
 # CPU torch is pinned here (an unpinned torch resolves to a multi-GB CUDA build). GPU users install
-# their own CUDA torch first and run `make venv TORCH_SPEC=` to keep it.
+# their own CUDA torch first and run `make venv TORCH_SPEC=` to keep it. Where PyPI's torch is a CUDA
+# build (plain Linux x86_64 without a local CPU wheel), add TORCH_INDEX=https://download.pytorch.org/whl/cpu.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 DEMO_DATA  ?= demo_data
 DEMO_RUN   ?= outputs/demo
 PYTEST_ARGS ?=
@@ -22,7 +24,8 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; fi
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install --quiet \
+		$(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"; fi
 	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
 	touch $@
 

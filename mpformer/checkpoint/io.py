@@ -37,12 +37,13 @@ OPTIM_PREFIX = "optim."
 
 
 # ---- canonical views of parameters and of per-parameter state -------------------------------
-def _owner(view: torch.Tensor, params: Iterable[nn.Parameter]) -> nn.Parameter:
+def _owner(view: torch.Tensor, params: Iterable[nn.Parameter]) -> nn.Parameter | None:
+    """The parameter ``view`` looks into, if it is one of ``params`` (frozen ones are not)."""
     ptr = view.untyped_storage().data_ptr()
     for p in params:
         if p.untyped_storage().data_ptr() == ptr:
             return p
-    raise AssertionError("canonical tensor is not a view of any parameter")
+    return None
 
 
 def views_like(canonical: dict[str, torch.Tensor], params: list[nn.Parameter],
@@ -55,7 +56,7 @@ def views_like(canonical: dict[str, torch.Tensor], params: list[nn.Parameter],
     out = {}
     for name, v in canonical.items():
         p = _owner(v, params)
-        t = per_param(p)
+        t = per_param(p) if p is not None else None
         if t is None:
             continue
         assert t.shape == p.shape and t.is_contiguous() and p.is_contiguous(), name
@@ -108,7 +109,7 @@ def set_optimizer_step(optimizer: torch.optim.Optimizer, step_tensor: torch.Tens
 
 # ---- load / save -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _quiet():
+def quiet_dcp():
     """DCP warns that it 'assumes a single process' even when told so with no_dist=True."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
@@ -138,7 +139,7 @@ def load_tensors(ckpt_dir: str | Path, targets: dict[str, torch.Tensor]) -> None
         raise ConfigError(f"checkpoint {ckpt_dir}: tensor {k} has shape {list(got)}, the model needs {list(want)}")
     staged = {k: (t if stored[k][1] == t.dtype else torch.empty(t.shape, dtype=stored[k][1], device=t.device))
               for k, t in targets.items()}
-    with _quiet():
+    with quiet_dcp():
         dcp.load(staged, checkpoint_id=str(ckpt_dir), no_dist=_no_dist())
     with torch.no_grad():
         for k, t in targets.items():
@@ -152,7 +153,7 @@ def read_all_tensors(ckpt_dir: str | Path, prefix: str = MODEL_PREFIX) -> dict[s
     stored = stored_metadata(ckpt_dir)
     out = {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in stored.items() if k.startswith(prefix)}
     if out:
-        with _quiet():
+        with quiet_dcp():
             dcp.load(out, checkpoint_id=str(ckpt_dir), no_dist=True)
     return {k[len(prefix):]: v for k, v in out.items()}
 
@@ -175,12 +176,12 @@ def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
 
 def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
                     manifest: dict[str, Any], *, rank_files: dict[str, Any] | None = None,
-                    copy_dirs: dict[str, Path] | None = None, keep: int = 0) -> Path:
+                    populate: Callable[[Path], None] | None = None, keep: int = 0) -> Path:
     """Atomically write ``save_dir/step_N``: temp dir, payload, manifest, rename, then ``latest``.
 
     Collective when torch.distributed is initialised: every rank calls it with its tensors (DCP
     deduplicates replicated ones); ``rank_files`` are this rank's own objects (e.g. RNG states);
-    ``copy_dirs`` (name -> source folder, e.g. the tokenizer) are copied in by rank 0.
+    ``populate(tmp_dir)`` runs on rank 0 to add files (e.g. the tokenizer) before the manifest.
     """
     save_dir = Path(save_dir)
     rank = 0 if _no_dist() else dist.get_rank()
@@ -191,20 +192,24 @@ def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, torch.Te
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir()
     _barrier()
-    with _quiet():
+    with quiet_dcp():
         dcp.save(tensors, checkpoint_id=str(tmp), no_dist=_no_dist())
     for name, obj in (rank_files or {}).items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         torch.save(obj, tmp / name)
     _barrier()
     if rank == 0:
-        for name, src in (copy_dirs or {}).items():
-            shutil.copytree(src, tmp / name)
+        if populate is not None:
+            populate(tmp)
         write_manifest(tmp, {"step": step, **manifest})
         fsync_dir(tmp)
+        # Re-saving a step: move the old copy aside first, so the name is never missing its manifest.
+        old = save_dir / (final.name + ".old")
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
         tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
         fsync_dir(save_dir)
         point_latest(save_dir, final.name)
         _prune(save_dir, keep)
@@ -215,7 +220,7 @@ def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, torch.Te
 def _prune(save_dir: Path, keep: int) -> None:
     if keep <= 0:
         return
-    steps = sorted(p for p in save_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    steps = sorted(p for p in save_dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
     latest = (save_dir / LATEST).read_text().strip()
     for old in steps[:-keep]:
         if old.name != latest:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -22,8 +24,13 @@ def user_errors_to_exit(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            msg = " ".join(str(e).split())  # always exactly one line
-            print(f"error: {msg}", file=sys.stderr, flush=True)
+            # Under torchrun every rank finds the same mistake: rank 0 alone says it, in one line. The
+            # others wait a moment before failing, or torchrun could stop rank 0 before it has spoken.
+            if os.environ.get("RANK", "0") == "0":
+                msg = " ".join(str(e).split())
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+            else:
+                time.sleep(3.0)
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper  # type: ignore[return-value]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,16 @@ GROUPS = ("model", "parallel", "train", "optim", "data", "checkpoint", "logging"
 
 
 def config_dir() -> Path:
-    """configs/ of this checkout, or $MPFORMER_CONFIG_DIR (e.g. for a non-editable install)."""
+    """$MPFORMER_CONFIG_DIR if set, else configs/ of this checkout (editable install), else the copy a
+    regular install puts under sys.prefix/share/mpformer/configs."""
     env = os.environ.get("MPFORMER_CONFIG_DIR")
-    d = Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
-    if not (d / "config.yaml").is_file():
-        raise ConfigError(f"config directory {d} has no config.yaml; set MPFORMER_CONFIG_DIR to mpformer's configs/")
-    return d
+    candidates = [Path(env)] if env else [Path(__file__).resolve().parents[2] / "configs",
+                                          Path(sys.prefix) / "share" / "mpformer" / "configs"]
+    for d in candidates:
+        if (d / "config.yaml").is_file():
+            return d
+    raise ConfigError(f"no config.yaml in {', '.join(map(str, candidates))}; set MPFORMER_CONFIG_DIR to mpformer's "
+                      "configs/")
 
 
 def _register_schema() -> None:
@@ -50,10 +55,16 @@ class Composed:
     run_dir: str
     overrides: list[str]
 
-    def overridden(self, prefix: str) -> bool:
-        """Whether the user set ``prefix`` (a group like "model" or a key under it)."""
-        return any(o.split("=", 1)[0].lstrip("+~") in (prefix,) or
-                   o.split("=", 1)[0].lstrip("+~").startswith(prefix + ".") for o in self.overrides)
+    def _keys(self) -> list[str]:
+        return [o.split("=", 1)[0].lstrip("+~") for o in self.overrides]
+
+    def overridden_group(self, group: str) -> bool:
+        """Whether the user picked a preset for ``group`` (``model=gpt2``)."""
+        return group in self._keys()
+
+    def overridden_keys(self, group: str) -> list[str]:
+        """Top-level keys of ``group`` the user set (``model.hidden_dropout=0.1`` -> hidden_dropout)."""
+        return [k.split(".")[1] for k in self._keys() if k.startswith(group + ".")]
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:

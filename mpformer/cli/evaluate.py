@@ -17,7 +17,7 @@ from mpformer.cli.compose import compose_config
 from mpformer.errors import ConfigError
 from mpformer.parallel.launch import init_distributed, shutdown, world_size_from_env
 from mpformer.parallel.layout import validate
-from mpformer.training.evaluation import evaluate_loss, load_eval_tokens
+from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for
 from mpformer.training.preflight import adopt_checkpoint_model
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = adopt_checkpoint_model(composed)
     assert manifest is not None
     layout = validate(cfg.parallel.layout(), cfg.model, world_size_from_env(), seq_length=None)
-    tokens = load_eval_tokens(cfg.eval.tokens, cfg.model.vocab_size)
+    tokens = load_eval_tokens_for(cfg)
     from mpformer.checkpoint.io import load_checkpoint
     from mpformer.models.transformer import Transformer
     from mpformer.parallel.device import resolve_device

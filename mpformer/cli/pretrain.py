@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mpformer.cli import user_errors_to_exit
 from mpformer.cli.compose import Composed, compose_config
+from mpformer.errors import ConfigError
 from mpformer.parallel.launch import world_size_from_env
 from mpformer.training.preflight import preflight_train
 
@@ -30,7 +31,9 @@ def run_pretraining(composed: Composed) -> list[float]:
     from mpformer.training.trainer import Trainer
 
     device = resolve_device(cfg.train.device)
-    if cfg.train.threads:
+    if cfg.train.precision == "bf16" and not device.supports_dtype(torch.bfloat16):
+        raise ConfigError(f"train.precision=bf16 but this {device.kind} device has no bf16 support; valid: fp32")
+    if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)
     owns_group = not dist.is_initialized()  # tests spawn ranks with a group already up
     init_distributed(device, cfg.train.dist_timeout_s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,6 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # The files that make up a tokenizer across fast/slow tokenizers and transformers 4/5.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
-                   "chat_template.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -138,11 +134,3 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer files present in ``src`` into ``dst`` (created); returns their names."""
-    found = [f for f in TOKENIZER_FILES if (src / f).is_file()]
-    if found:
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in found:
-            shutil.copy2(src / f, dst / f)
-    return found

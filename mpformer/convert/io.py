@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,19 +24,18 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mpformer.checkpoint.io import MODEL_PREFIX, read_all_tensors
+from mpformer.checkpoint.io import MODEL_PREFIX, quiet_dcp, read_all_tensors
 from mpformer.checkpoint.manifest import check_files, fsync_dir, read_manifest, write_manifest
 from mpformer.convert import adapter_for_arch, adapter_for_hf_config
 from mpformer.convert.base import hf_dtype_name
 from mpformer.convert.hf_io import (
     DEFAULT_MAX_SHARD_BYTES,
-    TOKENIZER_FILES,
-    copy_tokenizer,
     read_generation_config,
     read_hf_config,
     read_hf_state,
     write_hf_dir,
 )
+from mpformer.data.tokenizer import TOKENIZER_FILES, copy_tokenizer
 from mpformer.errors import ConfigError, format_choices
 from mpformer.models.config import ModelConfig
 
@@ -90,8 +88,7 @@ def write_checkpoint_dir(path: str | os.PathLike, tensors: dict[str, torch.Tenso
     out = Path(path)
     _check_out(out, "checkpoint output")
     with _atomic_dir(out) as tmp:
-        with warnings.catch_warnings():  # DCP says it "assumes a single process", which is the intent
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+        with quiet_dcp():
             dcp.save({MODEL_PREFIX + k: v for k, v in tensors.items()}, checkpoint_id=str(tmp), no_dist=True)
         if populate is not None:
             populate(tmp)
@@ -141,7 +138,7 @@ def mpformer_to_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *,
     canonical = read_all_tensors(manifest["path"])
     hf_state = adapter.to_hf(canonical, cfg)
     hf_cfg, notes = adapter.config_to_hf(cfg)
-    hf_cfg["dtype"] = hf_dtype_name(hf_state)
+    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = hf_dtype_name(hf_state)  # 5.x and 4.x spellings
 
     source = manifest.get("source") or {}
     same_arch = source.get("architecture") == adapter.hf_architecture

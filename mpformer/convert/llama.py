@@ -120,6 +120,10 @@ class LlamaFamilyAdapter(StateDictAdapter):
             "tie_word_embeddings": cfg.tie_embeddings,
             "attention_dropout": cfg.attention_dropout,
             "rope_parameters": _rope_to_hf(cfg),
+            # transformers 4.x reads these two instead of rope_parameters; 5.x accepts them alongside.
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": ({k: v for k, v in _rope_to_hf(cfg).items() if k != "rope_theta"}
+                             if cfg.rope_scaling_factor is not None else None),
         }
         if self.arch == "llama":
             out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)

@@ -8,6 +8,7 @@ model's tokenizer folder works with the preprocessing tool.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,3 +124,19 @@ def train_byte_level_bpe(
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     return out
+
+
+# Files of a Hugging Face tokenizer folder (what checkpoints and HF exports carry, nothing else).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer files present in ``src`` into ``dst`` (created); returns their names."""
+    found = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if found:
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in found:
+            shutil.copy2(src / f, dst / f)
+    return found

@@ -17,6 +17,7 @@ from torch import nn
 
 from mpformer.layers.linear import Linear
 from mpformer.models.config import ModelConfig
+from mpformer.parallel.device import DeviceLike
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -38,7 +39,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables in HF's "rotate half" convention, so HF Llama q/k weights need no permutation."""
 
-    def __init__(self, cfg: ModelConfig, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, device: DeviceLike = None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
@@ -77,7 +78,8 @@ def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
 class Attention(nn.Module):
     """Self-attention with one fused QKV projection laid out [q (n*d) | k (k*d) | v (k*d)]."""
 
-    def __init__(self, cfg: ModelConfig, *, selective_recompute: bool = False, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, *, selective_recompute: bool = False,
+                 device: DeviceLike = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
         self.q_size, self.kv_size = self.n_heads * self.d, self.n_kv * self.d

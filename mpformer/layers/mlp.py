@@ -11,12 +11,13 @@ from torch import nn
 
 from mpformer.layers.linear import Linear
 from mpformer.models.config import ModelConfig
+from mpformer.parallel.device import DeviceLike
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate|up fused row-wise; GELU: down(gelu(up(x)))."""
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, device: DeviceLike = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.gated = cfg.gated_mlp
         self.ffn = cfg.ffn_size

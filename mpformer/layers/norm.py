@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.parallel.device import DeviceLike
+
 
 def _apex_norm(kind: str):  # pragma: no cover - apex is not installable on CPU machines
     try:
@@ -22,7 +24,8 @@ def _apex_norm(kind: str):  # pragma: no cover - apex is not installable on CPU 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 like HF's LlamaRMSNorm."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6,
+                 device: DeviceLike = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
@@ -33,10 +36,11 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(in_dtype)
 
 
-def build_norm(kind: str, dim: int, eps: float, *, use_apex: bool = False, device=None, dtype=None) -> nn.Module:
+def build_norm(kind: str, dim: int, eps: float, *, use_apex: bool = False,
+               device: DeviceLike = None, dtype: torch.dtype | None = None) -> nn.Module:
     """Build the norm an architecture uses: 'layernorm' (weight and bias) or 'rmsnorm' (weight)."""
     if use_apex:  # pragma: no cover
-        return _apex_norm(kind)(dim, eps=eps)
+        return _apex_norm(kind)(dim, eps=eps).to(device=device, dtype=dtype)
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=eps, device=device, dtype=dtype)
     if kind == "rmsnorm":

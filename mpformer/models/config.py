@@ -95,12 +95,12 @@ class ModelConfig:
         if self.head_dim is None and self.hidden_size % heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
-                f"set model.head_dim or use heads in {format_choices(_divisors(self.hidden_size))}"
+                f"set model.head_dim or use heads in {format_choices(divisors(self.hidden_size))}"
             )
         if kv < 1 or heads % kv:
             raise ConfigError(
                 f"model.num_kv_heads={kv} must divide num_attention_heads={heads}; "
-                f"valid: {format_choices(_divisors(heads))}"
+                f"valid: {format_choices(divisors(heads))}"
             )
         if self.head_size % 2 and not self.learned_positions:
             raise ConfigError(f"model head_dim={self.head_size} must be even for rotary embeddings")
@@ -172,5 +172,6 @@ class ModelConfig:
         return d
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """1..n's divisors of n, ascending (valid degrees listed in error messages)."""
     return [i for i in range(1, n + 1) if n % i == 0]

@@ -26,14 +26,15 @@ from mpformer.layers.linear import linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm, canonical_norm
 from mpformer.models.config import ModelConfig
-
-RECOMPUTE = ("none", "selective", "full")
+from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.layout import RECOMPUTE
 
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, recompute: str, use_apex: bool, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, *, recompute: str, use_apex: bool,
+                 device: DeviceLike = None, dtype: torch.dtype | None = None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
@@ -58,7 +59,7 @@ class Transformer(nn.Module):
     """Decoder-only LM. ``forward(tokens_bs)`` gives logits ``[b, s, v]``; with labels, the mean loss."""
 
     def __init__(self, cfg: ModelConfig, *, recompute: str = "none", use_apex: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 device: DeviceLike = None, dtype: torch.dtype | None = None,
                  seed: int | None = 1234) -> None:
         super().__init__()
         if recompute not in RECOMPUTE:

@@ -9,6 +9,10 @@ layers. ``finish()`` waits for all of them before the optimizer step.
 
 Gradients are divided by the group size before summing (gloo has no AVG reduction), so after
 finish() every rank holds the mean gradient over the data-parallel group.
+
+Requirement: every rank produces gradients for the same parameters in each step (no rank-dependent
+conditional computation), so that buckets launch in the same order everywhere; collectives issued
+in different orders would pair up wrong buckets.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class DataParallel:
         if not self.sync or self.size == 1:
             return
         b = self._bucket_of[id(p)]
+        assert b.handle is None, "a second synchronising backward before finish(): use no_sync() for all but the last"
         if id(p) in b.ready:
             return
         b.ready.add(id(p))

@@ -10,6 +10,8 @@ import torch
 from mpformer.errors import ConfigError
 
 DEVICE_KINDS = ("auto", "cpu", "cuda")
+# What module constructors accept for their parameters' placement.
+DeviceLike = torch.device | str | None
 
 
 @dataclass(frozen=True)

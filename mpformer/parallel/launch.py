@@ -21,13 +21,15 @@ def init_distributed(device: Device, timeout_s: float) -> None:
 
     if dist.is_initialized():
         return
-    if "MASTER_ADDR" not in os.environ:  # not launched by torchrun: a world of one
-        from mpformer.testing.spawn import free_port
-
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                           "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     device.activate()
-    dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Binding the group to this rank's GPU lets NCCL set up eagerly and barriers use the right device.
+    device_id = device.torch_device if device.kind == "cuda" else None
+    if "MASTER_ADDR" not in os.environ:  # not launched by torchrun: a world of one, no port needed
+        dist.init_process_group(device.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                device_id=device_id)
+        return
+    dist.init_process_group(device.backend, timeout=timeout, device_id=device_id)
 
 
 def broadcast_str(value: str, src: int = 0) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from mpformer.errors import ConfigError, format_choices
-from mpformer.models.config import ModelConfig
+from mpformer.models.config import ModelConfig, divisors
 from mpformer.parallel.topology import Topology
 
 CP_KINDS = ("ring", "ulysses", "hybrid")
@@ -65,19 +65,15 @@ NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = 
 ]
 
 
-def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
-
-
 def valid_tp_values(model: ModelConfig) -> list[int]:
     """tp must divide query heads and ffn size; kv heads are split if tp divides them, else
     replicated, which needs tp to be a multiple of kv heads."""
     heads, kv, ffn = model.num_attention_heads, model.kv_heads, model.ffn_size
-    return [t for t in _divisors(heads) if ffn % t == 0 and (kv % t == 0 or t % kv == 0)]
+    return [t for t in divisors(heads) if ffn % t == 0 and (kv % t == 0 or t % kv == 0)]
 
 
 def valid_pp_values(model: ModelConfig, vpp: int = 1) -> list[int]:
-    return [p for p in _divisors(model.num_layers) if model.num_layers % (p * vpp) == 0]
+    return [p for p in divisors(model.num_layers) if model.num_layers % (p * vpp) == 0]
 
 
 def _check_values(L: ParallelLayout) -> None:
@@ -116,7 +112,7 @@ def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) 
         if L.cp_kind == "ulysses" and heads % (L.tp * L.cp):
             raise ConfigError(f"parallel.cp={L.cp} with cp_kind=ulysses needs tp*cp to divide "
                               f"num_attention_heads={heads}; valid cp: "
-                              f"{format_choices([c for c in _divisors(heads // L.tp)])}")
+                              f"{format_choices([c for c in divisors(heads // L.tp)])}")
 
 
 def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
@@ -148,11 +144,11 @@ def _resolve_dp(L: ParallelLayout, world_size: int) -> ParallelLayout:
         if world_size % others:
             raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp={others} "
                               f"(tp={L.tp}, pp={L.pp}, cp={L.cp}); valid tp*pp*cp: "
-                              f"{format_choices(_divisors(world_size))}")
+                              f"{format_choices(divisors(world_size))}")
         return replace(L, dp=world_size // others)
     if L.dp * others != world_size:
         hint = f"parallel.dp={world_size // others}" if world_size % others == 0 else \
-            f"tp*pp*cp dividing {world_size}: {format_choices(_divisors(world_size))}"
+            f"tp*pp*cp dividing {world_size}: {format_choices(divisors(world_size))}"
         raise ConfigError(f"dp*tp*pp*cp = {L.dp}*{L.tp}*{L.pp}*{L.cp} = {L.dp * others} but the world size is "
                           f"{world_size}; valid: {hint} (or parallel.dp=-1)")
     return L
@@ -164,7 +160,7 @@ def _check_batch(L: ParallelLayout, global_batch_size: int, micro_batch_size: in
                           f"{micro_batch_size} must be >= 1")
     per_step = micro_batch_size * L.dp
     if global_batch_size % per_step:
-        mbs_ok = [m for m in _divisors(global_batch_size // L.dp)] if global_batch_size % L.dp == 0 else []
+        mbs_ok = [m for m in divisors(global_batch_size // L.dp)] if global_batch_size % L.dp == 0 else []
         alt = f"; or micro_batch_size in {format_choices(mbs_ok)}" if mbs_ok else ""
         raise ConfigError(f"train.global_batch_size={global_batch_size} is not divisible by "
                           f"micro_batch_size*dp = {micro_batch_size}*{L.dp} = {per_step}; valid global batch "

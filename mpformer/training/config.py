@@ -142,10 +142,19 @@ def check_training_config(cfg: Config) -> None:
         raise ConfigError(f"train.stop_at={t.stop_at} must be between 1 and train.steps={t.steps}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must be two values in [0, 1)")
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+    if o.lr < 0 or o.min_lr < 0 or (o.decay != "constant" and o.min_lr > o.lr):
         raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} need 0 <= min_lr <= lr")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if not 0 <= o.warmup_steps <= t.steps:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be between 0 and train.steps={t.steps}")
+    if o.decay_steps is not None and not o.warmup_steps <= o.decay_steps:
+        raise ConfigError(f"optim.decay_steps={o.decay_steps} must be >= optim.warmup_steps={o.warmup_steps} "
+                          "(or null: decay until train.steps)")
+    if o.clip_grad < 0:
+        raise ConfigError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+    if t.threads is not None and t.threads < 1:
+        raise ConfigError(f"train.threads={t.threads} must be >= 1, or null for torch's default")
+    if t.micro_batch_size < 1 or cfg.eval.micro_batch_size < 1:
+        raise ConfigError("train.micro_batch_size and eval.micro_batch_size must be >= 1")
     if cfg.logging.interval < 1:
         raise ConfigError(f"logging.interval={cfg.logging.interval} must be >= 1")
     if cfg.checkpoint.save_interval < 0 or cfg.checkpoint.keep < 0:

@@ -13,8 +13,12 @@ if TYPE_CHECKING:  # torch loads after validation, so bad input exits in about a
     import torch
     import torch.distributed as dist
 
+    from mpformer.training.config import Config
 
-def load_eval_tokens(path: str | None, vocab_size: int) -> np.ndarray:
+
+def load_eval_tokens(path: str | None, vocab_size: int, max_positions: int | None = None) -> np.ndarray:
+    """The eval rows, checked: integer [batch, seq+1], ids inside the vocabulary, and (learned
+    positions) seq <= max_positions."""
     if not path:
         raise ConfigError("eval.tokens is not set; give eval.tokens=FILE.npy (int64 array [batch, seq+1])")
     p = Path(path)
@@ -27,6 +31,9 @@ def load_eval_tokens(path: str | None, vocab_size: int) -> np.ndarray:
     if arr.ndim != 2 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer):
         raise ConfigError(f"eval.tokens={path}: expected an integer array [batch, seq+1] with seq >= 1, got "
                           f"{arr.dtype} {list(arr.shape)}")
+    if max_positions is not None and arr.shape[1] - 1 > max_positions:
+        raise ConfigError(f"eval.tokens={path}: rows of {arr.shape[1] - 1} inputs exceed the model's "
+                          f"max_position_embeddings={max_positions}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab_size:
         raise ConfigError(f"eval.tokens={path}: token ids span [{lo}, {hi}] but the model's vocabulary is "
@@ -42,13 +49,19 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, 
     import torch.nn.functional as F
 
     rows = np.array_split(np.arange(tokens.shape[0]), dp_size)[dp_rank]
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)  # on the device: NCCL reduces no CPU tensors
     for i in range(0, len(rows), micro_batch):
         batch = torch.from_numpy(tokens[rows[i:i + micro_batch]]).to(device)
         with torch.no_grad():
             logits = model(batch[:, :-1]).float()
-        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].reshape(-1), reduction="sum").double().cpu()
+        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].reshape(-1), reduction="sum").double()
     if dp_size > 1:
         dist.all_reduce(total, group=group)
     count = tokens.shape[0] * (tokens.shape[1] - 1)
-    return float(total / count), count
+    return float(total.item() / count), count
+
+
+def load_eval_tokens_for(cfg: Config) -> np.ndarray:
+    """eval.tokens checked against cfg.model."""
+    m = cfg.model
+    return load_eval_tokens(cfg.eval.tokens, m.vocab_size, m.max_position_embeddings if m.learned_positions else None)

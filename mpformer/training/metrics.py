@@ -101,6 +101,9 @@ class StepTimer:
         self.t0 = time.perf_counter()
         self.times: list[float] = []
 
+    def restart(self) -> None:
+        self.t0 = time.perf_counter()
+
     def lap(self) -> float:
         now = time.perf_counter()
         dt, self.t0 = now - self.t0, now

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from mpformer.checkpoint.io import load_checkpoint, model_state, optimizer_state, save_checkpoint
 from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
+from mpformer.data.tokenizer import copy_tokenizer
+from mpformer.errors import ConfigError
 from mpformer.models.transformer import Transformer
 from mpformer.optim.builder import build_optimizer
 from mpformer.optim.clip import clip_grad_norm
@@ -25,7 +27,7 @@ from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.layout import ParallelLayout
 from mpformer.training.config import Config
-from mpformer.training.evaluation import evaluate_loss, load_eval_tokens
+from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for
 from mpformer.training.metrics import MetricsLogger, StepTimer
 
 
@@ -45,21 +47,22 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.kind)
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                                   decay_steps=o.decay_steps or t.steps, decay=o.decay)
+                                   decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
         self.dataset = build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        self.eval_tokens = (load_eval_tokens(cfg.eval.tokens, cfg.model.vocab_size) if cfg.eval.interval
-                            else None)
+        self.eval_tokens = load_eval_tokens_for(cfg) if cfg.eval.interval else None
         self.step = 0
         self.consumed_samples = 0
         self.wandb_run_id: str | None = None
-        # Different dropout masks per data-parallel replica and pipeline stage (Megatron's offsets).
-        torch.manual_seed(t.seed + 100 * groups.coords["pp"] + 10 * groups.coords["dp"])
+        self.tokenizer_dir = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if cfg.checkpoint.load:
             self._load(cfg.checkpoint.load)
+        else:
+            self._seed_dropout()
         self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else run_dir / "checkpoints"
         self.is_logger = groups.is_logging_rank
-        self.metrics = MetricsLogger(run_dir, enabled=self.is_logger, total_steps=t.steps, start_step=self.step,
+        self.metrics = MetricsLogger(run_dir, enabled=self.is_logger, total_steps=t.stop_at or t.steps,
+                                     start_step=self.step,
                                      interval=cfg.logging.interval, progress=cfg.logging.progress,
                                      wandb_cfg=cfg.logging.wandb, wandb_run_id=self.wandb_run_id,
                                      config=resolved_config)
@@ -75,6 +78,9 @@ class Trainer:
                                                  global_batch_size=t.global_batch_size,
                                                  micro_batch_size=t.micro_batch_size)
             batch = get_batch(self.dataset, [self.consumed_samples + i for i in offsets])
+            if int(batch.max()) >= self.cfg.model.vocab_size:
+                raise ConfigError(f"the data holds token id {int(batch.max())} but model.vocab_size="
+                                  f"{self.cfg.model.vocab_size}; valid: a vocabulary that covers the tokenizer's")
             batch = batch.to(self.device.torch_device, non_blocking=True)
             last = j == self.micro_steps - 1
             with self.dp.no_sync() if not last else contextlib.nullcontext():
@@ -104,17 +110,17 @@ class Trainer:
         timer = StepTimer()
         while self.step < end:
             m = self.train_step()
-            dt = timer.lap()
+            dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
             losses.append(m["loss"])
             comm = self.dp.reset_comm_bytes()
             m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "comm_bytes": sum(comm.values()),
                       "consumed_samples": self.consumed_samples, "eta_s": timer.eta(end - self.step)})
             if self.eval_tokens is not None and (self.step % self.cfg.eval.interval == 0 or self.step == end):
                 m["val_loss"] = self.validate()
-                timer.lap()  # validation time is not training step time
             self.metrics.log(self.step, m)
             if ck.save_interval and self.step % ck.save_interval == 0 and self.step != end:
                 self.save()
+            timer.restart()
         if losses:  # the final (or stop_at) checkpoint; a run that had nothing left to do writes none
             self.save()
         self.metrics.close()
@@ -141,27 +147,36 @@ class Trainer:
         manifest = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
                     "trainer": self.trainer_state(), "world_size": self.layout.world_size,
                     "config": self.resolved_config}
-        copy = {}
-        if self.cfg.data.tokenizer:
-            copy["tokenizer"] = Path(self.cfg.data.tokenizer)
-            manifest["tokenizer"] = "tokenizer"
+        tok = self.tokenizer_dir
+        if tok is not None:
+            manifest["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
         rng = self.device.rng_state()
         path = save_checkpoint(self.save_dir, self.step, tensors, manifest, keep=self.cfg.checkpoint.keep,
-                               rank_files={f"rng/rank_{self.groups.rank:05d}.pt": rng}, copy_dirs=copy)
+                               rank_files={f"rng/rank_{self.groups.rank:05d}.pt": rng},
+                               populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
         self.metrics.message(f"saved checkpoint {path}")
         return path
 
     def _load(self, path: str) -> None:
         finetune = self.cfg.checkpoint.finetune
         manifest = load_checkpoint(path, self.model, None if finetune else self.optimizer)
+        if self.tokenizer_dir is None and manifest.get("tokenizer"):
+            self.tokenizer_dir = Path(manifest["path"]) / manifest["tokenizer"]  # keep carrying it
         state = manifest.get("trainer")
-        if finetune or not manifest["loaded_optimizer"] or state is None:
-            return  # weights only (an HF conversion or checkpoint.finetune=true): start at step 0
-        self.step, self.consumed_samples = state["step"], state["consumed_samples"]
-        self.wandb_run_id = state.get("wandb_run_id")
+        if not (finetune or not manifest["loaded_optimizer"] or state is None):
+            self.step, self.consumed_samples = state["step"], state["consumed_samples"]
+            self.wandb_run_id = state.get("wandb_run_id")
         rng_file = Path(manifest["path"]) / "rng" / f"rank_{self.groups.rank:05d}.pt"
-        if manifest.get("world_size") == self.layout.world_size and rng_file.is_file():
+        if self.step and manifest.get("world_size") == self.layout.world_size and rng_file.is_file():
             self.device.set_rng_state(torch.load(rng_file, weights_only=True))
+        else:
+            self._seed_dropout()
+
+    def _seed_dropout(self) -> None:
+        """Dropout masks differ per data-parallel replica and pipeline stage (Megatron's offsets) and,
+        after a resume whose RNG states cannot be reused, per step, so no mask sequence repeats."""
+        c = self.groups.coords
+        torch.manual_seed(self.cfg.train.seed + 100 * c["pp"] + 10 * c["dp"] + 1_000_003 * self.step)
 
     def _banner(self, end: int) -> str:
         t, L = self.cfg.train, self.layout

@@ -50,12 +50,26 @@ def _check_grad_buckets() -> dict:
     """DataParallel alone: mean gradients across ranks, several buckets, no traffic under no_sync."""
     import torch.distributed as dist
 
-    from mpformer.models import ModelConfig, Transformer
-    from mpformer.parallel.data_parallel import DataParallel
+    from mpformer.models import ModelConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-                      ffn_hidden_size=64, vocab_size=64)
+    out = {}
+    # A GQA Llama, and a GPT-2 whose tied embedding gets gradients from two places.
+    for cfg in (ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=64, vocab_size=64),
+                ModelConfig(arch="gpt2", num_layers=2, hidden_size=32, num_attention_heads=4, activation="gelu_tanh",
+                            vocab_size=64, max_position_embeddings=16, tie_embeddings=True, attention_bias=True,
+                            mlp_bias=True)):
+        out[cfg.arch] = _check_one_model(cfg, rank, world)
+    return out["llama"]
+
+
+def _check_one_model(cfg, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from mpformer.models import Transformer
+    from mpformer.parallel.data_parallel import DataParallel
+
     batches = [torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ref = Transformer(cfg, seed=1)
     for b in batches:  # the oracle: mean gradient over every rank's batch, in one process

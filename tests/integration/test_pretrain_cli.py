@@ -19,7 +19,9 @@ PRETRAIN = "pretrain/pretrain_gpt.py"
 
 
 def _args(data: str, run_dir: Path, *extra: str) -> list[str]:
-    return [PRETRAIN, "model=tiny-llama", f"data.paths=[{data}]", "train.seq_length=32", "train.steps=20",
+    # Dropout on: resume exactness then also needs every rank's RNG state restored.
+    return [PRETRAIN, "model=tiny-llama", "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
+            f"data.paths=[{data}]", "train.seq_length=32", "train.steps=20",
             "train.global_batch_size=4", "train.micro_batch_size=2", "optim.lr=3e-3", "optim.warmup_steps=3",
             "train.device=cpu", "logging.progress=false", f"hydra.run.dir={run_dir}", *extra]
 
@@ -110,3 +112,27 @@ def test_bad_data_and_checkpoints(tiny_data, resumed, tmp_path):
     line = _one_line_error(run_cli(_args(tiny_data, tmp_path / "r3", "model=tiny-gpt2", f"checkpoint.load={ckpt}")))
     assert "another model shape" in line and "arch" in line
     _one_line_error(run_cli(_args(tiny_data, tmp_path / "r4", "checkpoint.load=/nonexistent/ckpt")), "no such")
+    line = _one_line_error(run_cli(_args(tiny_data, tmp_path / "r5", f"checkpoint.load={ckpt}", "train.seed=7")))
+    assert "seed was 1234, now 7" in line and "checkpoint.finetune=true" in line
+    _one_line_error(run_cli(_args(tiny_data, tmp_path / "r6", "model.vocab_size=100")), "vocab_size=100")
+
+
+def test_bad_input_under_torchrun_is_said_once(tiny_data, tmp_path):
+    res = run_cli(_args(tiny_data, tmp_path / "run", "train.foo=1"), torchrun=2, timeout=60)
+    assert res.returncode != 0
+    errors = [x for x in res.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and "train.foo" in errors[0], res.stderr[-2000:]
+    assert "mpformer/" not in res.stderr, "no traceback from our code, only torchrun's summary"
+
+
+def test_checkpoint_model_overrides_apply_on_top_of_the_checkpoint(resumed):
+    """checkpoint.load without model=...: the checkpoint's config, plus the model.<key> overrides."""
+    from mpformer.cli.compose import compose_config
+    from mpformer.training.preflight import adopt_checkpoint_model
+
+    ckpt = resumed / "first" / "checkpoints"
+    composed = compose_config([f"checkpoint.load={ckpt}", "model.hidden_dropout=0.0"])
+    assert composed.cfg.model.num_layers == 8  # the default preset (llama-tiny) before adoption
+    adopt_checkpoint_model(composed)
+    assert composed.cfg.model.num_layers == 2 and composed.cfg.model.hidden_dropout == 0.0
+    assert composed.cfg.model.attention_dropout == 0.1  # from the checkpoint
