@@ -14,6 +14,35 @@ from mpformer.models.config import ModelConfig
 from mpformer.parallel.device import DeviceLike
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up on the fused ``[..., 2f]`` projection output.
+
+    Saves only that input (autograd would also keep silu(gate)) and writes d(gate) | d(up) straight
+    into one buffer, so backward needs no concatenation of the two halves' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.chunk(2, dim=-1)
+        ctx.save_for_backward(gu)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
+        (gu,) = ctx.saved_tensors
+        gate, up = gu.chunk(2, dim=-1)
+        d_gu = torch.empty_like(gu)
+        d_gate, d_up = d_gu.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        torch.mul(dy, gate * sig, out=d_up)
+        torch.mul(dy * up, sig * (1 + gate * (1 - sig)), out=d_gate)  # silu'(g) = s(g) (1 + g (1 - s(g)))
+        return d_gu
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    return _SwiGLU.apply(gu)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate|up fused row-wise; GELU: down(gelu(up(x)))."""
 
@@ -29,8 +58,7 @@ class MLP(nn.Module):
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
         up_sbf = self.up(x_sbh)
         if self.gated:
-            gate_sbf, val_sbf = up_sbf.chunk(2, dim=-1)
-            act_sbf = F.silu(gate_sbf) * val_sbf
+            act_sbf = swiglu(up_sbf)
         else:
             act_sbf = F.gelu(up_sbf, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.down(act_sbf)

@@ -45,9 +45,12 @@ class DataParallel:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.sync = True
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = self._make_buckets(int(bucket_mb * 2**20 / torch.finfo(grad_dtype).bits * 8), grad_dtype)
+        # One rank has nothing to reduce: plain autograd gradients, no buffers, no hooks.
+        cap = int(bucket_mb * 2**20 / torch.finfo(grad_dtype).bits * 8)
+        self.buckets = self._make_buckets(cap, grad_dtype) if self.size > 1 else []
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params] \
+            if self.size > 1 else []
         # Communicated bytes per rank, by collective kind (what each rank sends into the ring).
         self.comm_bytes: dict[str, int] = {}
 
@@ -115,6 +118,10 @@ class DataParallel:
             b.ready.clear()
 
     def zero_grad(self) -> None:
+        if self.size == 1:
+            for p in self.params:
+                p.grad = None
+            return
         for b in self.buckets:
             b.buffer.zero_()
             for p in b.params:
