@@ -47,6 +47,7 @@ from common import (
 
 from mpformer.convert import adapter_for_arch
 from mpformer.models import ModelConfig, Transformer
+from mpformer.models.parallelize import grad_specs
 from mpformer.optim.builder import build_optimizer, param_groups
 from mpformer.optim.clip import clip_grad_norm
 from mpformer.parallel.data_parallel import DataParallel
@@ -116,12 +117,13 @@ def make_runners(cfg: ModelConfig, precision: str, seed: int, attn_impl: str | N
     ocfg = OptimConfig()
     dtype = DTYPES[precision]
 
-    # mpformer: exactly the trainer's objects (DataParallel owns the grads even at dp=1).
+    # mpformer: exactly the trainer's objects (DataParallel, gradient specs, clipping, optimizer).
     dp = DataParallel(mp, None)
+    specs = grad_specs(mp)
     mp_opt = build_optimizer(mp, ocfg, "cpu")
 
     def mp_update() -> None:
-        clip_grad_norm(dp.params, ocfg.clip_grad)
+        clip_grad_norm(specs, ocfg.clip_grad)
         mp_opt.step()
         dp.zero_grad()
 

@@ -30,6 +30,7 @@ from mpformer.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
+from mpformer.checkpoint.shards import Shard, ShardLoadPlanner, ShardSavePlanner
 from mpformer.errors import ConfigError
 
 MODEL_PREFIX = "model."
@@ -81,27 +82,31 @@ def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {MODEL_PREFIX + k: v for k, v in model.canonical_tensors().items()}
+def model_state(model: nn.Module) -> dict[str, Shard]:
+    """model.<canonical name> -> this rank's shard of the weight."""
+    return {MODEL_PREFIX + k: sh for k, sh in model.canonical_shards().items()}
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Per-parameter tensors under optim.<key>.<canonical name>; the shared step count once."""
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Shard]:
+    """optim.<key>.<canonical name> -> the same shard of the per-parameter state (Adam's exp_avg of
+    the fused QKV weight is cut into q, k, v blocks exactly as the weight is); the step count once."""
     init_adam_state(optimizer)
-    canonical = model.canonical_tensors()
+    shards = model.canonical_shards()
+    local = {k: sh.local for k, sh in shards.items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keys = sorted({k for p in params for k, t in optimizer.state[p].items() if t.dim() > 0})
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Shard] = {}
     for key in keys:
-        views = views_like(canonical, params, lambda p, key=key: optimizer.state[p].get(key))
-        out.update({f"{OPTIM_PREFIX}{key}.{n}": v for n, v in views.items()})
+        views = views_like(local, params, lambda p, key=key: optimizer.state[p].get(key))
+        out.update({f"{OPTIM_PREFIX}{key}.{n}": shards[n].like(v) for n, v in views.items()})
     steps = {float(optimizer.state[p]["step"]) for p in params}
     assert len(steps) == 1, f"parameters disagree on the optimizer step: {steps}"
-    out[OPTIM_PREFIX + "step"] = optimizer.state[params[0]]["step"].detach().clone().cpu().reshape(1)
+    out[OPTIM_PREFIX + "step"] = Shard.full(optimizer.state[params[0]]["step"].detach().clone().cpu().reshape(1))
     return out
 
 
 def set_optimizer_step(optimizer: torch.optim.Optimizer, step_tensor: torch.Tensor) -> None:
+    """Every parameter's step count from the checkpoint's single one."""
     for g in optimizer.param_groups:
         for p in g["params"]:
             optimizer.state[p]["step"].fill_(float(step_tensor.reshape(-1)[0]))
@@ -127,24 +132,19 @@ def stored_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
             if hasattr(v, "size")}
 
 
-def load_tensors(ckpt_dir: str | Path, targets: dict[str, torch.Tensor]) -> None:
-    """Fill ``targets`` (name -> tensor, written in place) from a checkpoint; casts dtypes if needed."""
+def load_tensors(ckpt_dir: str | Path, targets: dict[str, Shard]) -> None:
+    """Fill each shard's ``local`` in place with its block of the stored tensor (dtype cast on copy)."""
     stored = stored_metadata(ckpt_dir)
     missing = [k for k in targets if k not in stored]
     if missing:
         raise ConfigError(f"checkpoint {ckpt_dir} lacks {len(missing)} tensors, first: {missing[0]}")
-    bad = [(k, stored[k][0], tuple(t.shape)) for k, t in targets.items() if stored[k][0] != tuple(t.shape)]
+    bad = [(k, stored[k][0], sh.global_shape) for k, sh in targets.items() if stored[k][0] != tuple(sh.global_shape)]
     if bad:
         k, got, want = bad[0]
         raise ConfigError(f"checkpoint {ckpt_dir}: tensor {k} has shape {list(got)}, the model needs {list(want)}")
-    staged = {k: (t if stored[k][1] == t.dtype else torch.empty(t.shape, dtype=stored[k][1], device=t.device))
-              for k, t in targets.items()}
     with quiet_dcp():
-        dcp.load(staged, checkpoint_id=str(ckpt_dir), no_dist=_no_dist())
-    with torch.no_grad():
-        for k, t in targets.items():
-            if staged[k] is not t:
-                t.copy_(staged[k])
+        dcp.load({k: sh.local for k, sh in targets.items()}, checkpoint_id=str(ckpt_dir),
+                 planner=ShardLoadPlanner(targets), no_dist=_no_dist())
 
 
 def read_all_tensors(ckpt_dir: str | Path, prefix: str = MODEL_PREFIX) -> dict[str, torch.Tensor]:
@@ -169,12 +169,12 @@ def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
     if optimizer is not None and manifest.get("has_optimizer"):
         targets = optimizer_state(model, optimizer)
         load_tensors(d, targets)
-        set_optimizer_step(optimizer, targets[OPTIM_PREFIX + "step"])
+        set_optimizer_step(optimizer, targets[OPTIM_PREFIX + "step"].local)
         manifest["loaded_optimizer"] = True
     return manifest
 
 
-def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
+def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, Shard],
                     manifest: dict[str, Any], *, rank_files: dict[str, Any] | None = None,
                     populate: Callable[[Path], None] | None = None, keep: int = 0) -> Path:
     """Atomically write ``save_dir/step_N``: temp dir, payload, manifest, rename, then ``latest``.
@@ -193,7 +193,8 @@ def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, torch.Te
         tmp.mkdir()
     _barrier()
     with quiet_dcp():
-        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=_no_dist())
+        dcp.save({k: sh.local for k, sh in tensors.items()}, checkpoint_id=str(tmp), planner=ShardSavePlanner(tensors),
+                 no_dist=_no_dist())
     for name, obj in (rank_files or {}).items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         torch.save(obj, tmp / name)

@@ -29,18 +29,21 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("checkpoint.load is not set; give checkpoint.load=DIR (a checkpoint or save directory)")
     manifest = adopt_checkpoint_model(composed)
     assert manifest is not None
-    layout = validate(cfg.parallel.layout(), cfg.model, world_size_from_env(), seq_length=None)
     tokens = load_eval_tokens_for(cfg)
+    layout = validate(cfg.parallel.layout(), cfg.model, world_size_from_env(), seq_length=tokens.shape[1] - 1)
     from mpformer.checkpoint.io import load_checkpoint
-    from mpformer.models.transformer import Transformer
+    from mpformer.models.parallelize import build_model
     from mpformer.parallel.device import resolve_device
     from mpformer.parallel.groups import ProcessGroups
+    from mpformer.parallel.tensor_parallel import kv_replicas
 
     device = resolve_device(cfg.train.device)
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
         groups = ProcessGroups.build(layout, device)
-        model = Transformer(cfg.model, device=device.torch_device, seed=None).eval()
+        m = cfg.model
+        tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads))
+        model = build_model(m, tp=tp, device=device.torch_device, seed=0).eval()
         load_checkpoint(manifest["path"], model)
         loss, count = evaluate_loss(model, tokens, cfg.eval.micro_batch_size, device.torch_device,
                                     groups.dp_rank, layout.dp, groups.dp)

@@ -41,7 +41,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: DeviceLike = None) -> None:
         super().__init__()
+        self.cfg = cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+    def reset(self) -> None:
+        """Recompute the table after materialising a model built on the meta device."""
+        self.inv_freq = rope_inv_freq(self.cfg).to(self.inv_freq.device)
 
     def forward(self, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         pos_s = torch.arange(offset, offset + seq_len, device=self.inv_freq.device, dtype=torch.float32)
@@ -92,8 +97,8 @@ class Attention(nn.Module):
         self.selective_recompute = selective_recompute
 
     def forward(self, x_sbh: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        s, b, _ = x_sbh.shape
-        qkv = self.qkv(x_sbh)
+        qkv = self.qkv(x_sbh)  # under sequence parallelism the input is s/t long, qkv is all-gathered to s
+        s, b = qkv.shape[:2]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q_bnsd = q.view(s, b, self.n_heads, self.d).permute(1, 2, 0, 3)
         k_bksd = k.view(s, b, self.n_kv, self.d).permute(1, 2, 0, 3)

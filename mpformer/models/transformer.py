@@ -21,13 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mpformer.checkpoint.shards import Shard
 from mpformer.layers.attention import Attention, RotaryEmbedding
+from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
 from mpformer.layers.linear import linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm, canonical_norm
+from mpformer.layers.parallel import gather_input
 from mpformer.models.config import ModelConfig
+from mpformer.parallel.comm import gather_from_region
 from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.layout import RECOMPUTE
+from mpformer.parallel.tensor_parallel import TPContext
 
 
 class Block(nn.Module):
@@ -76,8 +81,13 @@ class Transformer(nn.Module):
         self.final_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
         self.full_recompute = recompute == "full"
+        self.tp: TPContext | None = None  # set by models.parallelize.apply_tp_plan
         if seed is not None and device != "meta":
             self.init_weights(seed)
+
+    def reset_buffers(self) -> None:
+        if self.rotary is not None:
+            self.rotary.reset()
 
     # ---- forward ---------------------------------------------------------------------------
     def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:
@@ -88,7 +98,9 @@ class Transformer(nn.Module):
             if s > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
                                  f"{self.cfg.max_position_embeddings}")
-            x_sbh = x_sbh + self.pos_embed.weight[:s, None, :]
+            # Under sequence parallelism this rank holds the sequence chunk [start, start + len).
+            start = self.tp.rank * x_sbh.shape[0] if self.tp is not None and self.tp.sequence_parallel else 0
+            x_sbh = x_sbh + self.pos_embed.weight[start:start + x_sbh.shape[0], None, :]
         x_sbh = self.embed_dropout(x_sbh)
         rope = self.rotary(s) if self.rotary is not None else None
         for layer in self.layers:
@@ -102,11 +114,25 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
-        logits_sbv = linear(self.hidden_states(tokens_bs), self.output_weight())
+        hidden_sbh = self.hidden_states(tokens_bs)
+        if self.tp is not None:
+            return self._tp_output(hidden_sbh, labels_bs)
+        logits_sbv = linear(hidden_sbh, self.output_weight())
         if labels_bs is None:
             return logits_sbv.transpose(0, 1)
         # Mean next-token cross entropy over every labelled token, computed in fp32.
         return F.cross_entropy(logits_sbv.float().flatten(0, 1), labels_bs.t().reshape(-1), ignore_index=-100)
+
+    def _tp_output(self, hidden_sbh: torch.Tensor, labels_bs: torch.Tensor | None) -> torch.Tensor:
+        """Logits of this rank's vocabulary block; the loss without gathering them (vocab-parallel
+        cross entropy), or the full logits (padding dropped) when no labels are given."""
+        tp, head = self.tp, (self.embed if self.lm_head is None else self.lm_head)
+        logits_sbv = linear(gather_input(hidden_sbh, tp), self.output_weight())
+        if labels_bs is None:
+            full = gather_from_region(logits_sbv, tp.comm, dim=-1)
+            return full[..., : self.cfg.vocab_size].transpose(0, 1)
+        return vocab_parallel_cross_entropy(logits_sbv.flatten(0, 1), labels_bs.t().reshape(-1), tp.comm,
+                                            head.start, head.valid)
 
     # ---- layout-free view and initialisation ---------------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
@@ -121,18 +147,32 @@ class Transformer(nn.Module):
             out["lm_head.weight"] = self.lm_head.weight
         return out
 
+    def canonical_shards(self) -> dict[str, Shard]:
+        """Canonical name -> this rank's block of it (the whole tensor without tensor parallelism)."""
+        if self.tp is None:
+            return {k: Shard.full(v) for k, v in self.canonical_tensors().items()}
+        from mpformer.models.parallelize import canonical_shards
+
+        return canonical_shards(self)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Megatron-style init; each canonical tensor draws from its own generator seeded by
-        (seed, name), so any slice of any layout gets the same values as the full model."""
+        (seed, name), and a rank copies its block of it, so every layout starts from the values of
+        the single-device model. (Each rank draws whole tensors: simple, and cheap next to training.)"""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
-        for name, t in self.canonical_tensors().items():
+        for p in self.parameters():
+            p.zero_()  # vocabulary padding rows are no canonical tensor's block: they stay 0
+        for name, sh in self.canonical_shards().items():
             if name.endswith(".bias"):
-                t.zero_()
-            elif "norm" in name:
-                t.fill_(1.0)
-            else:
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                sd = out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std
-                t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, sd, generator=g))
+                continue
+            if "norm" in name:
+                sh.local.fill_(1.0)
+                continue
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            sd = out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std
+            full = torch.empty(sh.global_shape, dtype=torch.float32).normal_(0.0, sd, generator=g)
+            for dim, (off, n) in enumerate(zip(sh.offsets, sh.local.shape)):
+                full = full.narrow(dim, off, n)
+            sh.local.copy_(full)

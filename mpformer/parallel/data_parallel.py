@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mpformer.parallel.comm import Comm
+
 
 @dataclass
 class _Bucket:
@@ -38,11 +40,11 @@ class _Bucket:
 class DataParallel:
     """Owns the gradients of ``model``'s parameters and reduces them over ``group``."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, bucket_mb: float = 25.0,
+    def __init__(self, model: nn.Module, comm: Comm | None, *, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
-        self.group = group
-        self.size = dist.get_world_size(group) if group is not None else 1
+        self.comm = comm
+        self.size = comm.size if comm is not None else 1
         self.sync = True
         self.params = [p for p in model.parameters() if p.requires_grad]
         # One rank has nothing to reduce: plain autograd gradients, no buffers, no hooks.
@@ -51,8 +53,6 @@ class DataParallel:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params] \
             if self.size > 1 else []
-        # Communicated bytes per rank, by collective kind (what each rank sends into the ring).
-        self.comm_bytes: dict[str, int] = {}
 
     def _make_buckets(self, cap_elems: int, dtype: torch.dtype) -> list[_Bucket]:
         groups: list[list[nn.Parameter]] = [[]]
@@ -99,9 +99,8 @@ class DataParallel:
 
     def _launch(self, b: _Bucket) -> None:
         b.buffer.div_(self.size)
-        b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
-        nbytes = b.buffer.numel() * b.buffer.element_size()
-        self.comm_bytes["all_reduce"] = self.comm_bytes.get("all_reduce", 0) + nbytes
+        assert self.comm is not None
+        b.handle = self.comm.all_reduce(b.buffer, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce; buckets whose hooks never fired (parameters unused in
@@ -127,10 +126,6 @@ class DataParallel:
             for p in b.params:
                 assert p.grad is not None and p.grad.data_ptr() >= b.buffer.data_ptr(), \
                     "a gradient stopped being a bucket view (set_to_none or replaced grad)"
-
-    def reset_comm_bytes(self) -> dict[str, int]:
-        out, self.comm_bytes = self.comm_bytes, {}
-        return out
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

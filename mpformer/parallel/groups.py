@@ -6,13 +6,15 @@ same order as parallel/topology.py (checked at construction).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mpformer.parallel.comm import Comm, CommLedger
 from mpformer.parallel.device import Device
 from mpformer.parallel.layout import ParallelLayout
+from mpformer.parallel.tensor_parallel import TPContext
 from mpformer.parallel.topology import Topology
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
@@ -27,6 +29,7 @@ class ProcessGroups:
     mesh: DeviceMesh
     rank: int
     coords: dict[str, int]
+    ledger: CommLedger = field(default_factory=CommLedger)
 
     @classmethod
     def build(cls, layout: ParallelLayout, device: Device) -> ProcessGroups:
@@ -52,6 +55,25 @@ class ProcessGroups:
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.mesh.get_group(dim)
+
+    def comm(self, dim: str) -> Comm:
+        """A byte-counting communicator over ``dim``; all of them write to ``self.ledger``."""
+        return Comm(self.group(dim), self.ledger, tag=f"{dim}.")
+
+    def tp_context(self, kv_replicas: int = 1) -> TPContext:
+        """The tensor-parallel context; with ``kv_replicas`` > 1 (tp exceeds the kv heads), also the
+        groups of consecutive tp ranks that share a kv head. Collective: every rank calls it."""
+        ctx = TPContext(self.comm("tp"), sequence_parallel=self.layout.sequence_parallel)
+        if kv_replicas > 1:
+            topo, mine = self.layout.topology, []
+            for tp_ranks in topo.groups("tp"):  # every rank creates every group, in the same order
+                for i in range(0, len(tp_ranks), kv_replicas):
+                    block = tp_ranks[i:i + kv_replicas]
+                    g = dist.new_group(block)
+                    if self.rank in block:
+                        mine.append(Comm(g, self.ledger, tag="tp."))
+            ctx.replica_comms[kv_replicas] = mine[0]
+        return ctx
 
     def size(self, dim: str) -> int:
         return self.mesh.size(self.mesh.mesh_dim_names.index(dim))

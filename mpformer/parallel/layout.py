@@ -55,8 +55,6 @@ class ParallelLayout:
 
 # (predicate, key, what) for features whose config exists but whose runtime lands in a later issue.
 NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = [
-    (lambda L: L.tp > 1, "tp", "tensor parallelism", "1"),
-    (lambda L: L.sequence_parallel, "sequence_parallel", "sequence parallelism", "false"),
     (lambda L: L.pp > 1, "pp", "pipeline parallelism", "1"),
     (lambda L: L.vpp > 1, "vpp", "virtual pipeline stages", "1"),
     (lambda L: L.pp_split is not None, "pp_split", "explicit pipeline splits", "null"),
@@ -104,6 +102,9 @@ def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) 
     if L.sequence_parallel and L.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; valid: false, or tp in "
                           f"{valid_tp}")
+    if L.sequence_parallel and seq_length is not None and seq_length % L.tp:
+        raise ConfigError(f"train.seq_length={seq_length} must be divisible by parallel.tp={L.tp} under sequence "
+                          f"parallelism (each rank keeps seq_length/tp positions); valid: multiples of {L.tp}")
     _check_pipeline(L, model)
     if L.cp > 1 and seq_length is not None:
         if L.cp_kind in ("ring", "hybrid") and seq_length % (2 * L.cp):

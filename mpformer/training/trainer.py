@@ -19,13 +19,14 @@ from mpformer.checkpoint.io import load_checkpoint, model_state, optimizer_state
 from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.errors import ConfigError
-from mpformer.models.transformer import Transformer
+from mpformer.models.parallelize import build_model, grad_specs
 from mpformer.optim.builder import build_optimizer
 from mpformer.optim.clip import clip_grad_norm
 from mpformer.optim.lr import LRSchedule
 from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.layout import ParallelLayout
+from mpformer.parallel.tensor_parallel import kv_replicas, sync_tp_grads
 from mpformer.training.config import Config
 from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for
 from mpformer.training.metrics import MetricsLogger, StepTimer
@@ -41,9 +42,12 @@ class Trainer:
         t = cfg.train
         self.dtype_ctx = (torch.autocast(self.device.kind, dtype=torch.bfloat16) if t.precision == "bf16"
                           else contextlib.nullcontext())
-        self.model = Transformer(cfg.model, recompute=layout.recompute, use_apex=t.use_apex,
-                                 device=self.device.torch_device, seed=t.seed)
-        self.dp = DataParallel(self.model, groups.dp, bucket_mb=t.grad_bucket_mb)
+        m = cfg.model
+        self.tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads))
+        self.model = build_model(m, tp=self.tp, device=self.device.torch_device, seed=t.seed,
+                                 recompute=layout.recompute, use_apex=t.use_apex)
+        self.grad_specs = grad_specs(self.model)
+        self.dp = DataParallel(self.model, groups.comm("dp"), bucket_mb=t.grad_bucket_mb)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.kind)
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
@@ -89,13 +93,14 @@ class Trainer:
                 (loss / self.micro_steps).backward()
             loss_sum += loss.detach().float()
         self.dp.finish()
-        grad_norm = clip_grad_norm(self.dp.params, self.cfg.optim.clip_grad)
+        sync_tp_grads(self.grad_specs)
+        grad_norm = clip_grad_norm(self.grad_specs, self.cfg.optim.clip_grad, self.tp.comm)
         lr = self.schedule.apply(self.optimizer, self.step)
         self.optimizer.step()
         self.step += 1
         self.consumed_samples += t.global_batch_size
         loss_mean = loss_sum / self.micro_steps
-        if self.layout.dp > 1:
+        if self.layout.dp > 1:  # a metric, not training traffic: kept out of the ledger
             dist.all_reduce(loss_mean, group=self.groups.dp)
             loss_mean /= self.layout.dp
         return {"loss": float(loss_mean), "grad_norm": grad_norm, "lr": lr}
@@ -112,8 +117,9 @@ class Trainer:
             m = self.train_step()
             dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
             losses.append(m["loss"])
-            comm = self.dp.reset_comm_bytes()
+            comm = self.groups.ledger.take()
             m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "comm_bytes": sum(comm.values()),
+                      "comm_bytes_by_kind": comm,
                       "consumed_samples": self.consumed_samples, "eta_s": timer.eta(end - self.step)})
             if self.eval_tokens is not None and (self.step % self.cfg.eval.interval == 0 or self.step == end):
                 m["val_loss"] = self.validate()

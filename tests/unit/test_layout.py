@@ -69,7 +69,6 @@ def test_enum_values():
 
 
 @pytest.mark.parametrize("layout,world,key", [
-    (ParallelLayout(tp=2), 2, "tp"),
     (ParallelLayout(pp=2), 2, "pp"),
     (ParallelLayout(cp=2), 2, "cp"),
     (ParallelLayout(zero=1), 1, "zero"),

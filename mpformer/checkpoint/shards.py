@@ -1,0 +1,104 @@
+"""Shards of layout-free tensors, and the DCP planners that save and load exactly those slices.
+
+A :class:`Shard` says: this rank holds ``local``, the block of the global (canonical) tensor that
+starts at ``offsets``. Tensor parallelism cuts q/k/v, gate/up and the vocabulary into row blocks;
+replicated tensors are one block covering everything; kv heads replicated over several tp ranks
+are the same block on each of them (DCP's plan deduplication writes it once). The planners turn
+shards into DCP write/read items, so a checkpoint written under one layout loads under any other:
+each rank reads only the rows it needs, from whichever files hold them.
+
+We use DCP's public planner interface rather than DTensor placements because our shards are not
+all expressible as placements over one mesh (GQA kv heads replicated within tp, vocabularies
+padded to a multiple of tp whose padding must never reach the checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+
+@dataclass
+class Shard:
+    """``local`` is global[offsets[0]:offsets[0]+local.shape[0], ...] of a tensor of ``global_shape``."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def full(cls, t: torch.Tensor) -> Shard:
+        return cls(t, tuple(t.shape), (0,) * t.dim())
+
+    @classmethod
+    def rows(cls, local: torch.Tensor, global_rows: int, start: int) -> Shard:
+        """A block of rows (dim 0) starting at ``start`` of a tensor with ``global_rows`` rows."""
+        return cls(local, (global_rows, *local.shape[1:]), (start,) + (0,) * (local.dim() - 1))
+
+    def like(self, t: torch.Tensor) -> Shard:
+        """The same block of another tensor with the local shape (e.g. Adam's exp_avg)."""
+        assert t.shape == self.local.shape
+        return Shard(t, self.global_shape, self.offsets)
+
+    @property
+    def is_full(self) -> bool:
+        return tuple(self.local.shape) == tuple(self.global_shape)
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.local.shape)
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """Write each shard as a chunk of its global tensor (identical chunks on several ranks are
+    written once: DefaultSavePlanner deduplicates by (name, offsets))."""
+
+    def __init__(self, shards: dict[str, Shard]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, sh in self.shards.items():
+            if sh.local.numel() == 0:
+                continue  # a rank whose vocabulary block is all padding holds nothing to save
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, torch.Size(sh.offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=sh._chunk(), properties=TensorProperties.create_from_tensor(sh.local),
+                                            size=torch.Size(sh.global_shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        sh = self.shards[write_item.index.fqn]
+        assert tuple(write_item.index.offset) == tuple(sh.offsets)
+        return sh.local.detach()
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """Read, for each shard, exactly its block of the stored global tensor, straight into ``local``
+    (DCP copies into the view we return, casting dtypes when the stored dtype differs)."""
+
+    def __init__(self, shards: dict[str, Shard]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> LoadPlan:
+        requests: list[ReadItem] = []
+        for fqn, sh in self.shards.items():
+            if sh.local.numel() == 0:
+                continue
+            requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [sh._chunk()])
+        return LoadPlan(requests)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        local = self.shards[read_item.dest_index.fqn].local
+        return narrow_tensor_by_index(local, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # the data went straight into the shard's view

@@ -1,0 +1,150 @@
+"""Tensor-parallel layers: column- and row-parallel linears, the vocabulary-parallel embedding.
+
+Shape legend: s sequence (s/t under sequence parallelism), b micro-batch, h hidden, t tp size.
+
+    ColumnParallelLinear   x [s(/t), b, h]  -- copy_to | all_gather_seq -->  [s, b, h] @ W_r^T -> [s, b, out/t]
+    RowParallelLinear      x [s, b, in/t] @ W_r^T -> partial [s, b, h] -- reduce | reduce_scatter_seq --> + bias
+    VocabParallelEmbedding ids [s, b] -> rows of this rank's vocabulary block -- reduce | reduce_scatter_seq
+
+Weights are built from the single-device module they replace (``from_module``), on whatever
+device that module lives on (``meta`` for a model that is materialised after parallelisation).
+Each layer reports its canonical shards (for checkpoints and initialisation) and its gradient
+specs (which rows are replicated over tp and which need a gradient all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpformer.checkpoint.shards import Shard
+from mpformer.layers.linear import linear
+from mpformer.parallel.comm import all_gather_seq, copy_to_region, reduce_from_region, reduce_scatter_seq
+from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
+
+
+def gather_input(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Enter a tensor-parallel region: all-gather the sequence (SP) or mark the identity copy."""
+    return all_gather_seq(x, tp.comm) if tp.sequence_parallel else copy_to_region(x, tp.comm)
+
+
+def reduce_output(y: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Leave it: sum the partial outputs, keeping this rank's sequence chunk under SP."""
+    return reduce_scatter_seq(y, tp.comm) if tp.sequence_parallel else reduce_from_region(y, tp.comm)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output rows split over tp, part by part (a fused projection keeps ``[part_0 r | part_1 r ...]``)."""
+
+    def __init__(self, in_features: int, parts: list[Part], tp: TPContext, *, bias: bool,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.parts, self.tp = parts, tp
+        self.blocks = [p.block(tp.rank, tp.size) for p in parts]  # (global start, rows) per part
+        rows = sum(n for _, n in self.blocks)
+        self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(gather_input(x, self.tp), self.weight, self.bias)
+
+    def _local_rows(self) -> list[tuple[int, int]]:
+        out, at = [], 0
+        for _, n in self.blocks:
+            out.append((at, at + n))
+            at += n
+        return out
+
+    def canonical_shards(self, names: dict[str, str]) -> dict[str, Shard]:
+        """``names`` maps a part name to its canonical prefix (e.g. "q" -> "layers.0.attn.q")."""
+        out = {}
+        for part, (start, _), (a, b) in zip(self.parts, self.blocks, self._local_rows()):
+            out[f"{names[part.name]}.weight"] = Shard.rows(self.weight[a:b], part.rows, start)
+            if self.bias is not None:
+                out[f"{names[part.name]}.bias"] = Shard.rows(self.bias[a:b], part.rows, start)
+        return out
+
+    def grad_specs(self) -> list[GradSpec]:
+        specs = []
+        for part, rows in zip(self.parts, self._local_rows()):
+            reps = part.replicas(self.tp.size)
+            sync = self.tp.replica_comm(reps) if reps > 1 else None
+            specs += [GradSpec(p, rows, reps, sync) for p in (self.weight, self.bias) if p is not None]
+        return specs
+
+
+class RowParallelLinear(nn.Module):
+    """Input columns split over tp; partial outputs summed (or reduce-scattered), then the bias."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, *, bias: bool,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"row-parallel input of {in_features} does not split over tp={tp.size}")
+        self.tp, self.in_features = tp, in_features
+        self.cols = in_features // tp.size
+        self.weight = nn.Parameter(torch.empty(out_features, self.cols, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_output(linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+    def canonical_shards(self, name: str) -> dict[str, Shard]:
+        start = self.tp.rank * self.cols
+        out = {f"{name}.weight": Shard(self.weight, (self.weight.shape[0], self.in_features), (0, start))}
+        if self.bias is not None:
+            out[f"{name}.bias"] = Shard.full(self.bias)
+        return out
+
+    def grad_specs(self) -> list[GradSpec]:
+        specs = [GradSpec(self.weight)]
+        if self.bias is not None:  # replicated; under SP each rank saw only its sequence chunk
+            specs.append(GradSpec(self.bias, None, self.tp.size, self.tp.comm if self.tp.sequence_parallel else None))
+        return specs
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split over tp; the vocabulary is padded to a multiple of tp, and the padding
+    rows are never looked up, never reach the loss (masked in the cross entropy) or a checkpoint."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPContext, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.padded = -(-vocab_size // tp.size) * tp.size
+        self.rows = self.padded // tp.size
+        self.start = tp.rank * self.rows
+        self.valid = max(0, min(self.rows, vocab_size - self.start))  # rows of real tokens on this rank
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden, device=device, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.rows)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_output(out, self.tp)
+
+    def canonical_shards(self, name: str) -> dict[str, Shard]:
+        return {f"{name}.weight": Shard.rows(self.weight[: self.valid], self.vocab_size, self.start)}
+
+    def grad_specs(self) -> list[GradSpec]:
+        return [GradSpec(self.weight)]
+
+
+class VocabParallelHead(nn.Module):
+    """The untied LM head: this rank's vocabulary block of logits, from the full (gathered) hidden."""
+
+    def __init__(self, hidden: int, vocab_size: int, tp: TPContext, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        shape = VocabParallelEmbedding(vocab_size, 1, tp, device="meta")
+        self.tp, self.vocab_size = tp, vocab_size
+        self.rows, self.start, self.valid = shape.rows, shape.start, shape.valid
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden, device=device, dtype=dtype))
+
+    def canonical_shards(self, name: str) -> dict[str, Shard]:
+        return {f"{name}.weight": Shard.rows(self.weight[: self.valid], self.vocab_size, self.start)}
+
+    def grad_specs(self) -> list[GradSpec]:
+        return [GradSpec(self.weight)]

@@ -1,0 +1,222 @@
+"""Collectives: a byte-counting ``Comm`` per group, and autograd-aware dual pairs on top of it.
+
+Every collective mpformer issues goes through a :class:`Comm`, which records what this rank moves
+into a :class:`CommLedger`, ring-adjusted (what a bandwidth-optimal ring sends per rank)::
+
+    all-reduce of N bytes        2 (n-1)/n N       (reduce-scatter + all-gather)
+    all-gather to N bytes          (n-1)/n N
+    reduce-scatter of N bytes      (n-1)/n N
+    all-to-all of N bytes          (n-1)/n N
+
+so the ledger can be compared with the analytic volumes of ../shared/reference/formulas.md.
+
+The autograd pairs follow Megatron's mappings.py; each backward calls its dual::
+
+    copy_to_region       fwd identity          bwd all-reduce
+    reduce_from_region   fwd all-reduce        bwd identity
+    scatter_to_region    fwd keep own chunk    bwd all-gather      (along ``dim``)
+    gather_from_region   fwd all-gather        bwd keep own chunk  (along ``dim``)
+    all_gather_seq       fwd all-gather        bwd reduce-scatter  (sequence dim 0: SP)
+    reduce_scatter_seq   fwd reduce-scatter    bwd all-gather      (sequence dim 0: SP)
+    all_to_all           fwd all-to-all        bwd all-to-all with the dims swapped
+
+gloo and NCCL concatenate all-gather / reduce-scatter along dim 0; other dims are handled here,
+once, by moving the dim to the front.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+class CommLedger:
+    """Bytes moved by this rank, per collective kind; the trainer reads and resets it every step."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, float] = defaultdict(float)
+
+    def record(self, kind: str, nbytes: float) -> None:
+        self.bytes[kind] += nbytes  # fractional: (n-1)/n of a buffer; rounded once, in take()
+
+    def take(self) -> dict[str, int]:
+        out = {k: round(v) for k, v in self.bytes.items()}
+        self.bytes = defaultdict(float)
+        return out
+
+
+class Comm:
+    """One process group plus the ledger its traffic is written to. ``group=None`` is a group of one."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, tag: str = "") -> None:
+        self.group = group
+        self.ledger = ledger
+        self.tag = tag  # prefixes the ledger kinds, e.g. "tp." or "dp."
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+
+    def _note(self, kind: str, nbytes: int, factor: float) -> None:
+        self.ledger.record(self.tag + kind, factor * nbytes * (self.size - 1) / self.size)
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   async_op: bool = False) -> dist.Work | None:
+        """In place. Ring-adjusted: 2 (n-1)/n of the buffer."""
+        if self.size == 1:
+            return None
+        self._note("all_reduce", t.numel() * t.element_size(), 2.0)
+        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along ``dim``."""
+        if self.size == 1:
+            return t
+        src = t.movedim(dim, 0).contiguous()
+        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
+        self._note("all_gather", out.numel() * out.element_size(), 1.0)
+        dist.all_gather_into_tensor(out, src, group=self.group)
+        return out.movedim(0, dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's chunk along ``dim`` (which must divide evenly)."""
+        if self.size == 1:
+            return t
+        if t.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} does not split into {self.size}")
+        src = t.movedim(dim, 0).contiguous()
+        out = torch.empty((src.shape[0] // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
+        self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
+        dist.reduce_scatter_tensor(out, src, group=self.group)
+        return out.movedim(0, dim)
+
+    def all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Split ``t`` along ``scatter_dim`` into one chunk per rank, exchange, concatenate along ``gather_dim``."""
+        if self.size == 1:
+            return t
+        chunks = [c.contiguous() for c in t.chunk(self.size, dim=scatter_dim)]
+        src = torch.stack(chunks)  # [n, ...chunk]: dim 0 is the destination rank
+        out = torch.empty_like(src)
+        self._note("all_to_all", src.numel() * src.element_size(), 1.0)
+        dist.all_to_all_single(out, src, group=self.group)
+        return torch.cat(out.unbind(0), dim=gather_dim)
+
+    def chunk(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's chunk along ``dim`` (no communication)."""
+        if self.size == 1:
+            return t
+        if t.shape[dim] % self.size:
+            raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split into {self.size} equal chunks")
+        return t.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+# ---- autograd dual pairs ------------------------------------------------------------------------
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        ctx.comm.all_reduce(g)
+        return g, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        x = x.contiguous().clone()
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return comm.chunk(x, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_gather(g, ctx.dim), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return comm.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.chunk(g, ctx.dim), None, None
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.reduce_scatter(g, 0), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.reduce_scatter(x, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_gather(g, 0), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, scatter_dim, gather_dim):
+        ctx.comm, ctx.dims = comm, (scatter_dim, gather_dim)
+        return comm.all_to_all(x, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        s, gd = ctx.dims
+        return ctx.comm.all_to_all(g, gd, s), None, None, None
+
+
+def copy_to_region(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_region(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def scatter_to_region(x: torch.Tensor, comm: Comm, dim: int = -1) -> torch.Tensor:
+    return x if comm.size == 1 else _ScatterToRegion.apply(x, comm, dim % x.dim())
+
+
+def gather_from_region(x: torch.Tensor, comm: Comm, dim: int = -1) -> torch.Tensor:
+    return x if comm.size == 1 else _GatherFromRegion.apply(x, comm, dim % x.dim())
+
+
+def all_gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return x if comm.size == 1 else _AllGatherSeq.apply(x, comm)
+
+
+def reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return x if comm.size == 1 else _ReduceScatterSeq.apply(x, comm)
+
+
+def all_to_all(x: torch.Tensor, comm: Comm, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    return _AllToAll.apply(x, comm, scatter_dim % x.dim(), gather_dim % x.dim())

@@ -1,0 +1,120 @@
+"""Tensor-parallel bookkeeping: the TP context, how fused projections are cut, and gradient specs.
+
+Shard rules (t = tp size, rank r):
+
+* a split part of R rows (q heads, gate, up, ffn, vocabulary) gives rank r rows
+  ``[r*R/t, (r+1)*R/t)``;
+* a part of H heads with t > H (kv heads under GQA) cannot be split; each head is replicated on
+  t/H consecutive ranks: rank r holds head ``r // (t/H)``, the one its query heads attend with.
+
+Fused projections hold their parts' local rows back to back (``[q_r | k_r | v_r]``,
+``[gate_r | up_r]``), so each rank's slice of every part is contiguous and the fused matmul needs no
+gather. Which parameters need a gradient all-reduce over tp, and how many tp ranks hold an
+identical copy (for the global gradient norm), is described by one :class:`GradSpec` per row block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mpformer.parallel.comm import Comm
+
+
+def kv_replicas(tp_size: int, kv_heads: int) -> int:
+    """How many tp ranks share each kv head (1 when tp divides the kv heads)."""
+    return tp_size // kv_heads if tp_size > kv_heads else 1
+
+
+@dataclass
+class TPContext:
+    """What tensor-parallel layers need, passed explicitly: the tp communicator, whether sequence
+    parallelism is on, and the communicators of kv-head replica groups (by replica count)."""
+
+    comm: Comm
+    sequence_parallel: bool = False
+    replica_comms: dict[int, Comm] = field(default_factory=dict)  # replicas -> this rank's replica group
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def replica_comm(self, replicas: int) -> Comm:
+        """The communicator of the ``replicas`` consecutive tp ranks that hold the same kv head as us."""
+        return self.replica_comms[replicas]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One logical block of a (possibly fused) projection's output rows."""
+
+    name: str  # canonical suffix: "q", "k", "v", "gate", "up", ...
+    rows: int  # global rows
+    head_dim: int = 0  # >0: the part is heads of this size, replicated when tp exceeds the head count
+
+    def heads(self) -> int:
+        return self.rows // self.head_dim if self.head_dim else 0
+
+    def replicas(self, t: int) -> int:
+        """How many tp ranks hold the same block of this part (1 when it splits)."""
+        h = self.heads()
+        return t // h if h and t > h else 1
+
+    def block(self, r: int, t: int) -> tuple[int, int]:
+        """(start row, rows) of this part on tp rank r of t."""
+        reps = self.replicas(t)
+        if reps > 1:
+            head = r // reps
+            return head * self.head_dim, self.head_dim
+        if self.rows % t:
+            raise ValueError(f"part {self.name} of {self.rows} rows does not split over tp={t}")
+        n = self.rows // t
+        return r * n, n
+
+
+@dataclass
+class GradSpec:
+    """Rows ``rows`` of ``param`` (all rows if None): ``replicas`` tp ranks hold identical values, and
+    after backward their gradients must be summed over ``sync`` (None: already complete)."""
+
+    param: nn.Parameter
+    rows: tuple[int, int] | None = None
+    replicas: int = 1
+    sync: Comm | None = None
+
+    def grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        if g is None or self.rows is None:
+            return g
+        return g[self.rows[0]: self.rows[1]]
+
+
+def sync_tp_grads(specs: list[GradSpec]) -> None:
+    """Sum partial gradients over their groups (SP-region norms and biases, replicated kv heads)."""
+    for s in specs:
+        g = s.grad()
+        if s.sync is not None and g is not None:
+            s.sync.all_reduce(g)
+
+
+def grad_norm_sq(specs: list[GradSpec], tp: Comm | None) -> torch.Tensor:
+    """Sum of squared gradients over the whole model: each block weighted by 1/replicas, then summed
+    over tp, so every distinct gradient element is counted exactly once."""
+    total = None
+    for s in specs:
+        g = s.grad()
+        if g is None:
+            continue
+        sq = g.detach().float().pow(2).sum() / s.replicas
+        total = sq if total is None else total + sq
+    if total is None:
+        total = torch.zeros(())
+    if tp is not None and tp.size > 1:
+        tp.all_reduce(total)
+    return total
