@@ -9,6 +9,7 @@ scatter/gather later works on dim 0, which gloo/NCCL collectives concatenate alo
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -95,6 +96,7 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.rope = not cfg.learned_positions
         self.selective_recompute = selective_recompute
+        self.tp = None  # TPContext, set when the tensor-parallel plan is applied
 
     def forward(self, x_sbh: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x_sbh)  # under sequence parallelism the input is s/t long, qkv is all-gathered to s
@@ -108,13 +110,17 @@ class Attention(nn.Module):
             q_bnsd = apply_rope(q_bnsd, *rope_cos_sin)
             k_bksd = apply_rope(k_bksd, *rope_cos_sin)
         p = self.dropout_p if self.training else 0.0
-        if self.selective_recompute and self.training:
-            # Korthikanti et al.'s selective recompute: keep the core's inputs, recompute its internals.
-            out_bnsd = torch.utils.checkpoint.checkpoint(
-                attention_core, q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window,
-                use_reentrant=False)
-        else:
-            out_bnsd = attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window)
+        # Heads differ per tp rank, so their dropout masks come from the tp-rank stream.
+        rng = self.tp.fork_rng(p > 0) if self.tp is not None else contextlib.nullcontext()
+        with rng:
+            if self.selective_recompute and self.training:
+                # Korthikanti et al.'s selective recompute: keep the core's inputs, recompute its internals.
+                # (checkpoint saves and restores the generator it runs under: the forked one here.)
+                out_bnsd = torch.utils.checkpoint.checkpoint(
+                    attention_core, q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window,
+                    use_reentrant=False)
+            else:
+                out_bnsd = attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window)
         out_sbh = out_bnsd.permute(2, 0, 1, 3).reshape(s, b, self.q_size)
         return self.o(out_sbh)
 

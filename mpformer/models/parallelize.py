@@ -95,6 +95,8 @@ def apply_tp_plan(model: nn.Module, tp: TPContext) -> None:
                 setattr(model.get_submodule(parent) if parent else model, child, new)
     _check_applied(model, tp)
     model.tp = tp
+    for layer in model.layers:  # dropout streams (parallel.random) and the SP region need the context
+        layer.tp = layer.attn.tp = tp
 
 
 def _check_applied(model: nn.Module, tp: TPContext) -> None:

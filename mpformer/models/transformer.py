@@ -13,6 +13,7 @@ tensor's value never depends on how the model is laid out.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -35,6 +36,11 @@ from mpformer.parallel.layout import RECOMPUTE
 from mpformer.parallel.tensor_parallel import TPContext
 
 
+def sp_rng(tp: TPContext | None, active: bool) -> contextlib.AbstractContextManager:
+    """The tp-rank dropout stream for sequence-parallel regions, else nothing."""
+    return tp.fork_rng(active) if tp is not None and tp.sequence_parallel else contextlib.nullcontext()
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -47,10 +53,17 @@ class Block(nn.Module):
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
         self.mlp = MLP(cfg, **kw)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.tp: TPContext | None = None  # set when the tensor-parallel plan is applied
 
     def forward(self, x_sbh: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x_sbh = x_sbh + self.dropout(self.attn(self.attn_norm(x_sbh), rope))
-        return x_sbh + self.dropout(self.mlp(self.mlp_norm(x_sbh)))
+        x_sbh = x_sbh + self._dropout(self.attn(self.attn_norm(x_sbh), rope))
+        return x_sbh + self._dropout(self.mlp(self.mlp_norm(x_sbh)))
+
+    def _dropout(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        # Sequence-parallel chunks differ per tp rank: tp-rank stream. Otherwise every tp rank holds
+        # the same residual stream and must draw the same mask: default stream.
+        with sp_rng(self.tp, self.dropout.p > 0 and self.training):
+            return self.dropout(x_sbh)
 
     def canonical_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         out = canonical_norm(f"{prefix}.attn_norm", self.attn_norm)
@@ -101,11 +114,13 @@ class Transformer(nn.Module):
             # Under sequence parallelism this rank holds the sequence chunk [start, start + len).
             start = self.tp.rank * x_sbh.shape[0] if self.tp is not None and self.tp.sequence_parallel else 0
             x_sbh = x_sbh + self.pos_embed.weight[start:start + x_sbh.shape[0], None, :]
-        x_sbh = self.embed_dropout(x_sbh)
+        with sp_rng(self.tp, self.embed_dropout.p > 0 and self.training):
+            x_sbh = self.embed_dropout(x_sbh)
         rope = self.rotary(s) if self.rotary is not None else None
         for layer in self.layers:
             if self.full_recompute and self.training:
-                x_sbh = checkpoint(layer, x_sbh, rope, use_reentrant=False)
+                kw = {"context_fn": self.tp.checkpoint_context_fn()} if self.tp is not None else {}
+                x_sbh = checkpoint(layer, x_sbh, rope, use_reentrant=False, **kw)
             else:
                 x_sbh = layer(x_sbh, rope)
         return self.final_norm(x_sbh)

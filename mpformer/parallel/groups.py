@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mpformer.parallel.comm import Comm, CommLedger
 from mpformer.parallel.device import Device
 from mpformer.parallel.layout import ParallelLayout
+from mpformer.parallel.random import TPRandom
 from mpformer.parallel.tensor_parallel import TPContext
 from mpformer.parallel.topology import Topology
 
@@ -60,10 +61,12 @@ class ProcessGroups:
         """A byte-counting communicator over ``dim``; all of them write to ``self.ledger``."""
         return Comm(self.group(dim), self.ledger, tag=f"{dim}.")
 
-    def tp_context(self, kv_replicas: int = 1) -> TPContext:
+    def tp_context(self, kv_replicas: int = 1, seed: int = 0) -> TPContext:
         """The tensor-parallel context; with ``kv_replicas`` > 1 (tp exceeds the kv heads), also the
         groups of consecutive tp ranks that share a kv head. Collective: every rank calls it."""
-        ctx = TPContext(self.comm("tp"), sequence_parallel=self.layout.sequence_parallel)
+        ctx = TPContext(self.comm("tp"), sequence_parallel=self.layout.sequence_parallel,
+                        rng=TPRandom(seed + 100 * self.coords["pp"] + 10 * self.coords["dp"], self.coords["tp"],
+                                     self.device))
         if kv_replicas > 1:
             topo, mine = self.layout.topology, []
             for tp_ranks in topo.groups("tp"):  # every rank creates every group, in the same order

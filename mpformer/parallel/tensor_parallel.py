@@ -15,12 +15,14 @@ identical copy (for the global gradient norm), is described by one :class:`GradS
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.random import TPRandom
 
 
 def kv_replicas(tp_size: int, kv_heads: int) -> int:
@@ -36,6 +38,15 @@ class TPContext:
     comm: Comm
     sequence_parallel: bool = False
     replica_comms: dict[int, Comm] = field(default_factory=dict)  # replicas -> this rank's replica group
+    rng: TPRandom | None = None  # dropout stream for tensors that differ per tp rank
+
+    def fork_rng(self, active: bool = True) -> contextlib.AbstractContextManager:
+        """The tp-rank dropout stream around a region whose tensors differ per rank (if ``active``)."""
+        return self.rng.fork() if active and self.rng is not None else contextlib.nullcontext()
+
+    def checkpoint_context_fn(self):
+        """For torch.utils.checkpoint: replay the tp-rank stream on recompute."""
+        return self.rng.checkpoint_contexts if self.rng is not None else None
 
     @property
     def size(self) -> int:

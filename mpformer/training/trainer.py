@@ -43,7 +43,7 @@ class Trainer:
         self.dtype_ctx = (torch.autocast(self.device.kind, dtype=torch.bfloat16) if t.precision == "bf16"
                           else contextlib.nullcontext())
         m = cfg.model
-        self.tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads))
+        self.tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads), seed=t.seed)
         self.model = build_model(m, tp=self.tp, device=self.device.torch_device, seed=t.seed,
                                  recompute=layout.recompute, use_apex=t.use_apex)
         self.grad_specs = grad_specs(self.model)

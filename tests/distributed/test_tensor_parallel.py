@@ -53,6 +53,7 @@ def _grad_parity(arch: str, tp: int, sp: bool) -> dict:
     for name, sh in model.canonical_shards().items():  # the same initial values, block by block
         assert torch.equal(sh.local, _block(ref.canonical_tensors()[name], sh.offsets, sh.local.shape)), name
     torch.testing.assert_close(model(tokens[:, :-1]), ref(tokens[:, :-1]), rtol=RTOL, atol=1e-6)
+    groups.ledger.take()  # count one training forward + backward only
     loss, ref_loss = model(tokens[:, :-1], tokens[:, 1:]), ref(tokens[:, :-1], tokens[:, 1:])
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
     loss.backward()
@@ -65,7 +66,8 @@ def _grad_parity(arch: str, tp: int, sp: bool) -> dict:
         expect = _block(ref_grads[name], sh.offsets, sh.local.shape)
         err = (grads[name] - expect).abs().max().item() if expect.numel() else 0.0
         assert err <= RTOL * ref_grads[name].abs().max().item() + 1e-9, (arch, tp, sp, name, err)
-    return {"loss": loss.item(), "ledger": groups.ledger.take()}
+    ledger = groups.ledger.take()
+    return {"loss": loss.item(), "ledger": ledger}
 
 
 def _overrides(data: str, run_dir: Path, **kw) -> list[str]:
@@ -140,7 +142,90 @@ def test_tp2_checkpoint_resumes_at_tp4(results):
                                torch.tensor(results["ref_llama"]["losses"][3:]), rtol=RTOL, atol=0)
 
 
+def analytic_tp_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool) -> dict[str, float]:
+    """Ring-adjusted bytes per rank for one forward + backward (fp32), from formulas.md:
+    per layer 2 all-reduces of s*b*h in forward and 2 in backward, or under SP an all-gather plus a
+    reduce-scatter for each. The same rule covers the embedding (forward) and the LM-head input
+    (backward); the vocab-parallel cross entropy adds 3 all-reduces of s*b floats; replicated
+    parameters whose gradients are partial (SP: norms, row biases, positions; replicated kv heads)
+    are all-reduced once."""
+    e, n_sbh, n_tok, L, h = 4, s * b * cfg.hidden_size, s * b, cfg.num_layers, cfg.hidden_size
+    ar, g = 2 * (t - 1) / t, (t - 1) / t
+    out = {"tp.all_reduce": ar * 3 * n_tok * e, "tp.all_gather": 0.0, "tp.reduce_scatter": 0.0}
+    if sp:
+        out["tp.all_gather"] = out["tp.reduce_scatter"] = (4 * L + 2) * g * n_sbh * e
+        norms = (2 * L + 1) * h * (2 if cfg.norm_bias else 1)
+        row_biases = 2 * L * h if cfg.mlp_bias else 0
+        positions = cfg.max_position_embeddings * h if cfg.learned_positions else 0
+        out["tp.all_reduce"] += ar * (norms + row_biases + positions) * e
+    else:
+        out["tp.all_reduce"] += (4 * L + 2) * ar * n_sbh * e
+    reps = t // cfg.kv_heads if t > cfg.kv_heads else 1
+    if reps > 1:  # k and v: one head of weights (and biases) per rank, summed over its replica group
+        kv = 2 * cfg.head_size * (h + (1 if cfg.attention_bias else 0))
+        out["tp.all_reduce"] += L * 2 * (reps - 1) / reps * kv * e
+    return out
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_bytes_moved_equal_the_analytic_values(results, arch, tp, sp):
+    ledger = results[("grads", arch, tp, sp)]["ledger"]
+    want = analytic_tp_bytes(ModelConfig(**MODELS[arch]), s=16, b=2, t=tp, sp=sp)
+    got = {k: ledger.get(k, 0) for k in want}
+    assert set(ledger) <= set(want), ledger
+    for k in want:
+        assert abs(got[k] - want[k]) <= 1, (k, got[k], want[k])
+
+
 def test_gradients_match_block_by_block(results):
     # The assertions ran inside the ranks: tp 2 and 4, with and without SP, GPT-2 and GQA Llama.
     assert sorted(k[1:] for k in results if isinstance(k, tuple)) == [
         (a, t, sp) for a in sorted(MODELS) for t in (2, 4) for sp in (False, True)]
+
+
+def _dropout_streams(tp: int, sp: bool) -> dict:
+    """With dropout on: full recompute replays every mask (same loss and gradients as no recompute);
+    the residual stream stays identical across tp ranks without SP; the tp-rank stream differs."""
+    import torch.distributed as dist
+
+    from mpformer.models.parallelize import build_model
+    from mpformer.parallel.device import Device
+    from mpformer.parallel.groups import ProcessGroups
+    from mpformer.parallel.layout import ParallelLayout
+    from mpformer.parallel.tensor_parallel import kv_replicas
+
+    cfg = ModelConfig(**{**MODELS["llama"], "hidden_dropout": 0.2, "attention_dropout": 0.2})
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for recompute in ("none", "full", "selective"):
+        groups = ProcessGroups.build(ParallelLayout(dp=1, tp=tp, sequence_parallel=sp, recompute=recompute),
+                                     Device("cpu"))
+        ctx = groups.tp_context(kv_replicas(tp, cfg.kv_heads), seed=3)
+        model = build_model(cfg, tp=ctx, device=torch.device("cpu"), seed=5, recompute=recompute).train()
+        torch.manual_seed(11)  # the default stream: the same on every tp rank
+        residual = []
+        model.layers[0].register_forward_hook(lambda m, i, o, out=residual: out.append(o.detach().clone()))
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        runs.append((loss.item(), [p.grad.clone() for p in model.parameters()], residual[0]))
+        with ctx.fork_rng():
+            tp_draw = torch.rand(4)
+    for loss, grads, _ in runs[1:]:
+        assert loss == runs[0][0]
+        for g, g0 in zip(grads, runs[0][1]):
+            torch.testing.assert_close(g, g0, rtol=1e-6, atol=1e-8)
+    gathered = [torch.empty_like(runs[0][2]) for _ in range(tp)]
+    dist.all_gather(gathered, runs[0][2].contiguous())
+    draws = [torch.empty(4) for _ in range(tp)]
+    dist.all_gather(draws, tp_draw)
+    return {"residual_equal": all(torch.equal(g, gathered[0]) for g in gathered),
+            "tp_draws_differ": not torch.equal(draws[0], draws[1])}
+
+
+def test_dropout_streams_and_recompute_replay(tiny_data):
+    res = run_distributed(_dropout_streams, 2, args=(2, False), timeout=120)[0]
+    assert res == {"residual_equal": True, "tp_draws_differ": True}
+    res = run_distributed(_dropout_streams, 2, args=(2, True), timeout=120)[0]
+    assert res["tp_draws_differ"] and not res["residual_equal"], "SP chunks are different sequence positions"

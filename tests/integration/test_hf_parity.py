@@ -229,9 +229,12 @@ def test_bad_inputs_exit_2_with_one_error_line(hf_dirs, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name,ranks", [("gpt2", None), ("llama", 2), ("mistral-window8", None), ("qwen2", None)])
-def test_evaluate_cli_gives_the_hf_loss(name, ranks, hf_dirs, tmp_path):
-    """DESIGN's evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5)."""
+@pytest.mark.parametrize("name,ranks,tp", [("gpt2", None, 1), ("llama", 2, 1), ("mistral-window8", None, 1),
+                                           ("qwen2", None, 1), ("llama", 4, 4), ("gpt2", 2, 2), ("qwen2", 4, 4)])
+def test_evaluate_cli_gives_the_hf_loss(name, ranks, tp, hf_dirs, tmp_path):
+    """DESIGN's evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5),
+    also under tensor parallelism with a vocabulary (123) that tp does not divide and, for tp=4,
+    fewer kv heads (2) than tp ranks."""
     from mpformer.testing.cli import run_cli
 
     ckpt = tmp_path / "ckpt"
@@ -244,7 +247,8 @@ def test_evaluate_cli_gives_the_hf_loss(name, ranks, hf_dirs, tmp_path):
     hf = T.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
     with torch.no_grad():
         ref = hf(input_ids=tokens, labels=tokens).loss.item()
-    args = ["tools/evaluate.py", f"checkpoint.load={ckpt}", f"eval.tokens={np_path}", "eval.micro_batch_size=2"]
+    args = ["tools/evaluate.py", f"checkpoint.load={ckpt}", f"eval.tokens={np_path}", "eval.micro_batch_size=2",
+            f"parallel.tp={tp}"]
     res = run_cli(args, torchrun=ranks, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
