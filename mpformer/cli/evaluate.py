@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(m, tp=tp, device=device.torch_device, seed=0).eval()
         load_checkpoint(manifest["path"], model)
         loss, count = evaluate_loss(model, tokens, cfg.eval.micro_batch_size, device.torch_device,
-                                    groups.dp_rank, layout.dp, groups.dp)
+                                    groups.comm("dp"))
         if groups.is_logging_rank:
             print(json.dumps({"loss": loss, "tokens": count}), flush=True)
     finally:

@@ -11,8 +11,8 @@ from mpformer.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads after validation, so bad input exits in about a second
     import torch
-    import torch.distributed as dist
 
+    from mpformer.parallel.comm import Comm
     from mpformer.training.config import Config
 
 
@@ -42,12 +42,12 @@ def load_eval_tokens(path: str | None, vocab_size: int, max_positions: int | Non
 
 
 def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, device: torch.device,
-                  dp_rank: int = 0, dp_size: int = 1, group: dist.ProcessGroup | None = None) -> tuple[float, int]:
-    """Sum of token losses over this dp rank's rows, all-reduced: returns (mean loss, token count)."""
+                  dp: Comm | None = None) -> tuple[float, int]:
+    """Sum of token losses over this dp rank's rows, all-reduced over ``dp``: (mean loss, token count)."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
+    dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
     rows = np.array_split(np.arange(tokens.shape[0]), dp_size)[dp_rank]
     total = torch.zeros((), dtype=torch.float64, device=device)  # on the device: NCCL reduces no CPU tensors
     for i in range(0, len(rows), micro_batch):
@@ -55,8 +55,8 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, 
         with torch.no_grad():
             logits = model(batch[:, :-1]).float()
         total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].reshape(-1), reduction="sum").double()
-    if dp_size > 1:
-        dist.all_reduce(total, group=group)
+    if dp is not None:
+        dp.all_reduce(total)
     count = tokens.shape[0] * (tokens.shape[1] - 1)
     return float(total.item() / count), count
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mpformer.checkpoint.io import load_checkpoint, model_state, optimizer_state, save_checkpoint
 from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
@@ -23,6 +22,7 @@ from mpformer.models.parallelize import build_model, grad_specs
 from mpformer.optim.builder import build_optimizer
 from mpformer.optim.clip import clip_grad_norm
 from mpformer.optim.lr import LRSchedule
+from mpformer.parallel.comm import Comm
 from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.layout import ParallelLayout
@@ -48,6 +48,7 @@ class Trainer:
                                  recompute=layout.recompute, use_apex=t.use_apex)
         self.grad_specs = grad_specs(self.model)
         self.dp = DataParallel(self.model, groups.comm("dp"), bucket_mb=t.grad_bucket_mb)
+        self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.kind)
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
@@ -100,8 +101,8 @@ class Trainer:
         self.step += 1
         self.consumed_samples += t.global_batch_size
         loss_mean = loss_sum / self.micro_steps
-        if self.layout.dp > 1:  # a metric, not training traffic: kept out of the ledger
-            dist.all_reduce(loss_mean, group=self.groups.dp)
+        if self.layout.dp > 1:  # a metric, not training traffic: its own ledger kind
+            self.metrics_comm.all_reduce(loss_mean)
             loss_mean /= self.layout.dp
         return {"loss": float(loss_mean), "grad_norm": grad_norm, "lr": lr}
 
@@ -137,7 +138,7 @@ class Trainer:
         assert self.eval_tokens is not None
         self.model.eval()
         loss, _ = evaluate_loss(self.model, self.eval_tokens, self.cfg.eval.micro_batch_size,
-                                self.device.torch_device, self.groups.dp_rank, self.layout.dp, self.groups.dp)
+                                self.device.torch_device, Comm(self.groups.dp, self.groups.ledger, tag="eval.dp."))
         self.model.train()
         return loss
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mpformer.models.config import ModelConfig
+from mpformer.parallel.volumes import tp_step_bytes
 from mpformer.testing.spawn import run_distributed
 
 RTOL = 1e-5
@@ -142,41 +143,24 @@ def test_tp2_checkpoint_resumes_at_tp4(results):
                                torch.tensor(results["ref_llama"]["losses"][3:]), rtol=RTOL, atol=0)
 
 
-def analytic_tp_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool) -> dict[str, float]:
-    """Ring-adjusted bytes per rank for one forward + backward (fp32), from formulas.md:
-    per layer 2 all-reduces of s*b*h in forward and 2 in backward, or under SP an all-gather plus a
-    reduce-scatter for each. The same rule covers the embedding (forward) and the LM-head input
-    (backward); the vocab-parallel cross entropy adds 3 all-reduces of s*b floats; replicated
-    parameters whose gradients are partial (SP: norms, row biases, positions; replicated kv heads)
-    are all-reduced once."""
-    e, n_sbh, n_tok, L, h = 4, s * b * cfg.hidden_size, s * b, cfg.num_layers, cfg.hidden_size
-    ar, g = 2 * (t - 1) / t, (t - 1) / t
-    out = {"tp.all_reduce": ar * 3 * n_tok * e, "tp.all_gather": 0.0, "tp.reduce_scatter": 0.0}
-    if sp:
-        out["tp.all_gather"] = out["tp.reduce_scatter"] = (4 * L + 2) * g * n_sbh * e
-        norms = (2 * L + 1) * h * (2 if cfg.norm_bias else 1)
-        row_biases = 2 * L * h if cfg.mlp_bias else 0
-        positions = cfg.max_position_embeddings * h if cfg.learned_positions else 0
-        out["tp.all_reduce"] += ar * (norms + row_biases + positions) * e
-    else:
-        out["tp.all_reduce"] += (4 * L + 2) * ar * n_sbh * e
-    reps = t // cfg.kv_heads if t > cfg.kv_heads else 1
-    if reps > 1:  # k and v: one head of weights (and biases) per rank, summed over its replica group
-        kv = 2 * cfg.head_size * (h + (1 if cfg.attention_bias else 0))
-        out["tp.all_reduce"] += L * 2 * (reps - 1) / reps * kv * e
-    return out
-
-
 @pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
 def test_bytes_moved_equal_the_analytic_values(results, arch, tp, sp):
     ledger = results[("grads", arch, tp, sp)]["ledger"]
-    want = analytic_tp_bytes(ModelConfig(**MODELS[arch]), s=16, b=2, t=tp, sp=sp)
+    want = tp_step_bytes(ModelConfig(**MODELS[arch]), s=16, b=2, t=tp, sp=sp)
     got = {k: ledger.get(k, 0) for k in want}
     assert set(ledger) <= set(want), ledger
     for k in want:
         assert abs(got[k] - want[k]) <= 1, (k, got[k], want[k])
+
+
+def test_analytic_volume_by_hand():
+    """One case worked by hand from formulas.md, so the formula code is itself checked: Llama, tp=2,
+    no SP, s=16, b=2, h=64, L=2: (4L + 2) all-reduces of s*b*h = 2048 fp32 values, ring factor
+    2 (t-1)/t = 1, plus the cross entropy's 3 all-reduces of s*b = 32 floats."""
+    got = tp_step_bytes(ModelConfig(**MODELS["llama"]), s=16, b=2, t=2, sp=False)
+    assert got == {"tp.all_reduce": 10 * 2048 * 4 + 3 * 32 * 4, "tp.all_gather": 0.0, "tp.reduce_scatter": 0.0}
 
 
 def test_gradients_match_block_by_block(results):
