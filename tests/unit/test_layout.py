@@ -44,6 +44,18 @@ def test_kv_heads_must_divide_or_be_replicable():
     assert 6 not in valid_tp_values(m) and 12 in valid_tp_values(m)
 
 
+def test_ffn_not_divisible_by_tp():
+    m = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=8,
+                    ffn_hidden_size=100, vocab_size=100)
+    msg = _err(ParallelLayout(tp=8), world=8, model=m)
+    assert "ffn_hidden_size=100" in msg and "valid tp for this model: 1, 2, 4" in msg
+
+
+def test_sequence_parallel_needs_seq_divisible_by_tp():
+    msg = _err(ParallelLayout(tp=2, sequence_parallel=True), world=2, seq_length=33)
+    assert "seq_length=33" in msg and "multiples of 2" in msg
+
+
 def test_layers_not_splittable_into_pp():
     msg = _err(ParallelLayout(pp=3), world=3)
     assert "num_layers=4" in msg and "valid pp: 1, 2, 4" in msg
