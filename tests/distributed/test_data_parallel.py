@@ -6,37 +6,24 @@ are the order of floating-point sums (all-reduce, accumulation over micro-batche
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from mpformer.testing.spawn import run_distributed
+from mpformer.testing.train import overrides, train
 
 RTOL = 1e-5
 
 
+BASE = {"model": "tiny-llama", "train.seq_length": 32, "train.steps": 6, "train.global_batch_size": 8,
+        "train.micro_batch_size": 2, "train.device": "cpu", "optim.lr": 3e-3, "optim.warmup_steps": 2,
+        "optim.clip_grad": 0.5, "logging.progress": False}
+
+
 def _overrides(data: str, run_dir: Path, **kw) -> list[str]:
-    base = {"model": "tiny-llama", "data.paths": f"[{data}]", "train.seq_length": 32, "train.steps": 6,
-            "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.device": "cpu",
-            "optim.lr": 3e-3, "optim.warmup_steps": 2, "optim.clip_grad": 0.5, "logging.progress": False,
-            "hydra.run.dir": str(run_dir)}
-    base.update(kw)
-    return [f"{k}={v}" for k, v in base.items()]
-
-
-def _train(overrides: list[str]) -> dict:
-    from mpformer.cli.compose import compose_config
-    from mpformer.cli.pretrain import run_pretraining
-
-    composed = compose_config(overrides)
-    losses = run_pretraining(composed)
-    run_dir = Path(composed.run_dir)
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
-    return {"losses": losses, "grad_norms": [m["grad_norm"] for m in metrics], "steps": [m["step"] for m in metrics],
-            "comm_bytes": [m["comm_bytes"] for m in metrics]}
+    return overrides({**BASE, "data.paths": f"[{data}]"}, run_dir, **kw)
 
 
 def _final_weights(ckpt: Path) -> torch.Tensor:
@@ -94,11 +81,11 @@ def _check_one_model(cfg, rank: int, world: int) -> dict:
 def _worker_dp2(data: str, root: str) -> dict:
     out = {"buckets": _check_grad_buckets()}
     root_p = Path(root)
-    out["dp2"] = _train(_overrides(data, root_p / "dp2"))
-    out["dp2_resumed"] = _train(_overrides(data, root_p / "dp2_resumed",
+    out["dp2"] = train(_overrides(data, root_p / "dp2"))
+    out["dp2_resumed"] = train(_overrides(data, root_p / "dp2_resumed",
                                            **{"checkpoint.load": str(root_p / "dp1_stop3" / "checkpoints")}))
-    out["dp2_stop3"] = _train(_overrides(data, root_p / "dp2_stop3", **{"train.stop_at": 3}))
-    out["dp2_same_dp"] = _train(_overrides(data, root_p / "dp2_same_dp",
+    out["dp2_stop3"] = train(_overrides(data, root_p / "dp2_stop3", **{"train.stop_at": 3}))
+    out["dp2_same_dp"] = train(_overrides(data, root_p / "dp2_same_dp",
                                            **{"checkpoint.load": str(root_p / "dp2_stop3" / "checkpoints")}))
     return out
 
@@ -106,10 +93,10 @@ def _worker_dp2(data: str, root: str) -> dict:
 def _worker_dp1(data: str, root: str) -> dict:
     root_p = Path(root)
     return {
-        "big_batch": _train(_overrides(data, root_p / "big", **{"train.micro_batch_size": 8})),
-        "accum4": _train(_overrides(data, root_p / "accum4")),
-        "dp1_stop3": _train(_overrides(data, root_p / "dp1_stop3", **{"train.stop_at": 3})),
-        "bf16": _train(_overrides(data, root_p / "bf16", **{"train.precision": "bf16", "train.stop_at": 3})),
+        "big_batch": train(_overrides(data, root_p / "big", **{"train.micro_batch_size": 8})),
+        "accum4": train(_overrides(data, root_p / "accum4")),
+        "dp1_stop3": train(_overrides(data, root_p / "dp1_stop3", **{"train.stop_at": 3})),
+        "bf16": train(_overrides(data, root_p / "bf16", **{"train.precision": "bf16", "train.stop_at": 3})),
     }
 
 

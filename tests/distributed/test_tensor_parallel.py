@@ -8,7 +8,6 @@ would compare rounding noise). Training: 5 AdamW steps give the same losses to 1
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.volumes import tp_step_bytes
 from mpformer.testing.spawn import run_distributed
+from mpformer.testing.train import overrides, train
 
 RTOL = 1e-5
 VOCAB = 257  # not divisible by 2 or 4: the vocabulary is padded
@@ -71,24 +71,13 @@ def _grad_parity(arch: str, tp: int, sp: bool) -> dict:
     return {"loss": loss.item(), "ledger": ledger}
 
 
+BASE = {"model": "tiny-llama", "model.vocab_size": VOCAB, "train.seq_length": 32, "train.steps": 5,
+        "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.device": "cpu", "optim.lr": 3e-3,
+        "optim.warmup_steps": 1, "optim.clip_grad": 0.5, "logging.progress": False}
+
+
 def _overrides(data: str, run_dir: Path, **kw) -> list[str]:
-    base = {"model": "tiny-llama", "model.vocab_size": VOCAB, "data.paths": f"[{data}]", "train.seq_length": 32,
-            "train.steps": 5, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.device": "cpu",
-            "optim.lr": 3e-3, "optim.warmup_steps": 1, "optim.clip_grad": 0.5, "logging.progress": False,
-            "hydra.run.dir": str(run_dir)}
-    base.update(kw)
-    return [f"{k}={v}" for k, v in base.items()]
-
-
-def _train(overrides: list[str]) -> dict:
-    from mpformer.cli.compose import compose_config
-    from mpformer.cli.pretrain import run_pretraining
-
-    composed = compose_config(overrides)
-    losses = run_pretraining(composed)
-    path = Path(composed.run_dir) / "metrics.jsonl"
-    metrics = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    return {"losses": losses, "grad_norms": [m["grad_norm"] for m in metrics]}
+    return overrides({**BASE, "data.paths": f"[{data}]"}, run_dir, **kw)
 
 
 RUNS = {  # name -> (world size, overrides)
@@ -117,7 +106,7 @@ def _worker(world: int, data: str, root: str) -> dict:
     for name, (w, kw) in RUNS.items():
         if w == world:
             kw = {k: (v.format(root=root) if isinstance(v, str) else v) for k, v in kw.items()}
-            out[name] = _train(_overrides(data, Path(root) / name, **kw))
+            out[name] = train(_overrides(data, Path(root) / name, **kw))
     return out
 
 
