@@ -97,7 +97,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(requests)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        local = self.shards[read_item.dest_index.fqn].local
+        # detach: single-device canonical tensors are autograd views (split of a fused weight), and
+        # autograd forbids narrowing such a view again after an in-place copy into it.
+        local = self.shards[read_item.dest_index.fqn].local.detach()
         return narrow_tensor_by_index(local, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from mpformer.parallel.comm import Comm
 
 
-def _ce_forward(logits_nv: torch.Tensor, labels_n: torch.Tensor, comm: Comm, start: int, valid: int):
+def _ce_forward(logits_nv: torch.Tensor, labels_n: torch.Tensor, comm: Comm, start: int,
+                valid: int) -> tuple[torch.Tensor, ...]:
     """Loss per token [n] (0 where label == -100) and what backward needs."""
     logits = logits_nv.float()
     if valid < logits.shape[-1]:

@@ -27,7 +27,7 @@ class MLP(nn.Module):
         self.down = Linear(self.ffn, cfg.hidden_size, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
-        if self.gated and isinstance(self.up, nn.Linear):
+        if self.gated and type(self.up) is Linear:  # single device only: parallel layers own their collectives
             # Two GEMMs on the row halves of the fused weight: storage stays fused (one parameter,
             # contiguous tensor-parallel slices); the two narrower GEMMs run faster on CPU (measured
             # in benchmarks/bench_throughput.py) and need no split/concat of the activations.

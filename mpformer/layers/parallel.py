@@ -21,11 +21,14 @@ from torch import nn
 from mpformer.checkpoint.shards import Shard
 from mpformer.layers.linear import linear
 from mpformer.parallel.comm import all_gather_seq, copy_to_region, reduce_from_region, reduce_scatter_seq
-from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
+from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext, vocab_block
 
 
 def gather_input(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    """Enter a tensor-parallel region: all-gather the sequence (SP) or mark the identity copy."""
+    """Enter a tensor-parallel region: all-gather the sequence (SP) or mark the identity copy. Under
+    autocast the input is cast first, so the collective (and its backward dual) moves 16-bit data."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     return all_gather_seq(x, tp.comm) if tp.sequence_parallel else copy_to_region(x, tp.comm)
 
 
@@ -113,10 +116,7 @@ class VocabParallelEmbedding(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
-        self.padded = -(-vocab_size // tp.size) * tp.size
-        self.rows = self.padded // tp.size
-        self.start = tp.rank * self.rows
-        self.valid = max(0, min(self.rows, vocab_size - self.start))  # rows of real tokens on this rank
+        self.start, self.rows, self.valid = vocab_block(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(self.rows, hidden, device=device, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -138,9 +138,8 @@ class VocabParallelHead(nn.Module):
     def __init__(self, hidden: int, vocab_size: int, tp: TPContext, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        shape = VocabParallelEmbedding(vocab_size, 1, tp, device="meta")
         self.tp, self.vocab_size = tp, vocab_size
-        self.rows, self.start, self.valid = shape.rows, shape.start, shape.valid
+        self.start, self.rows, self.valid = vocab_block(vocab_size, tp.size, tp.rank)
         self.weight = nn.Parameter(torch.empty(self.rows, hidden, device=device, dtype=dtype))
 
     def canonical_shards(self, name: str) -> dict[str, Shard]:

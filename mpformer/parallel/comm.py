@@ -94,6 +94,9 @@ class Comm:
         """Split ``t`` along ``scatter_dim`` into one chunk per rank, exchange, concatenate along ``gather_dim``."""
         if self.size == 1:
             return t
+        if t.shape[scatter_dim] % self.size:
+            raise ValueError(f"all_to_all: dim {scatter_dim} of size {t.shape[scatter_dim]} does not split into "
+                             f"{self.size}")
         chunks = [c.contiguous() for c in t.chunk(self.size, dim=scatter_dim)]
         src = torch.stack(chunks)  # [n, ...chunk]: dim 0 is the destination rank
         out = torch.empty_like(src)

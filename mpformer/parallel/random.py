@@ -24,10 +24,14 @@ TP_SEED_OFFSET = 2718  # Megatron's offset between the default and the tensor-pa
 
 class TPRandom:
     def __init__(self, seed: int, tp_rank: int, device: Device) -> None:
-        self.device = device
+        self.device, self.tp_rank = device, tp_rank
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        """Start the tp-rank stream afresh from ``seed`` (offset per tp rank)."""
         with torch.random.fork_rng(devices=self._devices()):
-            torch.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
-            self.state = device.rng_state()
+            torch.manual_seed(seed + TP_SEED_OFFSET + self.tp_rank)
+            self.state = self.device.rng_state()
 
     def _devices(self) -> list[int]:
         return [self.device.local_rank] if self.device.kind == "cuda" else []

@@ -16,6 +16,7 @@ identical copy (for the global gradient norm), is described by one :class:`GradS
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,14 @@ from mpformer.parallel.random import TPRandom
 def kv_replicas(tp_size: int, kv_heads: int) -> int:
     """How many tp ranks share each kv head (1 when tp divides the kv heads)."""
     return tp_size // kv_heads if tp_size > kv_heads else 1
+
+
+def vocab_block(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """(start, rows, valid rows) of this rank's vocabulary block: the vocabulary is padded to a
+    multiple of tp; the padding rows (rows - valid of them, on the last ranks) hold no token."""
+    rows = -(-vocab_size // tp_size)
+    start = tp_rank * rows
+    return start, rows, max(0, min(rows, vocab_size - start))
 
 
 @dataclass
@@ -44,7 +53,7 @@ class TPContext:
         """The tp-rank dropout stream around a region whose tensors differ per rank (if ``active``)."""
         return self.rng.fork() if active and self.rng is not None else contextlib.nullcontext()
 
-    def checkpoint_context_fn(self):
+    def checkpoint_context_fn(self) -> Callable | None:
         """For torch.utils.checkpoint: replay the tp-rank stream on recompute."""
         return self.rng.checkpoint_contexts if self.rng is not None else None
 
@@ -74,8 +83,7 @@ class Part:
 
     def replicas(self, t: int) -> int:
         """How many tp ranks hold the same block of this part (1 when it splits)."""
-        h = self.heads()
-        return t // h if h and t > h else 1
+        return kv_replicas(t, self.heads()) if self.head_dim else 1
 
     def block(self, r: int, t: int) -> tuple[int, int]:
         """(start row, rows) of this part on tp rank r of t."""
@@ -124,8 +132,8 @@ def grad_norm_sq(specs: list[GradSpec], tp: Comm | None) -> torch.Tensor:
             continue
         sq = g.detach().float().pow(2).sum() / s.replicas
         total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros(())
+    if total is None:  # no gradients here: a zero on the parameters' device (NCCL reduces no CPU tensor)
+        total = torch.zeros((), device=specs[0].param.device if specs else None)
     if tp is not None and tp.size > 1:
         tp.all_reduce(total)
     return total

@@ -7,6 +7,7 @@ two, benchmarks print their ratio, and the auto-configurator's cost model uses t
 from __future__ import annotations
 
 from mpformer.models.config import ModelConfig
+from mpformer.parallel.tensor_parallel import kv_replicas
 
 
 def tp_step_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool) -> dict[str, float]:
@@ -27,7 +28,7 @@ def tp_step_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool) -> dict[st
         out["tp.all_reduce"] += ar * (norms + row_biases + positions) * e
     else:
         out["tp.all_reduce"] += (4 * L + 2) * ar * n_sbh * e
-    reps = t // cfg.kv_heads if t > cfg.kv_heads else 1
+    reps = kv_replicas(t, cfg.kv_heads)
     if reps > 1:  # k and v: one head of weights (and biases) per rank, summed over its replica group
         kv = 2 * cfg.head_size * (h + (1 if cfg.attention_bias else 0))
         out["tp.all_reduce"] += L * 2 * (reps - 1) / reps * kv * e

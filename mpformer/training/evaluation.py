@@ -45,7 +45,6 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, 
                   dp: Comm | None = None) -> tuple[float, int]:
     """Sum of token losses over this dp rank's rows, all-reduced over ``dp``: (mean loss, token count)."""
     import torch
-    import torch.nn.functional as F
 
     dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
     rows = np.array_split(np.arange(tokens.shape[0]), dp_size)[dp_rank]
@@ -53,8 +52,10 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, 
     for i in range(0, len(rows), micro_batch):
         batch = torch.from_numpy(tokens[rows[i:i + micro_batch]]).to(device)
         with torch.no_grad():
-            logits = model(batch[:, :-1]).float()
-        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].reshape(-1), reduction="sum").double()
+            # The training loss path (mean over the batch's tokens): under tensor parallelism it is the
+            # vocabulary-parallel cross entropy, so full logits are never gathered.
+            mean = model(batch[:, :-1], batch[:, 1:])
+        total += mean.double() * batch[:, 1:].numel()
     if dp is not None:
         dp.all_reduce(total)
     count = tokens.shape[0] * (tokens.shape[1] - 1)

@@ -114,5 +114,8 @@ def preflight_train(composed: Composed, world_size: int) -> ParallelLayout:
                           "kernels), or install apex (the docker image has it)")
     build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)  # too-small data fails here
     if cfg.eval.interval:
-        load_eval_tokens_for(cfg)
+        rows = load_eval_tokens_for(cfg)
+        if layout.sequence_parallel and (rows.shape[1] - 1) % layout.tp:
+            raise ConfigError(f"eval.tokens={cfg.eval.tokens}: rows of {rows.shape[1] - 1} inputs do not split over "
+                              f"parallel.tp={layout.tp} under sequence parallelism; valid: multiples of {layout.tp}")
     return layout

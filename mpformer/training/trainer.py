@@ -118,12 +118,14 @@ class Trainer:
             m = self.train_step()
             dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
             losses.append(m["loss"])
-            comm = self.groups.ledger.take()
-            m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "comm_bytes": sum(comm.values()),
+            comm = self.groups.ledger.take()  # this step's training traffic (validation's is dropped below)
+            m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                      "comm_bytes": sum(v for k, v in comm.items() if not k.startswith("metrics.")),
                       "comm_bytes_by_kind": comm,
                       "consumed_samples": self.consumed_samples, "eta_s": timer.eta(end - self.step)})
             if self.eval_tokens is not None and (self.step % self.cfg.eval.interval == 0 or self.step == end):
                 m["val_loss"] = self.validate()
+                self.groups.ledger.take()
             self.metrics.log(self.step, m)
             if ck.save_interval and self.step % ck.save_interval == 0 and self.step != end:
                 self.save()
@@ -157,7 +159,7 @@ class Trainer:
         tok = self.tokenizer_dir
         if tok is not None:
             manifest["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
-        rng = self.device.rng_state()
+        rng = {"default": self.device.rng_state(), "tp": self.tp.rng.state if self.tp.rng is not None else None}
         path = save_checkpoint(self.save_dir, self.step, tensors, manifest, keep=self.cfg.checkpoint.keep,
                                rank_files={f"rng/rank_{self.groups.rank:05d}.pt": rng},
                                populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
@@ -174,8 +176,12 @@ class Trainer:
             self.step, self.consumed_samples = state["step"], state["consumed_samples"]
             self.wandb_run_id = state.get("wandb_run_id")
         rng_file = Path(manifest["path"]) / "rng" / f"rank_{self.groups.rank:05d}.pt"
-        if self.step and manifest.get("world_size") == self.layout.world_size and rng_file.is_file():
-            self.device.set_rng_state(torch.load(rng_file, weights_only=True))
+        same_layout = manifest.get("layout") == self.layout.to_dict()
+        if self.step and same_layout and rng_file.is_file():
+            saved = torch.load(rng_file, weights_only=True)
+            self.device.set_rng_state(saved["default"])
+            if saved.get("tp") is not None and self.tp.rng is not None:
+                self.tp.rng.state = saved["tp"]
         else:
             self._seed_dropout()
 
@@ -183,11 +189,14 @@ class Trainer:
         """Dropout masks differ per data-parallel replica and pipeline stage (Megatron's offsets) and,
         after a resume whose RNG states cannot be reused, per step, so no mask sequence repeats."""
         c = self.groups.coords
-        torch.manual_seed(self.cfg.train.seed + 100 * c["pp"] + 10 * c["dp"] + 1_000_003 * self.step)
+        seed = self.cfg.train.seed + 100 * c["pp"] + 10 * c["dp"] + 1_000_003 * self.step
+        torch.manual_seed(seed)
+        if self.tp.rng is not None:
+            self.tp.rng.reseed(seed)
 
     def _banner(self, end: int) -> str:
         t, L = self.cfg.train, self.layout
-        n = sum(p.numel() for p in self.model.parameters())
+        n = self.cfg.model.num_params()  # the whole model, not this rank's shard
         start = f"resuming at step {self.step}" if self.step else "starting at step 0"
         return (f"mpformer: {self.cfg.model.arch} {n / 1e6:.2f}M params | dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} | "
                 f"global batch {t.global_batch_size} x {t.seq_length} tokens, {self.micro_steps} micro-batches of "

@@ -55,6 +55,12 @@ def _pairs() -> dict:
     want = torch.cat([gs[r].chunk(n, 0)[rank] for r in range(n)], dim=1)  # the dual all-to-all
     out["a2a_grad"] = torch.equal(x.grad, want)
 
+    x = torch.full((3,), float(rank + 1), requires_grad=True)
+    y = C.reduce_from_region(x, cm)  # fwd all-reduce, bwd identity
+    out["reduce"] = torch.equal(y, torch.full((3,), float(sum(range(1, n + 1)))))
+    (y * 5).sum().backward()
+    out["reduce_grad"] = torch.equal(x.grad, torch.full((3,), 5.0))
+
     x = torch.ones(3, requires_grad=True)
     y = C.copy_to_region(x, cm)
     (y * (rank + 1)).sum().backward()
@@ -63,6 +69,8 @@ def _pairs() -> dict:
     t = torch.zeros(1000)
     cm.all_reduce(t)
     cm.all_gather(torch.zeros(500))
+    cm.reduce_scatter(torch.zeros(1000))
+    cm.all_to_all(torch.zeros(10, 100), 0, 1)
     out["bytes"] = ledger.take()
     return out
 
@@ -72,5 +80,6 @@ def test_autograd_pairs_and_ledger():
     for r in res:
         byts = r.pop("bytes")
         assert all(r.values()), r
-        # ring over 2 ranks: all-reduce 2 (n-1)/n = 1 x 4000 bytes; all-gather (n-1)/n of 4000 output bytes
-        assert byts == {"all_reduce": 4000, "all_gather": 2000}
+        # Ring over 2 ranks: all-reduce 2 (n-1)/n = 1 x its 4000 bytes; all-gather (n-1)/n of its 4000 output
+        # bytes; reduce-scatter (n-1)/n of its 4000 input bytes; all-to-all (n-1)/n of its 4000 bytes.
+        assert byts == {"all_reduce": 4000, "all_gather": 2000, "reduce_scatter": 2000, "all_to_all": 2000}

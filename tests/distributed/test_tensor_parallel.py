@@ -80,31 +80,41 @@ def _overrides(data: str, run_dir: Path, **kw) -> list[str]:
     return overrides({**BASE, "data.paths": f"[{data}]"}, run_dir, **kw)
 
 
-RUNS = {  # name -> (world size, overrides)
-    "ref_llama": (1, {}),
-    "ref_gpt2": (1, {"model": "tiny-gpt2"}),
-    "tp2": (2, {"parallel.tp": 2}),
-    "tp2_sp": (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
-    "tp2_gpt2_sp": (2, {"model": "tiny-gpt2", "parallel.tp": 2, "parallel.sequence_parallel": True}),
-    "tp2_stop3": (2, {"parallel.tp": 2, "train.stop_at": 3}),
-    "tp4": (4, {"parallel.tp": 4}),
-    "tp4_sp": (4, {"parallel.tp": 4, "parallel.sequence_parallel": True}),
-    "tp2_gpt2": (2, {"model": "tiny-gpt2", "parallel.tp": 2}),
-    "tp4_gpt2": (4, {"model": "tiny-gpt2", "parallel.tp": 4}),
-    "tp4_gpt2_sp": (4, {"model": "tiny-gpt2", "parallel.tp": 4, "parallel.sequence_parallel": True}),
-    "dp2_tp2": (4, {"parallel.tp": 2, "parallel.dp": 2}),
-    "tp4_resumed": (4, {"parallel.tp": 4, "checkpoint.load": "{root}/tp2_stop3/checkpoints"}),
+DROP = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+RUNS = {  # name -> (world size, phase, overrides); phase 2 resumes checkpoints written in phase 1
+    "ref_llama": (1, 1, {}),
+    "ref_gpt2": (1, 1, {"model": "tiny-gpt2"}),
+    "tp2": (2, 1, {"parallel.tp": 2}),
+    "tp2_sp": (2, 1, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "tp2_gpt2_sp": (2, 1, {"model": "tiny-gpt2", "parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "tp2_stop3": (2, 1, {"parallel.tp": 2, "train.stop_at": 3}),
+    "tp2_gpt2": (2, 1, {"model": "tiny-gpt2", "parallel.tp": 2}),
+    "tp2_drop_sp": (2, 1, {"parallel.tp": 2, "parallel.sequence_parallel": True, **DROP}),
+    "tp2_drop_sp_stop3": (2, 1, {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.stop_at": 3, **DROP}),
+    "tp4": (4, 1, {"parallel.tp": 4}),
+    "tp4_sp": (4, 1, {"parallel.tp": 4, "parallel.sequence_parallel": True}),
+    "tp4_gpt2": (4, 1, {"model": "tiny-gpt2", "parallel.tp": 4}),
+    "tp4_gpt2_sp": (4, 1, {"model": "tiny-gpt2", "parallel.tp": 4, "parallel.sequence_parallel": True}),
+    "dp2_tp2": (4, 1, {"parallel.tp": 2, "parallel.dp": 2}),
+    "dp2_tp2_stop3": (4, 1, {"parallel.tp": 2, "parallel.dp": 2, "parallel.sequence_parallel": True,
+                             "train.stop_at": 3}),
+    "tp4_stop3": (4, 1, {"parallel.tp": 4, "train.stop_at": 3}),
+    "tp4_from_tp2": (4, 1, {"parallel.tp": 4, "checkpoint.load": "{root}/tp2_stop3/checkpoints"}),
+    "tp1_from_dp2_tp2": (1, 2, {"checkpoint.load": "{root}/dp2_tp2_stop3/checkpoints"}),
+    "tp2_from_tp4": (2, 2, {"parallel.tp": 2, "checkpoint.load": "{root}/tp4_stop3/checkpoints"}),
+    "tp2_drop_sp_resumed": (2, 2, {"parallel.tp": 2, "parallel.sequence_parallel": True, **DROP,
+                                   "checkpoint.load": "{root}/tp2_drop_sp_stop3/checkpoints"}),
 }
 
 
-def _worker(world: int, data: str, root: str) -> dict:
+def _worker(world: int, phase: int, data: str, root: str) -> dict:
     out: dict = {}
-    if world > 1:
+    if world > 1 and phase == 1:
         for arch in MODELS:
             for sp in (False, True):
                 out[("grads", arch, world, sp)] = _grad_parity(arch, world, sp)
-    for name, (w, kw) in RUNS.items():
-        if w == world:
+    for name, (w, ph, kw) in RUNS.items():
+        if (w, ph) == (world, phase):
             kw = {k: (v.format(root=root) if isinstance(v, str) else v) for k, v in kw.items()}
             out[name] = train(_overrides(data, Path(root) / name, **kw))
     return out
@@ -114,8 +124,8 @@ def _worker(world: int, data: str, root: str) -> dict:
 def results(tiny_data, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("tp"))
     res = {"root": root}
-    for world in (1, 2, 4):
-        res.update(run_distributed(_worker, world, args=(world, tiny_data, root), timeout=300)[0])
+    for world, phase in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
+        res.update(run_distributed(_worker, world, args=(world, phase, tiny_data, root), timeout=300)[0])
     return res
 
 
@@ -130,9 +140,17 @@ def test_training_matches_one_process(results, run, ref):
     torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), rtol=RTOL, atol=0)
 
 
-def test_tp2_checkpoint_resumes_at_tp4(results):
-    torch.testing.assert_close(torch.tensor(results["tp4_resumed"]["losses"]),
+@pytest.mark.parametrize("run", ["tp4_from_tp2", "tp1_from_dp2_tp2", "tp2_from_tp4"])
+def test_checkpoints_resume_under_other_tensor_parallel_sizes(results, run):
+    """A checkpoint written at one layout continues at another with the single-device losses."""
+    torch.testing.assert_close(torch.tensor(results[run]["losses"]),
                                torch.tensor(results["ref_llama"]["losses"][3:]), rtol=RTOL, atol=0)
+
+
+def test_resume_under_tp_with_dropout_is_bit_identical(results):
+    """Both dropout streams (default and tp-rank) are saved and restored: exact equality."""
+    full, first, second = (results[n] for n in ("tp2_drop_sp", "tp2_drop_sp_stop3", "tp2_drop_sp_resumed"))
+    assert first["losses"] + second["losses"] == full["losses"]
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
@@ -153,6 +171,12 @@ def test_analytic_volume_by_hand():
     2 (t-1)/t = 1, plus the cross entropy's 3 all-reduces of s*b = 32 floats."""
     got = tp_step_bytes(ModelConfig(**MODELS["llama"]), s=16, b=2, t=2, sp=False)
     assert got == {"tp.all_reduce": 10 * 2048 * 4 + 3 * 32 * 4, "tp.all_gather": 0.0, "tp.reduce_scatter": 0.0}
+    # GPT-2, tp=2 with SP: (4L + 2) = 10 all-gathers and 10 reduce-scatters of (t-1)/t = 1/2 of 2048 floats;
+    # all-reduces: the cross entropy's 3 x 32 floats, plus the partial gradients of the replicated
+    # parameters: 5 LayerNorms x (gain + bias) x 64, 4 row-parallel biases x 64, 64 x 64 positions.
+    got = tp_step_bytes(ModelConfig(**MODELS["gpt2"]), s=16, b=2, t=2, sp=True)
+    assert got == {"tp.all_reduce": (3 * 32 + 5 * 2 * 64 + 4 * 64 + 64 * 64) * 4,
+                   "tp.all_gather": 10 * 1024 * 4, "tp.reduce_scatter": 10 * 1024 * 4}
 
 
 def test_gradients_match_block_by_block(results):
