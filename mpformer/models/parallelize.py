@@ -86,7 +86,9 @@ def apply_tp_plan(model: nn.Module, tp: TPContext) -> None:
     names = dict(model.named_modules())
     for pattern, style in TP_PLANS[cfg.arch]:
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern) and names[n] is not None]
-        if not matched and not (pattern == "lm_head" and cfg.tie_embeddings):
+        # A pipeline stage may hold no embedding / no head, and a tied model has no separate head.
+        absent = {"embed": model.embed is None, "lm_head": model.lm_head is None}.get(pattern, False)
+        if not matched and not absent:
             raise AssertionError(f"TP plan row {pattern!r} ({style}) matched no module")
         for name in matched:
             new = STYLES[style](names[name], cfg, tp)
@@ -114,10 +116,10 @@ def _check_applied(model: nn.Module, tp: TPContext) -> None:
 
 def canonical_shards(model: nn.Module) -> dict[str, Shard]:
     """Canonical name -> this rank's shard, for a tensor-parallel model."""
-    out: dict[str, Shard] = dict(model.embed.canonical_shards("embedding.word"))
+    out: dict[str, Shard] = dict(model.embed.canonical_shards("embedding.word")) if model.embed is not None else {}
     if model.pos_embed is not None:
         out["embedding.position.weight"] = Shard.full(model.pos_embed.weight)
-    for i, layer in enumerate(model.layers):
+    for i, layer in zip(model.layer_ids, model.layers):
         p = f"layers.{i}"
         out.update({k: Shard.full(v) for k, v in canonical_norm(f"{p}.attn_norm", layer.attn_norm).items()})
         out.update(layer.attn.qkv.canonical_shards({n: f"{p}.attn.{n}" for n in ("q", "k", "v")}))
@@ -125,7 +127,8 @@ def canonical_shards(model: nn.Module) -> dict[str, Shard]:
         out.update({k: Shard.full(v) for k, v in canonical_norm(f"{p}.mlp_norm", layer.mlp_norm).items()})
         out.update(layer.mlp.up.canonical_shards({n: f"{p}.mlp.{n}" for n in ("gate", "up")}))
         out.update(layer.mlp.down.canonical_shards(f"{p}.mlp.down"))
-    out.update({k: Shard.full(v) for k, v in canonical_norm("final_norm", model.final_norm).items()})
+    if model.final_norm is not None:
+        out.update({k: Shard.full(v) for k, v in canonical_norm("final_norm", model.final_norm).items()})
     if model.lm_head is not None:
         out.update(model.lm_head.canonical_shards("lm_head"))
     return out

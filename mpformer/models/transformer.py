@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -78,21 +79,30 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, recompute: str = "none", use_apex: bool = False,
                  device: DeviceLike = None, dtype: torch.dtype | None = None,
-                 seed: int | None = 1234) -> None:
+                 seed: int | None = 1234, layer_ids: list[int] | None = None, embedding: bool = True,
+                 head: bool = True) -> None:
+        """``layer_ids``, ``embedding`` and ``head`` pick the part a pipeline rank holds (default: all).
+        Layers keep their global indices in canonical names; with tied embeddings the last stage
+        holds its own copy of the embedding for the head (kept equal by the pipeline engine)."""
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
         self.cfg = cfg.validate()
         kw = {"device": device, "dtype": dtype}
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.has_embedding, self.has_head = embedding, head
+        self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        need_embed = embedding or (head and cfg.tie_embeddings)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw) if need_embed else None
         self.pos_embed = (nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
-                          if cfg.learned_positions else None)
+                          if cfg.learned_positions and embedding else None)
         self.rotary = None if cfg.learned_positions else RotaryEmbedding(cfg, device=device)
         self.embed_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(
-            Block(cfg, recompute=recompute, use_apex=use_apex, **kw) for _ in range(cfg.num_layers))
-        self.final_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
+            Block(cfg, recompute=recompute, use_apex=use_apex, **kw) for _ in self.layer_ids)
+        self.final_norm = (build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
+                           if head else None)
+        self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
+                        if head and not cfg.tie_embeddings else None)
         self.full_recompute = recompute == "full"
         self.tp: TPContext | None = None  # set by models.parallelize.apply_tp_plan
         if seed is not None and device != "meta":
@@ -104,7 +114,13 @@ class Transformer(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        """Final-norm output ``[s, b, h]``."""
+        """Final-norm output ``[s, b, h]`` (the whole model on one pipeline stage)."""
+        s = tokens_bs.shape[1]
+        x_sbh = self.run_layers(self.embed_tokens(tokens_bs), range(len(self.layers)), s)
+        return self.final_norm(x_sbh)
+
+    def embed_tokens(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: token (and position) embeddings, ``[s(/t), b, h]``."""
         s = tokens_bs.shape[1]
         x_sbh = self.embed(tokens_bs.t())
         if self.pos_embed is not None:
@@ -115,21 +131,23 @@ class Transformer(nn.Module):
             start = self.tp.rank * x_sbh.shape[0] if self.tp is not None and self.tp.sequence_parallel else 0
             x_sbh = x_sbh + self.pos_embed.weight[start:start + x_sbh.shape[0], None, :]
         with sp_rng(self.tp, self.embed_dropout.p > 0 and self.training):
-            x_sbh = self.embed_dropout(x_sbh)
-        rope = self.rotary(s) if self.rotary is not None else None
-        for layer in self.layers:
+            return self.embed_dropout(x_sbh)
+
+    def run_layers(self, x_sbh: torch.Tensor, local: Iterable[int], seq_len: int) -> torch.Tensor:
+        """The layers at positions ``local`` of this module (a pipeline chunk) on ``x``."""
+        rope = self.rotary(seq_len) if self.rotary is not None else None
+        for i in local:
+            layer = self.layers[i]
             if self.full_recompute and self.training:
                 kw = {"context_fn": self.tp.checkpoint_context_fn()} if self.tp is not None else {}
                 x_sbh = checkpoint(layer, x_sbh, rope, use_reentrant=False, **kw)
             else:
                 x_sbh = layer(x_sbh, rope)
-        return self.final_norm(x_sbh)
+        return x_sbh
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
-        hidden_sbh = self.hidden_states(tokens_bs)
+    def head_output(self, x_sbh: torch.Tensor, labels_bs: torch.Tensor | None) -> torch.Tensor:
+        """The last stage: final norm, then the loss (or logits ``[b, s, v]`` without labels)."""
+        hidden_sbh = self.final_norm(x_sbh)
         if self.tp is not None:
             return self._tp_output(hidden_sbh, labels_bs)
         logits_sbv = linear(hidden_sbh, self.output_weight())
@@ -137,6 +155,14 @@ class Transformer(nn.Module):
             return logits_sbv.transpose(0, 1)
         # Mean next-token cross entropy over every labelled token, computed in fp32.
         return F.cross_entropy(logits_sbv.float().flatten(0, 1), labels_bs.t().reshape(-1), ignore_index=-100)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole model (a module holding every layer, the embedding and the head)."""
+        x_sbh = self.run_layers(self.embed_tokens(tokens_bs), range(len(self.layers)), tokens_bs.shape[1])
+        return self.head_output(x_sbh, labels_bs)
 
     def _tp_output(self, hidden_sbh: torch.Tensor, labels_bs: torch.Tensor | None) -> torch.Tensor:
         """Logits of this rank's vocabulary block; the loss without gathering them (vocab-parallel
@@ -152,12 +178,13 @@ class Transformer(nn.Module):
     # ---- layout-free view and initialisation ---------------------------------------------
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter under its layout-free name, as views into the module's storage."""
-        out = {"embedding.word.weight": self.embed.weight}
+        out = {"embedding.word.weight": self.embed.weight} if self.embed is not None else {}
         if self.pos_embed is not None:
             out["embedding.position.weight"] = self.pos_embed.weight
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_ids, self.layers):
             out.update(layer.canonical_tensors(f"layers.{i}"))
-        out.update(canonical_norm("final_norm", self.final_norm))
+        if self.final_norm is not None:
+            out.update(canonical_norm("final_norm", self.final_norm))
         if self.lm_head is not None:
             out["lm_head.weight"] = self.lm_head.weight
         return out
