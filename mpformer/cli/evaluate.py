@@ -17,7 +17,13 @@ from mpformer.cli.compose import compose_config
 from mpformer.errors import ConfigError
 from mpformer.parallel.launch import init_distributed, shutdown, world_size_from_env
 from mpformer.parallel.layout import validate
-from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for
+from mpformer.pipeline.stage import stage_plan
+from mpformer.training.evaluation import (
+    check_pipeline_eval,
+    evaluate_loss,
+    load_eval_tokens_for,
+    pipeline_evaluate_loss,
+)
 from mpformer.training.preflight import adopt_checkpoint_model
 
 
@@ -31,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     assert manifest is not None
     tokens = load_eval_tokens_for(cfg)
     layout = validate(cfg.parallel.layout(), cfg.model, world_size_from_env(), seq_length=tokens.shape[1] - 1)
+    if layout.pp > 1:
+        check_pipeline_eval(layout, tokens.shape[0], cfg.eval.micro_batch_size)
     from mpformer.checkpoint.io import load_checkpoint
     from mpformer.models.parallelize import build_model
     from mpformer.parallel.device import resolve_device
@@ -43,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         groups = ProcessGroups.build(layout, device)
         m = cfg.model
         tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads))
-        model = build_model(m, tp=tp, device=device.torch_device, seed=0).eval()
+        plan = stage_plan(m, layout, groups.coords["pp"], tokens.shape[1] - 1) if layout.pp > 1 else None
+        model = build_model(m, tp=tp, device=device.torch_device, seed=0, stage=plan).eval()
         load_checkpoint(manifest["path"], model)
-        loss, count = evaluate_loss(model, tokens, cfg.eval.micro_batch_size, device.torch_device,
-                                    groups.comm("dp"))
+        if plan is None:
+            loss, count = evaluate_loss(model, tokens, cfg.eval.micro_batch_size, device.torch_device,
+                                        groups.comm("dp"))
+        else:
+            loss, count = pipeline_evaluate_loss(model, plan, layout, groups, tokens, cfg.eval.micro_batch_size)
         if groups.is_logging_rank:
             print(json.dumps({"loss": loss, "tokens": count}), flush=True)
     finally:

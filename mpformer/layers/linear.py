@@ -1,4 +1,4 @@
-"""Linear layers. Today: one single-device linear with a CPU low-precision fast path.
+"""Linear layers: the CPU low-precision fast path, and the split backward of zero-bubble pipelines.
 
 Why a custom backward on CPU: under bf16/fp16 autocast, the input gradient ``dX = dY @ W`` is a
 GEMM whose second operand is row-major ``W [out, in]`` (the "NN" layout). On CPUs without native
@@ -7,9 +7,20 @@ bf16 matmul units (AVX2 only) oneDNN runs that layout ~20x slower than the trans
 ``dY @ (W^T contiguous)^T`` costs one small copy of W and puts the GEMM in the fast layout; the
 values are the same products summed in the same precision. fp32 and GPU paths are untouched:
 there the copy only costs time.
+
+Why a weight-gradient store: the zero-bubble schedules (ZB-H1/H2, Qi et al. 2023) run a
+micro-batch's backward as two actions, BI (input gradients, which the previous stage is waiting
+for) and BW (weight gradients, which nobody waits for, run later to fill bubbles). A linear layer
+given a ``WeightGradStore`` computes ``dX`` in backward as usual; while the store is capturing it
+queues ``dW = dY^T X`` (and ``db``) instead, and ``WeightGradStore.run`` performs the queued GEMMs
+and accumulates them into ``.grad`` as autograd would have. Outside a capture (a combined backward,
+validation, a one-stage pipeline) the same function returns the weight gradients directly.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +52,93 @@ class _CpuLowPrecisionLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except on CPU under bf16/fp16 autocast where the input gradient uses the fast layout."""
+class WeightGradStore:
+    """Weight-gradient GEMMs deferred from BI to BW, per (micro-batch, chunk) key."""
+
+    def __init__(self) -> None:
+        self.capturing: list[Callable[[], None]] | None = None
+        self.pending: dict[Hashable, list[Callable[[], None]]] = {}
+
+    @contextlib.contextmanager
+    def capture(self, key: Hashable) -> Iterator[None]:
+        """Backward passes run inside queue their weight gradients under ``key``."""
+        assert self.capturing is None and key not in self.pending, f"weight gradients of {key} already captured"
+        self.capturing = []
+        try:
+            yield
+            self.pending[key] = self.capturing
+        finally:
+            self.capturing = None
+
+    def run(self, key: Hashable) -> None:
+        with torch.no_grad():  # outside autograd's backward: the GEMMs must not be recorded
+            for job in self.pending.pop(key):
+                job()
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """y = x W^T + b whose weight gradients can be deferred to a ``WeightGradStore``; ``dtype`` is
+    the autocast dtype to compute in (None: the inputs' dtype)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore,
+                dtype: torch.dtype | None) -> torch.Tensor:
+        xc, wc = (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
+        bc = bias if bias is None or dtype is None else bias.to(dtype)
+        ctx.save_for_backward(xc, wc)
+        ctx.store, ctx.params, ctx.x_dtype = store, (weight, bias), x.dtype
+        return F.linear(xc, wc, bc)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xc, wc = ctx.saved_tensors
+        weight, bias = ctx.params
+        dy = dy.to(wc.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            w_fast = wc.t().contiguous().t() if wc.device.type == "cpu" and wc.dtype in _LOW else wc
+            dx = torch.matmul(dy, w_fast).to(ctx.x_dtype)
+        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+
+        def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dw = dy2.t().mm(xc.reshape(-1, xc.shape[-1])).to(weight.dtype) if want_w else None
+            db = dy2.sum(0).to(bias.dtype) if want_b else None
+            return dw, db
+
+        if ctx.store.capturing is None:
+            return (dx, *weight_grads(), None, None)
+
+        def job() -> None:
+            dw, db = weight_grads()
+            if dw is not None:
+                _accumulate(weight, dw)
+            if db is not None:
+                _accumulate(bias, db)
+
+        ctx.store.capturing.append(job)
+        return dx, None, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           store: WeightGradStore | None = None) -> torch.Tensor:
+    """F.linear, except on CPU under bf16/fp16 autocast where the input gradient uses the fast layout,
+    and with a ``store`` whose captures defer the weight gradients (``weight`` must then be a leaf)."""
+    if store is not None:
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        with torch.autocast(x.device.type, enabled=False):
+            return _SplitLinear.apply(x, weight, bias, store, dt)
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dt = torch.get_autocast_dtype("cpu")
         if dt in _LOW:
@@ -56,5 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear with the CPU low-precision backward above; same parameters, same state dict."""
 
+    weight_grad_store: WeightGradStore | None = None  # set by the pipeline engine for split backwards
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_grad_store)

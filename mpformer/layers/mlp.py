@@ -27,7 +27,9 @@ class MLP(nn.Module):
         self.down = Linear(self.ffn, cfg.hidden_size, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
-        if self.gated and type(self.up) is Linear:  # single device only: parallel layers own their collectives
+        # Single device only (parallel layers own their collectives), and not when weight gradients
+        # are deferred (the store accumulates into whole parameters, not row views).
+        if self.gated and type(self.up) is Linear and self.up.weight_grad_store is None:
             # Two GEMMs on the row halves of the fused weight: storage stays fused (one parameter,
             # contiguous tensor-parallel slices); the two narrower GEMMs run faster on CPU (measured
             # in benchmarks/bench_throughput.py) and need no split/concat of the activations.

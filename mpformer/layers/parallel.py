@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpformer.checkpoint.shards import Shard
-from mpformer.layers.linear import linear
+from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.parallel.comm import all_gather_seq, copy_to_region, reduce_from_region, reduce_scatter_seq
 from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext, vocab_block
 
@@ -40,6 +40,8 @@ def reduce_output(y: torch.Tensor, tp: TPContext) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """Output rows split over tp, part by part (a fused projection keeps ``[part_0 r | part_1 r ...]``)."""
 
+    weight_grad_store: WeightGradStore | None = None  # set by the pipeline engine for split backwards
+
     def __init__(self, in_features: int, parts: list[Part], tp: TPContext, *, bias: bool,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -50,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gather_input(x, self.tp), self.weight, self.bias)
+        return linear(gather_input(x, self.tp), self.weight, self.bias, self.weight_grad_store)
 
     def _local_rows(self) -> list[tuple[int, int]]:
         out, at = [], 0
@@ -80,6 +82,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input columns split over tp; partial outputs summed (or reduce-scattered), then the bias."""
 
+    weight_grad_store: WeightGradStore | None = None  # set by the pipeline engine for split backwards
+
     def __init__(self, in_features: int, out_features: int, tp: TPContext, *, bias: bool,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -91,7 +95,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_output(linear(x, self.weight), self.tp)
+        y = reduce_output(linear(x, self.weight, store=self.weight_grad_store), self.tp)
         return y + self.bias if self.bias is not None else y
 
     def canonical_shards(self, name: str) -> dict[str, Shard]:

@@ -29,6 +29,7 @@ from mpformer.layers.norm import canonical_norm
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
+from mpformer.pipeline.stage import StagePlan
 
 Style = Callable[[nn.Module, ModelConfig, TPContext], nn.Module | None]
 
@@ -155,14 +156,17 @@ def grad_specs(model: nn.Module) -> list[GradSpec]:
 
 
 def build_model(cfg: ModelConfig, *, tp: TPContext | None, device: torch.device, seed: int,
-                recompute: str = "none", use_apex: bool = False) -> nn.Module:
-    """The model for this rank: built on meta, parallelised, materialised on ``device``, initialised
-    shard by shard from the same per-name generators as the single-device model."""
+                recompute: str = "none", use_apex: bool = False, stage: StagePlan | None = None) -> nn.Module:
+    """The model for this rank (its pipeline stage's layers, embedding and head if ``stage``): built
+    on meta, parallelised, materialised on ``device``, initialised shard by shard from the same
+    per-name generators as the single-device model."""
     from mpformer.models.transformer import Transformer
 
+    part = {} if stage is None else {"layer_ids": stage.layer_ids, "embedding": stage.has_embedding,
+                                     "head": stage.has_head}
     if tp is None or tp.size == 1:
-        return Transformer(cfg, recompute=recompute, use_apex=use_apex, device=device, seed=seed)
-    model = Transformer(cfg, recompute=recompute, use_apex=use_apex, device="meta", seed=None)
+        return Transformer(cfg, recompute=recompute, use_apex=use_apex, device=device, seed=seed, **part)
+    model = Transformer(cfg, recompute=recompute, use_apex=use_apex, device="meta", seed=None, **part)
     apply_tp_plan(model, tp)
     model.to_empty(device=device)
     model.reset_buffers()

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from mpformer.checkpoint.shards import Shard
 from mpformer.layers.attention import Attention, RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
-from mpformer.layers.linear import linear
+from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm, canonical_norm
 from mpformer.layers.parallel import gather_input
@@ -105,6 +105,7 @@ class Transformer(nn.Module):
                         if head and not cfg.tie_embeddings else None)
         self.full_recompute = recompute == "full"
         self.tp: TPContext | None = None  # set by models.parallelize.apply_tp_plan
+        self.weight_grad_store: WeightGradStore | None = None  # the LM head's; set by the pipeline engine
         if seed is not None and device != "meta":
             self.init_weights(seed)
 
@@ -150,7 +151,7 @@ class Transformer(nn.Module):
         hidden_sbh = self.final_norm(x_sbh)
         if self.tp is not None:
             return self._tp_output(hidden_sbh, labels_bs)
-        logits_sbv = linear(hidden_sbh, self.output_weight())
+        logits_sbv = linear(hidden_sbh, self.output_weight(), store=self.weight_grad_store)
         if labels_bs is None:
             return logits_sbv.transpose(0, 1)
         # Mean next-token cross entropy over every labelled token, computed in fp32.
@@ -168,7 +169,7 @@ class Transformer(nn.Module):
         """Logits of this rank's vocabulary block; the loss without gathering them (vocab-parallel
         cross entropy), or the full logits (padding dropped) when no labels are given."""
         tp, head = self.tp, (self.embed if self.lm_head is None else self.lm_head)
-        logits_sbv = linear(gather_input(hidden_sbh, tp), self.output_weight())
+        logits_sbv = linear(gather_input(hidden_sbh, tp), self.output_weight(), store=self.weight_grad_store)
         if labels_bs is None:
             full = gather_from_region(logits_sbv, tp.comm, dim=-1)
             return full[..., : self.cfg.vocab_size].transpose(0, 1)

@@ -102,6 +102,15 @@ class DataParallel:
         assert self.comm is not None
         b.handle = self.comm.all_reduce(b.buffer, async_op=True)
 
+    def start(self) -> None:
+        """Launch every bucket not launched yet (a pipeline stage after its last backward: its
+        gradients are final, the reductions overlap the schedule's remaining sends)."""
+        if self.size == 1:
+            return
+        for b in self.buckets:
+            if b.handle is None:
+                self._launch(b)
+
     def finish(self) -> None:
         """Wait for every bucket's all-reduce; buckets whose hooks never fired (parameters unused in
         this step's graph) are reduced now so ranks stay in lockstep."""

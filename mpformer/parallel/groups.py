@@ -61,6 +61,19 @@ class ProcessGroups:
         """A byte-counting communicator over ``dim``; all of them write to ``self.ledger``."""
         return Comm(self.group(dim), self.ledger, tag=f"{dim}.")
 
+    def embedding_comm(self) -> Comm | None:
+        """The first and last pipeline stage of this rank's pp group (they hold the two copies of a
+        tied embedding), or None when this rank holds neither or pp == 1. Collective."""
+        topo, mine = self.layout.topology, None
+        if topo.pp == 1:
+            return None
+        for pp_ranks in topo.groups("pp"):
+            pair = [pp_ranks[0], pp_ranks[-1]]
+            g = dist.new_group(pair)
+            if self.rank in pair:
+                mine = Comm(g, self.ledger, tag="pp.embedding.")
+        return mine
+
     def tp_context(self, kv_replicas: int = 1, seed: int = 0) -> TPContext:
         """The tensor-parallel context; with ``kv_replicas`` > 1 (tp exceeds the kv heads), also the
         groups of consecutive tp ranks that share a kv head. Collective: every rank calls it."""

@@ -19,6 +19,7 @@ CP_KINDS = ("ring", "ulysses", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+PP_PARTITIONS = ("uniform", "balanced")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ParallelLayout:
     schedule: str = "1f1b"
     recompute: str = "none"
     pp_split: tuple[int, ...] | None = None
+    pp_partition: str = "uniform"  # without pp_split: equal layer counts, or balanced by compute cost
 
     @property
     def topology(self) -> Topology:
@@ -55,9 +57,6 @@ class ParallelLayout:
 
 # (predicate, key, what) for features whose config exists but whose runtime lands in a later issue.
 NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = [
-    (lambda L: L.pp > 1, "pp", "pipeline parallelism", "1"),
-    (lambda L: L.vpp > 1, "vpp", "virtual pipeline stages", "1"),
-    (lambda L: L.pp_split is not None, "pp_split", "explicit pipeline splits", "null"),
     (lambda L: L.cp > 1, "cp", "context parallelism", "1"),
     (lambda L: L.zero > 0, "zero", "ZeRO-sharded optimizers", "0"),
 ]
@@ -82,7 +81,7 @@ def _check_values(L: ParallelLayout) -> None:
     if not isinstance(L.dp, int) or (L.dp < 1 and L.dp != -1):
         raise ConfigError(f"parallel.dp={L.dp} must be an integer >= 1, or -1 to use what the world size leaves")
     for key, choices in (("cp_kind", CP_KINDS), ("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                         ("zero", ZERO_STAGES)):
+                         ("zero", ZERO_STAGES), ("pp_partition", PP_PARTITIONS)):
         if getattr(L, key) not in choices:
             raise ConfigError(f"parallel.{key}={getattr(L, key)!r} is unknown; valid: {format_choices(choices)}")
 
@@ -121,22 +120,32 @@ def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
     if L.vpp > 1 and L.pp == 1:
         raise ConfigError(f"parallel.vpp={L.vpp} needs parallel.pp > 1; valid: vpp=1")
     if L.schedule == "interleaved" and L.vpp == 1 and L.pp > 1:
-        raise ConfigError("parallel.schedule=interleaved needs parallel.vpp > 1; valid: vpp in "
-                          f"{format_choices([v for v in range(2, layers + 1) if layers % (L.pp * v) == 0])}")
+        ok = [v for v in range(2, layers + 1) if layers % (L.pp * v) == 0]
+        hint = f"vpp in {format_choices(ok)}" if ok else f"another schedule (num_layers={layers} leaves no vpp >= 2 " \
+            f"at pp={L.pp}), or parallel.pp_split"
+        raise ConfigError(f"parallel.schedule=interleaved needs parallel.vpp > 1; valid: {hint}")
+    from mpformer.pipeline import partition  # pure; imported late to keep layout light
+
+    stages = L.pp * L.vpp
     if L.pp_split is not None:
-        split = list(L.pp_split)
-        if len(split) != L.pp * L.vpp or any((not isinstance(n, int)) or n < 1 for n in split) \
-                or sum(split) != layers:
-            raise ConfigError(f"parallel.pp_split={split} is malformed: it needs pp*vpp={L.pp * L.vpp} positive "
-                              f"layer counts summing to num_layers={layers}")
+        if L.pp_partition != "uniform":
+            raise ConfigError(f"parallel.pp_split={list(L.pp_split)} and parallel.pp_partition={L.pp_partition} "
+                              "both choose the stages; valid: one of them (pp_partition=uniform with a split)")
+        partition.from_split(L.pp_split, layers, stages)
         return
     if L.pp > layers:
         raise ConfigError(f"parallel.pp={L.pp} exceeds num_layers={layers}; valid pp: "
                           f"{format_choices(valid_pp_values(model, L.vpp))}")
-    if layers % (L.pp * L.vpp):
-        what = f"pp*vpp={L.pp * L.vpp}" if L.vpp > 1 else f"pp={L.pp}"
+    if L.pp_partition == "balanced":
+        if stages > layers:
+            raise ConfigError(f"pp*vpp={stages} stages exceed num_layers={layers}: every stage needs a layer; "
+                              f"valid vpp at pp={L.pp}: 1..{layers // L.pp}")
+        return
+    if layers % stages:
+        what = f"pp*vpp={stages}" if L.vpp > 1 else f"pp={L.pp}"
         raise ConfigError(f"num_layers={layers} cannot be split into {what} equal stages; valid pp: "
-                          f"{format_choices(valid_pp_values(model, L.vpp))} (or give parallel.pp_split)")
+                          f"{format_choices(valid_pp_values(model, L.vpp))} (or give parallel.pp_split, or "
+                          "parallel.pp_partition=balanced)")
 
 
 def _resolve_dp(L: ParallelLayout, world_size: int) -> ParallelLayout:
@@ -168,6 +177,16 @@ def _check_batch(L: ParallelLayout, global_batch_size: int, micro_batch_size: in
                           f"sizes: multiples of {per_step}{alt}")
 
 
+def _check_schedule(L: ParallelLayout, microbatches: int) -> None:
+    from mpformer.pipeline.schedules import check_args  # pure; imported late to keep layout light
+
+    try:
+        check_args(L.schedule, L.pp, microbatches, L.vpp)
+    except ConfigError as e:
+        raise ConfigError(f"parallel.schedule={L.schedule} with {microbatches} micro-batches per step "
+                          f"(global_batch_size / (micro_batch_size * dp)): {e}") from None
+
+
 def validate(layout: ParallelLayout, model: ModelConfig, world_size: int, *,
              global_batch_size: int | None = None, micro_batch_size: int | None = None,
              seq_length: int | None = None) -> ParallelLayout:
@@ -178,6 +197,8 @@ def validate(layout: ParallelLayout, model: ModelConfig, world_size: int, *,
     resolved = _resolve_dp(layout, world_size)
     if global_batch_size is not None and micro_batch_size is not None:
         _check_batch(resolved, global_batch_size, micro_batch_size)
+        if resolved.pp > 1:
+            _check_schedule(resolved, global_batch_size // (micro_batch_size * resolved.dp))
     for pred, key, what, valid in NOT_IMPLEMENTED:
         if pred(resolved):
             raise ConfigError(f"parallel.{key}={getattr(resolved, key)}: {what} is not implemented yet; "

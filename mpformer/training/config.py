@@ -31,13 +31,15 @@ class ParallelConfig:
     zero: int = 0
     schedule: str = "1f1b"
     recompute: str = "none"
-    pp_split: list[int] | None = None
+    pp_split: list[int] | None = None  # transformer layers per global stage (pp*vpp entries)
+    pp_partition: str = "uniform"  # uniform | balanced (by compute: fewer layers next to the LM head)
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, vpp=self.vpp,
                               sequence_parallel=self.sequence_parallel, zero=self.zero, schedule=self.schedule,
                               recompute=self.recompute,
-                              pp_split=tuple(self.pp_split) if self.pp_split is not None else None)
+                              pp_split=tuple(self.pp_split) if self.pp_split is not None else None,
+                              pp_partition=self.pp_partition)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class TrainConfig:
     use_apex: bool = False  # apex fused kernels when installed (optional fast path)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
+    pipeline_trace_steps: int = 0  # pp > 1: time the actions of this many steps after the first, written
+    # as a Chrome trace to <run dir>/pipeline_trace.json (compare with tools/schedule.py --trace)
 
 
 @dataclass

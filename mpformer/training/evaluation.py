@@ -13,6 +13,9 @@ if TYPE_CHECKING:  # torch loads after validation, so bad input exits in about a
     import torch
 
     from mpformer.parallel.comm import Comm
+    from mpformer.parallel.groups import ProcessGroups
+    from mpformer.parallel.layout import ParallelLayout
+    from mpformer.pipeline.stage import StagePlan
     from mpformer.training.config import Config
 
 
@@ -66,3 +69,48 @@ def load_eval_tokens_for(cfg: Config) -> np.ndarray:
     """eval.tokens checked against cfg.model."""
     m = cfg.model
     return load_eval_tokens(cfg.eval.tokens, m.vocab_size, m.max_position_embeddings if m.learned_positions else None)
+
+
+def check_pipeline_eval(layout: ParallelLayout, rows: int, micro_batch: int) -> None:
+    """Pipeline micro-batches have one fixed shape: each data-parallel rank's rows must split evenly."""
+    from mpformer.pipeline.schedules import check_args
+
+    per_rank = rows // layout.dp
+    if rows % layout.dp or per_rank % micro_batch:
+        raise ConfigError(f"eval.tokens has {rows} rows: under pipeline parallelism each of dp={layout.dp} ranks needs "
+                          f"a whole number of eval.micro_batch_size={micro_batch} rows; valid: rows a multiple of "
+                          f"{layout.dp * micro_batch}")
+    try:
+        check_args(layout.schedule, layout.pp, per_rank // micro_batch, layout.vpp)
+    except ConfigError as e:
+        raise ConfigError(f"eval.tokens: {per_rank // micro_batch} micro-batches per rank: {e}") from None
+
+
+def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: ParallelLayout, groups: ProcessGroups,
+                           tokens: np.ndarray, micro_batch: int) -> tuple[float, int]:
+    """The forward passes of the training schedule (forward_only), the loss summed on the last stage
+    and shared over pp and dp: (mean loss, token count)."""
+    import torch
+
+    from mpformer.parallel.comm import Comm
+    from mpformer.pipeline.engine import PipelineEngine
+    from mpformer.pipeline.p2p import P2P
+    from mpformer.pipeline.schedules import build_schedule
+
+    device = groups.device.torch_device
+    rows = np.array_split(np.arange(tokens.shape[0]), layout.dp)[groups.dp_rank]
+    batches = []
+    for i in range(0, len(rows), micro_batch):
+        b = torch.from_numpy(tokens[rows[i:i + micro_batch]]).to(device)
+        batches.append((b[:, :-1], b[:, 1:]))
+    seq = tokens.shape[1] - 1
+    p2p = P2P(groups.pp, groups.ledger, (seq // layout.tp if layout.sequence_parallel else seq, micro_batch,
+                                         model.cfg.hidden_size), torch.float32, device)
+    engine = PipelineEngine(model, plan, build_schedule(layout.schedule, layout.pp, len(batches), layout.vpp), p2p)
+    with torch.no_grad():
+        means = engine.run(batches, forward_only=True)
+    total = torch.tensor(sum(means) * micro_batch * seq, dtype=torch.float64, device=device)
+    for comm in (Comm(groups.pp, groups.ledger, "eval.pp."), groups.comm("dp")):
+        comm.all_reduce(total)
+    count = tokens.shape[0] * seq
+    return float(total.item() / count), count

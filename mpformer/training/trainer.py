@@ -27,6 +27,11 @@ from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.layout import ParallelLayout
 from mpformer.parallel.tensor_parallel import kv_replicas, sync_tp_grads
+from mpformer.pipeline.engine import PipelineEngine
+from mpformer.pipeline.p2p import P2P
+from mpformer.pipeline.schedules import build_schedule
+from mpformer.pipeline.stage import stage_plan
+from mpformer.pipeline.trace import gather_events, write_trace
 from mpformer.training.config import Config
 from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for
 from mpformer.training.metrics import MetricsLogger, StepTimer
@@ -44,9 +49,12 @@ class Trainer:
                           else contextlib.nullcontext())
         m = cfg.model
         self.tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads), seed=t.seed)
+        self.plan = stage_plan(m, layout, groups.coords["pp"], t.seq_length) if layout.pp > 1 else None
         self.model = build_model(m, tp=self.tp, device=self.device.torch_device, seed=t.seed,
-                                 recompute=layout.recompute, use_apex=t.use_apex)
+                                 recompute=layout.recompute, use_apex=t.use_apex, stage=self.plan)
         self.grad_specs = grad_specs(self.model)
+        self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
+        self.pipeline = self._build_pipeline() if self.plan is not None else None
         self.dp = DataParallel(self.model, groups.comm("dp"), bucket_mb=t.grad_bucket_mb)
         self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.kind)
@@ -54,7 +62,6 @@ class Trainer:
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                                    decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
         self.dataset = build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)
-        self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
         self.eval_tokens = load_eval_tokens_for(cfg) if cfg.eval.interval else None
         self.step = 0
         self.consumed_samples = 0
@@ -74,10 +81,9 @@ class Trainer:
         self.wandb_run_id = self.metrics.wandb_run_id
 
     # ---- one optimizer step -----------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
-        t = self.cfg.train
-        self.dp.zero_grad()
-        loss_sum = torch.zeros((), device=self.device.torch_device)
+    def _micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This data-parallel rank's share of the step's samples, as (inputs, labels) per micro-batch."""
+        t, out = self.cfg.train, []
         for j in range(self.micro_steps):
             offsets = micro_batch_sample_indices(0, j, dp_rank=self.groups.dp_rank, dp_size=self.layout.dp,
                                                  global_batch_size=t.global_batch_size,
@@ -87,20 +93,57 @@ class Trainer:
                 raise ConfigError(f"the data holds token id {int(batch.max())} but model.vocab_size="
                                   f"{self.cfg.model.vocab_size}; valid: a vocabulary that covers the tokenizer's")
             batch = batch.to(self.device.torch_device, non_blocking=True)
-            last = j == self.micro_steps - 1
-            with self.dp.no_sync() if not last else contextlib.nullcontext():
+            out.append((batch[:, :-1], batch[:, 1:]))
+        return out
+
+    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Gradient accumulation over micro-batches; the last one's backward overlaps the all-reduce."""
+        loss_sum = torch.zeros((), device=self.device.torch_device)
+        for j, (inputs, labels) in enumerate(batches):
+            with self.dp.no_sync() if j < len(batches) - 1 else contextlib.nullcontext():
                 with self.dtype_ctx:
-                    loss = self.model(batch[:, :-1], batch[:, 1:])
+                    loss = self.model(inputs, labels)
                 (loss / self.micro_steps).backward()
             loss_sum += loss.detach().float()
+        return float(loss_sum)
+
+    def _build_pipeline(self) -> PipelineEngine:
+        t, L = self.cfg.train, self.layout
+        schedule = build_schedule(L.schedule, L.pp, self.micro_steps, L.vpp)
+        seq = t.seq_length // L.tp if L.sequence_parallel else t.seq_length
+        p2p = P2P(self.groups.pp, self.groups.ledger, (seq, t.micro_batch_size, self.cfg.model.hidden_size),
+                  torch.float32, self.device.torch_device)
+        self.embedding_comm = self.groups.embedding_comm() if self.cfg.model.tie_embeddings else None
+        if self.embedding_comm is not None and not self.plan.has_embedding:
+            for s in self.grad_specs:  # the last stage's copy of a tied embedding: counted once, on stage 0
+                if s.param is self.model.embed.weight:
+                    s.in_norm = False
+        # A stage's data-parallel reduction starts right after its last backward (dp is built later).
+        return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
+                              on_grads_done=lambda: self.dp.start())
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.train
+        self.dp.zero_grad()
+        batches = self._micro_batches()
+        if self.pipeline is None:
+            loss_sum = self._forward_backward(batches)
+        else:
+            with self.dp.no_sync():  # a stage's gradients are reduced after its last backward, in finish()
+                loss_sum = sum(self.pipeline.run(batches))
         self.dp.finish()
+        if self.pipeline is not None and self.embedding_comm is not None:
+            self.embedding_comm.all_reduce(self.model.embed.weight.grad)  # the two copies' gradients
         sync_tp_grads(self.grad_specs)
-        grad_norm = clip_grad_norm(self.grad_specs, self.cfg.optim.clip_grad, self.tp.comm)
+        pp_comm = self.groups.comm("pp") if self.pipeline is not None else None
+        grad_norm = clip_grad_norm(self.grad_specs, self.cfg.optim.clip_grad, self.tp.comm, pp_comm)
         lr = self.schedule.apply(self.optimizer, self.step)
         self.optimizer.step()
         self.step += 1
         self.consumed_samples += t.global_batch_size
-        loss_mean = loss_sum / self.micro_steps
+        loss_mean = torch.tensor(loss_sum / self.micro_steps, device=self.device.torch_device)
+        if self.pipeline is not None:  # the loss lives on the last stage; rank 0 logs it
+            Comm(self.groups.pp, self.groups.ledger, tag="metrics.pp.").all_reduce(loss_mean)
         if self.layout.dp > 1:  # a metric, not training traffic: its own ledger kind
             self.metrics_comm.all_reduce(loss_mean)
             loss_mean /= self.layout.dp
@@ -114,7 +157,9 @@ class Trainer:
         self.metrics.message(self._banner(end))
         losses: list[float] = []
         timer = StepTimer()
+        self._first_step = self.step
         while self.step < end:
+            self._trace_begin(end)
             m = self.train_step()
             dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
             losses.append(m["loss"])
@@ -127,6 +172,7 @@ class Trainer:
                 m["val_loss"] = self.validate()
                 self.groups.ledger.take()
             self.metrics.log(self.step, m)
+            self._trace_end(end)
             if ck.save_interval and self.step % ck.save_interval == 0 and self.step != end:
                 self.save()
             timer.restart()
@@ -134,6 +180,30 @@ class Trainer:
             self.save()
         self.metrics.close()
         return losses
+
+    # ---- pipeline trace ----------------------------------------------------------------------------
+    def _trace_window(self, end: int) -> range:
+        """Steps whose pipeline actions are timed: ``pipeline_trace_steps`` after the first of this run
+        (which warms up allocators), or fewer if the run is shorter."""
+        n = self.cfg.train.pipeline_trace_steps
+        first = min(self._first_step + 1, end - 1)
+        return range(first, min(first + n, end)) if self.pipeline is not None and n > 0 else range(0)
+
+    def _trace_begin(self, end: int) -> None:
+        if self.step in self._trace_window(end):
+            assert self.pipeline is not None
+            if self.pipeline.trace is None:
+                self.pipeline.trace = []
+
+    def _trace_end(self, end: int) -> None:
+        window = self._trace_window(end)
+        if window and self.step == window[-1] + 1:
+            assert self.pipeline is not None and self.pipeline.trace is not None
+            events = gather_events(self.pipeline.trace, self.groups.pp)
+            self.pipeline.trace = None
+            if self.is_logger:
+                path = write_trace(self.run_dir / "pipeline_trace.json", events, self.layout.vpp)
+                self.metrics.message(f"pipeline trace of {len(window)} step(s): {path}")
 
     def validate(self) -> float:
         """Mean loss on eval.tokens, rows split over the data-parallel ranks."""

@@ -65,7 +65,35 @@ def test_layers_not_splittable_into_pp():
 
 def test_malformed_pp_split():
     msg = _err(ParallelLayout(pp=2, pp_split=(3, 2)), world=2)
-    assert "pp_split" in msg and "summing to num_layers=4" in msg
+    assert "pp_split=[3, 2]" in msg and "summing to num_layers=4" in msg and "e.g. [2, 2]" in msg
+    assert "2 positive" in _err(ParallelLayout(pp=2, pp_split=(4,)), world=2)
+    assert "positive" in _err(ParallelLayout(pp=2, pp_split=(4, 0)), world=2)
+    assert validate(ParallelLayout(pp=2, pp_split=(3, 1)), LLAMA, 2).pp_split == (3, 1)
+    msg = _err(ParallelLayout(pp=2, pp_split=(3, 1), pp_partition="balanced"), world=2)
+    assert "both choose the stages" in msg
+
+
+def test_pipeline_layouts():
+    """pp > layers, vpp not dividing a stage's layers, interleaved without vpp, too few micro-batches."""
+    assert "parallel.pp=8 exceeds num_layers=4" in _err(ParallelLayout(pp=8), world=8)
+    msg = _err(ParallelLayout(pp=2, vpp=4, schedule="interleaved"), world=2)
+    assert "pp*vpp=8" in msg and "valid pp: 1" in msg
+    msg = _err(ParallelLayout(pp=2, schedule="interleaved"), world=2)
+    assert "needs parallel.vpp > 1" in msg and "vpp in 2" in msg
+    msg = _err(ParallelLayout(pp=4, schedule="zb-h2"), world=4, global_batch_size=4, micro_batch_size=1)
+    assert "zb-h2" in msg and "4 micro-batches" in msg and "microbatches >=" in msg
+    msg = _err(ParallelLayout(pp=2, vpp=2, schedule="interleaved"), world=2, global_batch_size=3,
+               micro_batch_size=1)
+    assert "divisible by pp=2" in msg
+    assert validate(ParallelLayout(pp=2, schedule="zb-h1"), LLAMA, 2, global_batch_size=4,
+                    micro_batch_size=1).pp == 2
+
+
+def test_balanced_partition_accepts_uneven_layer_counts():
+    msg = _err(ParallelLayout(pp=3), world=3)
+    assert "pp_partition=balanced" in msg
+    assert validate(ParallelLayout(pp=3, pp_partition="balanced"), LLAMA, 3).pp == 3
+    assert "valid: uniform, balanced" in _err(ParallelLayout(pp_partition="even"))
 
 
 def test_global_batch_not_divisible():
@@ -81,7 +109,6 @@ def test_enum_values():
 
 
 @pytest.mark.parametrize("layout,world,key", [
-    (ParallelLayout(pp=2), 2, "pp"),
     (ParallelLayout(cp=2), 2, "cp"),
     (ParallelLayout(zero=1), 1, "zero"),
 ])

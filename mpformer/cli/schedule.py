@@ -1,0 +1,124 @@
+"""``mpformer-schedule`` / ``tools/schedule.py``: build, verify and simulate a pipeline schedule.
+
+    tools/schedule.py --schedule 1f1b --pp 4 --microbatches 8 [--vpp V] [--f 1 --b 1 --w 1 --p2p 0]
+                      [--json F] [--plot F.png] [--trace F.json] [--print] [--blocking]
+    tools/schedule.py --file my_schedule.txt ...      (a hand-written schedule, text or .csv)
+
+Costs are for one microbatch through one rank's share of the layers (a whole pipeline stage):
+with --vpp V each chunk costs 1/V of them, so step times compare across schedules. A schedule that
+does not split the backward pays b + w for its B. p2p is the time of one send/receive pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from mpformer.cli import user_errors_to_exit
+from mpformer.errors import ConfigError
+from mpformer.pipeline.actions import Op, load_schedule
+from mpformer.pipeline.schedules import SCHEDULES, build_schedule
+from mpformer.pipeline.simulate import Costs, SimResult, simulate, steady_state_bubble, write_chrome_trace
+
+COLORS = {Op.F: "#4c72b0", Op.B: "#55a868", Op.BI: "#55a868", Op.BW: "#dd8452"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpformer-schedule",
+                                description="Generate, verify and simulate a pipeline schedule; report its bubble.")
+    p.add_argument("--schedule", metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}")
+    p.add_argument("--pp", type=int, help="pipeline ranks")
+    p.add_argument("--microbatches", type=int, help="microbatches per step")
+    p.add_argument("--file", metavar="F", help="verify and simulate a hand-written schedule instead (text form, "
+                                               "or CSV if F ends in .csv); replaces --schedule/--pp/--microbatches")
+    p.add_argument("--vpp", type=int, default=1, help="virtual chunks per rank (interleaved only; default 1)")
+    p.add_argument("--f", type=float, default=1.0, help="forward time of one stage (default 1)")
+    p.add_argument("--b", type=float, default=1.0, help="input-gradient backward time of one stage (default 1)")
+    p.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time of one stage (default 1)")
+    p.add_argument("--p2p", type=float, default=0.0, help="time of one send/receive (default 0)")
+    p.add_argument("--blocking", action="store_true",
+                   help="model an engine that waits for each p2p group as a whole (default: a receive is "
+                        "waited for at its consumer, a send never blocks)")
+    p.add_argument("--json", metavar="F", help="write the summary as JSON")
+    p.add_argument("--plot", metavar="F.png", help="write a timeline picture (matplotlib)")
+    p.add_argument("--trace", metavar="F.json", help="write a Chrome trace (chrome://tracing, Perfetto); "
+                                                    "one cost unit is shown as 1 ms")
+    p.add_argument("--print", action="store_true", help="print the schedule's action lists (text form)")
+    return p
+
+
+def summary(res: SimResult, steady: list[float]) -> str:
+    s, c = res.schedule, res.costs
+    lines = [f"schedule {s.name}  pp={s.pp} microbatches={s.microbatches} vpp={s.vpp}  "
+             f"(per chunk: f={c.f:g} b={c.b:g} w={c.w:g}; p2p={c.p2p:g})",
+             f"step time {res.step_time:g}   bubble fraction {res.bubble_fraction:.4f} (mean over ranks)   "
+             f"back-to-back steps: {sum(steady) / len(steady):.4f}",
+             "rank  bubble   idle      peak in-flight (microbatch-chunks)"]
+    lines += [f"{r:>4}  {res.bubble_fraction_per_rank[r]:.4f}   {res.idle[r]:<8g}  {res.peak_inflight[r]}"
+              for r in range(s.pp)]
+    return "\n".join(lines)
+
+
+def plot_timeline(res: SimResult, path: str | Path) -> None:
+    """Ranks as rows, F/B/W as coloured boxes with the microbatch (and chunk) written inside."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    s = res.schedule
+    fig, ax = plt.subplots(figsize=(min(4 + res.step_time * 0.35, 60), 1 + 0.6 * s.pp))
+    for r, row in enumerate(res.timeline):
+        for t in row:
+            a = t.action
+            if a.op.is_comm or t.end <= t.start:
+                continue
+            ax.broken_barh([(t.start, t.end - t.start)], (r - 0.4, 0.8), facecolors=COLORS[a.op],
+                           edgecolors="black", linewidth=0.5, alpha=1.0 - 0.25 * (a.chunk % 2))
+            label = f"{a.microbatch}.{a.chunk}" if s.vpp > 1 else str(a.microbatch)
+            ax.text((t.start + t.end) / 2, r, label, ha="center", va="center", fontsize=7)
+    ax.set_ylim(s.pp - 0.5, -0.5)
+    ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
+    ax.set_xlim(0, res.step_time)
+    ax.set_xlabel("time (cost units)")
+    ax.set_title(f"{s.name}: pp={s.pp} m={s.microbatches} vpp={s.vpp}, step {res.step_time:g}, "
+                 f"bubble {res.bubble_fraction:.3f}")
+    ax.legend(handles=[Patch(color=COLORS[Op.F], label="F"), Patch(color=COLORS[Op.B], label="B / BI"),
+                       Patch(color=COLORS[Op.BW], label="BW")], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@user_errors_to_exit
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.file:
+        schedule = load_schedule(args.file)
+    elif args.schedule is None or args.pp is None or args.microbatches is None:
+        raise ConfigError("give --schedule NAME --pp P --microbatches M, or --file F")
+    elif args.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {args.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+    else:
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
+    v = schedule.vpp
+    costs = Costs(f=args.f / v, b=args.b / v, w=args.w / v, p2p=args.p2p)
+    res = simulate(schedule, costs, blocking=args.blocking)
+    print(summary(res, steady_state_bubble(schedule, costs, blocking=args.blocking)), flush=True)
+    if args.print:
+        print(schedule.to_text(), end="")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res.to_json(), indent=2) + "\n")
+    if args.plot:
+        plot_timeline(res, args.plot)
+    if args.trace:
+        write_chrome_trace(args.trace, (t for row in res.timeline for t in row), us_per_unit=1000.0,
+                           vpp=schedule.vpp)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""Pipeline parallelism: schedules as verified data (DESIGN principle 3).
+
+actions.py    the IR: Action (rank, op, microbatch, chunk), Schedule, text and CSV forms
+schedules.py  generators (gpipe, 1f1b, interleaved, zb-h1, zb-h2) and build_schedule
+verify.py     matching, ordering, deadlock freedom and peak activations, before anything runs
+simulate.py   the timeline of the same action lists from per-op costs; Chrome traces
+partition.py  transformer layers -> stages (uniform, explicit split, balanced by cost)
+"""
+
+from mpformer.pipeline.actions import Action, Op, Schedule, ScheduleError, load_schedule
+from mpformer.pipeline.partition import balanced, from_split, uniform
+from mpformer.pipeline.schedules import SCHEDULES, build_schedule
+from mpformer.pipeline.simulate import Costs, SimResult, simulate
+from mpformer.pipeline.verify import TimedAction, VerifyResult, execute, verify
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Costs",
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "TimedAction",
+    "VerifyResult",
+    "balanced",
+    "build_schedule",
+    "execute",
+    "from_split",
+    "load_schedule",
+    "simulate",
+    "uniform",
+    "verify",
+]

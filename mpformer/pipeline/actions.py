@@ -1,0 +1,290 @@
+"""The schedule IR: one ordered list of actions per pipeline rank (DESIGN principle 3).
+
+Layout of stages. With ``pp`` ranks and ``vpp`` virtual chunks per rank there are ``pp * vpp``
+global stages; rank ``r`` holds chunks ``c = 0 .. vpp-1`` and chunk ``c`` is global stage
+``c * pp + r`` (Megatron's interleaved layout: rank r holds stages r, r+pp, r+2pp, ...). Stage 0
+owns the embedding, the last stage ``pp * vpp - 1`` the LM head and the loss.
+
+Operations (``Op``):
+
+    F       forward of (microbatch, chunk)
+    B       full backward: input and weight gradients together
+    BI      backward for the inputs only (zero-bubble split; needs a later BW)
+    BW      backward for the weights only (needs the BI of the same microbatch and chunk)
+    SEND_F  send F's output activation to the next stage
+    RECV_F  receive this chunk's input activation from the previous stage
+    SEND_B  send the gradient of this chunk's input to the previous stage
+    RECV_B  receive the gradient of this chunk's output from the next stage
+
+A communication action names the *local* chunk: SEND_F/SEND_B carry what chunk ``c`` produced,
+RECV_F/RECV_B carry what chunk ``c`` consumes. The peer is the neighbouring global stage (see
+``Action.peer``); with vpp > 1 the last rank's chunk c sends forward to rank 0's chunk c+1.
+
+Text form, one line per rank (``Schedule.to_text`` / ``Schedule.from_text``)::
+
+    # mpformer-schedule name=1f1b pp=2 vpp=1 microbatches=2
+    r0: F0 sF0 F1 sF1 rB0 B0 rB1 B1
+    r1: rF0 F0 B0 sB0 rF1 F1 B1 sB1
+
+A token is ``OP MICROBATCH [. CHUNK]`` with OP one of ``F B BI BW sF rF sB rB`` (s = send,
+r = receive); ``F3.1`` is microbatch 3 on chunk 1. The chunk is printed only when vpp > 1 and is
+0 when omitted. The header is optional: without it pp is the number of rank lines, vpp and
+microbatches the largest chunk and microbatch + 1, and the name "custom".
+
+Batching rule (the engine and the verifier share it): a maximal run of adjacent communication
+actions on a rank is ONE group. The engine posts the whole group with one batch_isend_irecv and
+waits for all of it; a group completes when every peer has posted its matching operation
+(blocking, rendezvous semantics). Messages between two ranks also match in posting order, so a
+pair of ranks must agree on the order of their messages (verify.py checks both). An engine may
+post a group's sends before its receives, but keeps list order among the sends and among the
+receives. Generators put each send right after the compute that produces it (except where a later
+gap is the first one the receiver shares, see schedules.py) and each receive before its consumer.
+
+CSV form: an optional ``# mpformer-schedule ...`` header line, then ``rank,op,microbatch,chunk``
+rows (op spelled as the Op value, e.g. SEND_F) in execution order per rank.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from mpformer.errors import ConfigError
+
+
+class ScheduleError(ConfigError):
+    """A schedule that is malformed, cannot run (deadlock) or mismatches sends and receives.
+
+    It is a ConfigError (hence a ValueError) because a user may write schedules by hand: the CLIs
+    print it as one line. The message names the rank, the action (text form) and what is wrong.
+    """
+
+
+class Op(str, Enum):
+    F = "F"
+    B = "B"
+    BI = "BI"
+    BW = "BW"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_comm(self) -> bool:
+        return self in _COMM
+
+    @property
+    def short(self) -> str:
+        return _SHORT[self]
+
+
+_COMM = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+_SHORT = {Op.F: "F", Op.B: "B", Op.BI: "BI", Op.BW: "BW",
+          Op.SEND_F: "sF", Op.RECV_F: "rF", Op.SEND_B: "sB", Op.RECV_B: "rB"}
+_FROM_SHORT = {v: k for k, v in _SHORT.items()}
+# Longest alternatives first so that "BI3" is not read as "B" + "I3".
+_TOKEN = re.compile(r"^(BI|BW|sF|rF|sB|rB|F|B)(\d+)(?:\.(\d+))?$")
+_HEADER = "# mpformer-schedule"
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one rank's list: ``op`` on ``microbatch`` for local ``chunk``."""
+
+    rank: int
+    op: Op
+    microbatch: int
+    chunk: int = 0
+
+    def stage(self, pp: int) -> int:
+        """The global stage this action belongs to (chunk * pp + rank)."""
+        return self.chunk * pp + self.rank
+
+    def token(self, with_chunk: bool = True) -> str:
+        """Text form without the rank, e.g. ``sF3.1``."""
+        suffix = f".{self.chunk}" if with_chunk else ""
+        return f"{self.op.short}{self.microbatch}{suffix}"
+
+    def describe(self, vpp: int) -> str:
+        """``rank 1 action rF3`` — how errors name an action."""
+        return f"rank {self.rank} action {self.token(vpp > 1)}"
+
+    def peer_stage(self, pp: int) -> int:
+        """The global stage on the other end of a communication action."""
+        s = self.stage(pp)
+        return s + 1 if self.op in (Op.SEND_F, Op.RECV_B) else s - 1
+
+    def peer(self, pp: int) -> tuple[int, int]:
+        """(rank, chunk) on the other end of a communication action."""
+        s = self.peer_stage(pp)
+        return s % pp, s // pp
+
+    def message(self, pp: int) -> tuple[str, int, int]:
+        """The identity of the tensor a communication action moves: (kind, microbatch, source stage).
+
+        A send and a receive match iff their messages are equal; the shape is then the same by
+        construction (activations and gradients at a stage boundary are [seq, batch, hidden]).
+        """
+        op, stage = self.op, self.chunk * pp + self.rank
+        if op is Op.SEND_F or op is Op.SEND_B:
+            return ("F" if op is Op.SEND_F else "B"), self.microbatch, stage
+        return ("F", self.microbatch, stage - 1) if op is Op.RECV_F else ("B", self.microbatch, stage + 1)
+
+
+def parse_token(token: str, rank: int) -> Action:
+    m = _TOKEN.match(token)
+    if m is None:
+        raise ScheduleError(f"rank {rank}: cannot read action {token!r}; a token is OP MICROBATCH[.CHUNK] with "
+                            f"OP one of {', '.join(_FROM_SHORT)} (e.g. F3, sF3.1)")
+    op, mb, chunk = m.groups()
+    return Action(rank, _FROM_SHORT[op], int(mb), int(chunk or 0))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """pp, vpp, microbatches, a name, and ``actions[r]``: rank r's actions in execution order."""
+
+    pp: int
+    vpp: int
+    microbatches: int
+    name: str
+    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.actions) != self.pp:
+            raise ScheduleError(f"schedule {self.name!r} has {len(self.actions)} rank lists for pp={self.pp}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def __len__(self) -> int:
+        return sum(len(a) for a in self.actions)
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if not a.op.is_comm]
+
+    # -- text ---------------------------------------------------------------------------------
+    def header(self) -> str:
+        return f"{_HEADER} name={self.name} pp={self.pp} vpp={self.vpp} microbatches={self.microbatches}"
+
+    def to_text(self) -> str:
+        chunked = self.vpp > 1
+        lines = [self.header()]
+        lines += [f"r{r}: " + " ".join(a.token(chunked) for a in acts) for r, acts in enumerate(self.actions)]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        meta: dict[str, str] = {}
+        rows: dict[int, list[Action]] = {}
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if line.startswith(_HEADER):
+                meta = _read_header(line)
+                continue
+            if not line or line.startswith("#"):
+                continue
+            head, sep, body = line.partition(":")
+            if not sep or not re.fullmatch(r"r\d+", head.strip()):
+                raise ScheduleError(f"line {lineno}: expected 'r<rank>: TOKEN ...', got {raw.strip()!r}")
+            rank = int(head.strip()[1:])
+            if rank in rows:
+                raise ScheduleError(f"line {lineno}: rank {rank} is listed twice")
+            rows[rank] = [parse_token(t, rank) for t in body.split()]
+        return _assemble(rows, meta)
+
+    # -- csv ----------------------------------------------------------------------------------
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        buf.write(self.header() + "\n")
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["rank", "op", "microbatch", "chunk"])
+        for acts in self.actions:
+            w.writerows([a.rank, a.op.value, a.microbatch, a.chunk] for a in acts)
+        return buf.getvalue()
+
+    @classmethod
+    def from_csv(cls, text: str) -> Schedule:
+        meta: dict[str, str] = {}
+        body = []
+        for line in text.splitlines():
+            if line.startswith(_HEADER):
+                meta = _read_header(line)
+            elif line.strip() and not line.startswith("#"):
+                body.append(line)
+        reader = csv.DictReader(body)
+        if reader.fieldnames != ["rank", "op", "microbatch", "chunk"]:
+            raise ScheduleError(f"CSV header must be rank,op,microbatch,chunk, got {reader.fieldnames}")
+        rows: dict[int, list[Action]] = {}
+        for i, row in enumerate(reader, 2):
+            try:
+                a = Action(int(row["rank"]), Op(row["op"]), int(row["microbatch"]), int(row["chunk"]))
+            except (ValueError, TypeError):
+                raise ScheduleError(f"CSV row {i}: cannot read {row}; op is one of "
+                                    f"{', '.join(o.value for o in Op)}") from None
+            rows.setdefault(a.rank, []).append(a)
+        return _assemble(rows, meta)
+
+
+def _read_header(line: str) -> dict[str, str]:
+    pairs = line[len(_HEADER):].split()
+    try:
+        return dict(p.split("=", 1) for p in pairs)  # type: ignore[misc]
+    except ValueError:
+        raise ScheduleError(f"cannot read header {line!r}; expected key=value pairs "
+                            "(name, pp, vpp, microbatches)") from None
+
+
+def _assemble(rows: dict[int, list[Action]], meta: dict[str, str]) -> Schedule:
+    try:
+        pp = int(meta.get("pp", max(rows, default=-1) + 1))
+        acts = [a for lst in rows.values() for a in lst]
+        vpp = int(meta.get("vpp", max((a.chunk for a in acts), default=0) + 1))
+        mbs = int(meta.get("microbatches", max((a.microbatch for a in acts), default=-1) + 1))
+    except ValueError:
+        raise ScheduleError(f"header values must be integers: {meta}") from None
+    if pp < 1 or vpp < 1 or mbs < 1:
+        raise ScheduleError(f"need pp, vpp, microbatches >= 1, got pp={pp} vpp={vpp} microbatches={mbs}")
+    missing = [r for r in range(pp) if r not in rows]
+    extra = sorted(r for r in rows if r >= pp)
+    if missing or extra:
+        raise ScheduleError(f"a schedule for pp={pp} lists ranks 0..{pp - 1}; missing {missing}, extra {extra}")
+    return Schedule(pp, vpp, mbs, meta.get("name", "custom"), tuple(tuple(rows[r]) for r in range(pp)))
+
+
+def load_schedule(path: str | Path) -> Schedule:
+    """Read a hand-written schedule: CSV if the file ends in .csv, the text form otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ScheduleError(f"cannot read schedule file {str(path)!r}: {e.strerror}") from None
+    return Schedule.from_csv(text) if path.suffix.lower() == ".csv" else Schedule.from_text(text)
+
+
+def make_schedule(name: str, pp: int, vpp: int, microbatches: int,
+                  lists: Sequence[Iterable[Action]]) -> Schedule:
+    """Freeze per-rank lists into a Schedule (generators build plain lists, then call this)."""
+    return Schedule(pp, vpp, microbatches, name, tuple(tuple(x) for x in lists))
+
+
+def repeat(schedule: Schedule, times: int) -> Schedule:
+    """The schedule run ``times`` steps back to back with no barrier between steps.
+
+    Step k uses microbatches k*m .. k*m+m-1. The simulator uses it for the steady-state bubble: a
+    zero-bubble schedule only reaches ~0 idle when a step's tail overlaps the next step's head
+    (Qi et al. remove the optimizer-step barrier for that); one isolated step always keeps the
+    pipeline fill and drain.
+    """
+    m = schedule.microbatches
+    # Ranks iterate k outermost: a rank finishes its list for step k before starting step k+1.
+    lists = [[Action(a.rank, a.op, a.microbatch + k * m, a.chunk) for k in range(times) for a in acts]
+             for acts in schedule.actions]
+    return make_schedule(f"{schedule.name}x{times}", schedule.pp, schedule.vpp, m * times, lists)

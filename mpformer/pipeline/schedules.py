@@ -1,0 +1,233 @@
+"""Schedule generators: pure functions (pp, microbatches, vpp) -> Schedule (DESIGN principle 3).
+
+Each generator decides the order of the compute actions on every rank, then ``_aligned_comm``
+inserts the communication actions (actions.py explains the IR and the batching rule). The
+compute orders, for rank r of p, m microbatches (``F i`` = forward of microbatch i):
+
+    gpipe        F 0..m-1, then B 0..m-1                                  (holds m activations)
+    1f1b         w = min(p-r-1, m) forwards; then (F w+i, B i) for i < m-w; then the last w B's
+    interleaved  Megatron's order over the m*v virtual microbatches: forward k is microbatch
+                 (k // (p v)) p + k % p on chunk (k // p) % v, backward k the same microbatch on
+                 chunk v-1 - (k // p) % v; w = min(m v, (v-1) p + p-r-1) forwards, then
+                 (forward w+i, backward i) pairs, then the remaining backwards. Megatron warms up
+                 with (p-r-1) more forwards, which its lockstep p2p needs; ours places messages
+                 on the ideal timeline instead, so the extra forwards would only cost memory (the
+                 first rank holds v p chunk activations = p stages' worth, like 1F1B)
+    zb-h1        step x = 0, 1, ... of rank r runs F x, BI x-(p-1-r), BW x-(p-1) (those in
+                 range); Qi et al.'s ZB-H1: p activations on every rank, bubble (p-1)(T_F+T_B-T_W)
+    zb-h2        the same with lags 2(p-1-r) and 2(p-1): 2p-1 activations on every rank, extra
+                 warmup forwards fill the start, the deferred BW's fill the drain
+
+Communication (``_aligned_comm``): replay the compute orders on an ideal clock (T_F = T_BI = T_W
+= 1, T_B = 2, a message usable the moment it is produced) and post both sides of each message at
+the earliest tick, between producer and consumer, at which both ranks are between two computes.
+The receive therefore always precedes its consumer and the send follows its producer; each group
+finds all its peers posted while it is open, so blocking execution replays the ideal timeline:
+deadlock-free for any real costs, and with the clock's costs the bubble equals the closed forms.
+
+``build_schedule`` validates the arguments (ConfigError naming the valid values) and verifies the
+result before returning it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable
+
+from mpformer.errors import ConfigError
+from mpformer.pipeline.actions import Action, Op, Schedule, make_schedule
+from mpformer.pipeline.verify import verify
+
+Compute = tuple[Op, int, int]  # (op, microbatch, chunk) on the rank whose order list holds it
+TICKS = {Op.F: 1, Op.B: 2, Op.BI: 1, Op.BW: 1}  # the clock that places messages: T_F = T_BI = T_W
+
+
+def gpipe(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    orders = [[(Op.F, i, 0) for i in range(microbatches)] + [(Op.B, i, 0) for i in range(microbatches)]
+              for _ in range(pp)]
+    return make_schedule("gpipe", pp, 1, microbatches, _aligned_comm(pp, 1, orders))
+
+
+def one_f_one_b(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    m, orders = microbatches, []
+    for r in range(pp):
+        w = min(pp - r - 1, m)
+        order: list[Compute] = [(Op.F, i, 0) for i in range(w)]
+        for i in range(m - w):
+            order += [(Op.F, w + i, 0), (Op.B, i, 0)]
+        order += [(Op.B, i, 0) for i in range(m - w, m)]
+        orders.append(order)
+    return make_schedule("1f1b", pp, 1, m, _aligned_comm(pp, 1, orders))
+
+
+def interleaved_1f1b(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
+    m, v, total = microbatches, vpp, microbatches * vpp
+
+    def mb(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    orders = []
+    for r in range(pp):
+        w = min(total, (pp - r - 1) + (v - 1) * pp)
+        fwd = [(Op.F, mb(k), (k // pp) % v) for k in range(total)]
+        bwd = [(Op.B, mb(k), v - 1 - (k // pp) % v) for k in range(total)]
+        order = fwd[:w]
+        for i in range(total - w):
+            order += [fwd[w + i], bwd[i]]
+        order += bwd[total - w:]
+        orders.append(order)
+    return make_schedule("interleaved", pp, v, m, _aligned_comm(pp, v, orders))
+
+
+def _zero_bubble(name: str, pp: int, m: int, k: int) -> Schedule:
+    """Qi et al.'s handcrafted order: step x of rank r runs F x, BI x - k(p-1-r), BW x - k(p-1)."""
+    orders = []
+    for r in range(pp):
+        lag_b, lag_w = k * (pp - 1 - r), k * (pp - 1)
+        order: list[Compute] = []
+        for x in range(m + lag_w):
+            order += [(op, i, 0) for op, i in ((Op.F, x), (Op.BI, x - lag_b), (Op.BW, x - lag_w)) if 0 <= i < m]
+        orders.append(order)
+    return make_schedule(name, pp, 1, m, _aligned_comm(pp, 1, orders))
+
+
+def _io(pp: int, vpp: int, r: int, op: Op, mb: int, c: int) -> tuple[Action | None, Action | None]:
+    """The receive a compute needs and the send it feeds (None at the ends of the pipeline)."""
+    stage, last = c * pp + r, pp * vpp - 1
+    if op == Op.F:
+        return (Action(r, Op.RECV_F, mb, c) if stage > 0 else None,
+                Action(r, Op.SEND_F, mb, c) if stage < last else None)
+    if op in (Op.B, Op.BI):
+        return (Action(r, Op.RECV_B, mb, c) if stage < last else None,
+                Action(r, Op.SEND_B, mb, c) if stage > 0 else None)
+    return None, None
+
+
+def _clock(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[int]]:
+    """Start tick of every compute (costs TICKS) when a message arrives as soon as it is produced."""
+    arrived: dict[tuple[str, int, int], int] = {}
+    waiting: dict[tuple[str, int, int], int] = {}  # message -> the rank blocked on it
+    ptr, clock = [0] * pp, [0] * pp
+    starts: list[list[int]] = [[] for _ in range(pp)]
+    runnable = list(range(pp))
+    while runnable:
+        r = runnable.pop()
+        while ptr[r] < len(orders[r]):
+            op, mb, c = orders[r][ptr[r]]
+            recv, send = _io(pp, vpp, r, op, mb, c)
+            key = recv.message(pp) if recv else None
+            if key is not None and key not in arrived:
+                waiting[key] = r
+                break
+            t = max(clock[r], arrived[key]) if key is not None else clock[r]
+            starts[r].append(t)
+            clock[r], ptr[r] = t + TICKS[op], ptr[r] + 1
+            if send is not None:
+                out = send.message(pp)
+                arrived[out] = clock[r]
+                if out in waiting:
+                    runnable.append(waiting.pop(out))
+    assert not waiting, "generator produced a compute order with a cyclic dependency"
+    return starts
+
+
+def _aligned_comm(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[Action]]:
+    """Post both sides of every message at one tick where sender and receiver both sit in a gap.
+
+    On the TICKS clock (no waiting for messages: the ideal timeline) a rank's gaps are the
+    intervals between its computes. For each message we take the earliest tick, after the
+    producer ends and before the consumer starts, that lies in a gap of both ranks, and put the
+    send and the receive in those gaps. Every group then finds all its peers posted while it is
+    open, so the blocking execution reproduces the ideal timeline: no deadlock, no added wait.
+    """
+    starts = _clock(pp, vpp, orders)
+    ends = [[t + TICKS[op] for t, (op, _, _) in zip(st, o)] for st, o in zip(starts, orders)]
+    index = [{(op if op != Op.BI else Op.B, mb, c): i for i, (op, mb, c) in enumerate(o)} for o in orders]
+
+    def gap(r: int, g: int) -> tuple[int, float]:  # gap g precedes compute g
+        return (ends[r][g - 1] if g else 0), (starts[r][g] if g < len(starts[r]) else float("inf"))
+
+    groups: dict[tuple[int, int], list[tuple[int, int, tuple[str, int, int], Action]]] = {}
+    for r, order in enumerate(orders):
+        for i, (op, mb, c) in enumerate(order):
+            _, send = _io(pp, vpp, r, op, mb, c)
+            if send is None:
+                continue
+            q, qc = send.peer(pp)
+            recv = Action(q, Op.RECV_F if op == Op.F else Op.RECV_B, mb, qc)
+            consumer = index[q][(Op.F if op == Op.F else Op.B, mb, qc)]
+            gs, gr = i + 1, bisect_left(starts[q], ends[r][i])  # first gaps at or after the send
+            while True:
+                (a_s, b_s), (a_r, b_r) = gap(r, gs), gap(q, gr)
+                if max(a_s, a_r) <= min(b_s, b_r) or gr == consumer:
+                    break  # a shared tick; or the receiver's last chance, where the sender waits
+                if b_s < b_r:
+                    gs += 1
+                else:
+                    gr += 1
+            tick = max(a_s, a_r)
+            key = (tick, ends[r][i], send.message(pp))
+            groups.setdefault((r, gs), []).append((*key, send))
+            groups.setdefault((q, gr), []).append((*key, recv))
+    out = []
+    for r, order in enumerate(orders):
+        acts: list[Action] = []
+        for g in range(len(order) + 1):
+            # Both ends of a message use the same sort key, so two ranks order their messages alike.
+            acts += [a for *_, a in sorted(groups.get((r, g), []))]
+            if g < len(order):
+                acts.append(Action(r, *order[g]))
+        out.append(acts)
+    return out
+
+
+def zb_h1(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    return _zero_bubble("zb-h1", pp, microbatches, 1)
+
+
+def zb_h2(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    return _zero_bubble("zb-h2", pp, microbatches, 2)
+
+
+Generator = Callable[[int, int, int], Schedule]
+SCHEDULES: dict[str, Generator] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
+}
+
+
+def min_microbatches(name: str, pp: int) -> int:
+    """The fewest microbatches a schedule accepts (interleaved also needs a multiple of pp)."""
+    return {"zb-h1": pp, "zb-h2": 2 * pp - 1, "interleaved": pp}.get(name, 1)
+
+
+def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:
+    """Raise a one-line ConfigError naming the valid values, or return."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    for key, val in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
+        if not isinstance(val, int) or val < 1:
+            raise ConfigError(f"{key}={val} must be an integer >= 1")
+    if name == "interleaved" and pp > 1 and vpp < 2:
+        raise ConfigError(f"schedule interleaved needs vpp >= 2 at pp={pp} (vpp={vpp}); valid: vpp in 2, 3, 4, ...")
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"vpp={vpp} needs pp > 1; valid at pp=1: vpp=1")
+    if vpp > 1 and name != "interleaved":
+        raise ConfigError(f"schedule {name} has no virtual stages (vpp={vpp}); valid: vpp=1, or schedule interleaved")
+    low = min_microbatches(name, pp)
+    if microbatches < low:
+        raise ConfigError(f"schedule {name} at pp={pp} needs microbatches >= {low}, got {microbatches}")
+    if name == "interleaved" and microbatches % pp:
+        raise ConfigError(f"schedule interleaved needs microbatches divisible by pp={pp}, got {microbatches}; "
+                          f"valid: {', '.join(str(pp * k) for k in range(1, 5))}, ...")
+
+
+def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    """Validate, generate and verify (ScheduleError if a generator were ever wrong)."""
+    check_args(name, pp, microbatches, vpp)
+    schedule = SCHEDULES[name](pp, microbatches, vpp)
+    verify(schedule)
+    return schedule

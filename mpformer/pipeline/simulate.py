@@ -1,0 +1,172 @@
+"""Timeline of a schedule from per-operation costs: step time, bubble, in-flight activations.
+
+The simulator does not model a schedule, it runs one: ``verify.execute`` walks the very action
+lists the engine executes, with the blocking group semantics of actions.py, and this module only
+supplies durations (DESIGN principle 3: the auto-configurator's bubble estimate is the bubble of
+the schedule that actually runs).
+
+Costs are per compute action, i.e. per (microbatch, chunk): ``f`` for F, ``b`` for BI (input
+gradients), ``w`` for BW (weight gradients) and ``b + w`` for a combined B; each is one number or a
+list with one entry per global stage (``pp * vpp``). A send/receive pair completes ``p2p`` after
+both sides are posted. By default a rank waits only for the receive its next compute consumes,
+so a message produced at time t is usable at t + p2p (an engine that waits for receives at their
+consumer and for sends lazily); ``blocking=True`` models an engine that waits for every batched
+group as a whole. Both give the closed forms below at unit costs; with unequal costs the blocking
+engine adds waits, most for the zero-bubble schedules.
+
+Definitions (``SimResult``):
+    step_time            the last action's end; the step starts at 0 on every rank
+    idle[r]              step_time - (time rank r spends computing); waiting in p2p counts as idle
+    bubble_fraction[r]   idle[r] / step_time;  ``bubble_fraction`` is the mean over ranks
+    peak_inflight[r]     the most (microbatch, chunk) activations rank r holds at once (F done,
+                         B or BW not yet); with vpp > 1 one unit is a chunk, 1/vpp of the rank's layers
+
+With unit costs and p2p = 0 the mean bubble fraction equals the closed forms of
+shared/reference/formulas.md for GPipe, 1F1B and interleaved 1F1B. For the zero-bubble schedules
+an isolated step still has the fill (rank p-1 cannot start before (p-1) T_F) and the drain;
+ZB-H2 only reaches ~0 when consecutive steps overlap, which ``steady_state_bubble`` measures.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpformer.errors import ConfigError
+from mpformer.pipeline.actions import Action, Op, Schedule, repeat
+from mpformer.pipeline.verify import TimedAction, execute, verify
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one compute action per op (scalar, or a list per global stage) and of one p2p."""
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    p2p: float = 0.0
+
+    def check(self, num_stages: int) -> None:
+        for key in ("f", "b", "w"):
+            val = getattr(self, key)
+            vals = [val] if isinstance(val, int | float) else list(val)
+            if not isinstance(val, int | float) and len(vals) != num_stages:
+                raise ConfigError(f"cost {key} lists {len(vals)} values; give one number or one per global "
+                                  f"stage (pp*vpp = {num_stages})")
+            if any(v < 0 for v in vals):
+                raise ConfigError(f"cost {key}={val} must be >= 0")
+        if self.p2p < 0:
+            raise ConfigError(f"cost p2p={self.p2p} must be >= 0")
+
+    def _at(self, key: str, stage: int) -> float:
+        val = getattr(self, key)
+        return float(val) if isinstance(val, int | float) else float(val[stage])
+
+    def duration(self, action: Action, pp: int) -> float:
+        """How long ``action`` keeps its rank busy (communication: 0, its wait is modelled apart)."""
+        stage = action.stage(pp)
+        if action.op == Op.F:
+            return self._at("f", stage)
+        if action.op == Op.BI:
+            return self._at("b", stage)
+        if action.op == Op.BW:
+            return self._at("w", stage)
+        if action.op == Op.B:
+            return self._at("b", stage) + self._at("w", stage)
+        return 0.0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: Schedule
+    costs: Costs
+    timeline: list[list[TimedAction]]  # per rank, in list order
+    step_time: float
+    busy: list[float]
+    idle: list[float]
+    bubble_fraction_per_rank: list[float]
+    bubble_fraction: float
+    peak_inflight: list[int]
+
+    def to_json(self) -> dict:
+        """The ``tools/schedule.py --json`` object (a stable interface: exactly these keys)."""
+        s = self.schedule
+        return {
+            "schedule": s.name,
+            "pp": s.pp,
+            "microbatches": s.microbatches,
+            "vpp": s.vpp,
+            "step_time": self.step_time,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_fraction_per_rank": list(self.bubble_fraction_per_rank),
+            "peak_inflight_microbatches": list(self.peak_inflight),
+        }
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool = False) -> SimResult:
+    """Verify, then run the schedule's lists on a clock (ScheduleError if it cannot run).
+
+    ``blocking`` picks the engine semantics of ``verify.execute``: False (default) waits for a
+    receive only at its consumer and never for a send; True waits for every group as a whole.
+    """
+    costs = costs or Costs()
+    costs.check(schedule.num_stages)
+    peaks = verify(schedule).peak_inflight
+    timeline = execute(schedule, lambda a: costs.duration(a, schedule.pp), costs.p2p, blocking=blocking)
+    step = max((t.end for row in timeline for t in row), default=0.0)
+    busy = [sum(t.end - t.start for t in row if not t.action.op.is_comm) for row in timeline]
+    idle = [step - b for b in busy]
+    per_rank = [i / step if step > 0 else 0.0 for i in idle]
+    return SimResult(schedule, costs, timeline, step, busy, idle, per_rank, sum(per_rank) / len(per_rank), peaks)
+
+
+def steady_state_bubble(schedule: Schedule, costs: Costs | None = None, *, blocking: bool = False) -> list[float]:
+    """Per-rank bubble when steps run back to back without a barrier (Qi et al.'s setting).
+
+    The period is the growth of the step time from two to three repeated steps; each rank computes
+    busy[r] per period, so its bubble is 1 - busy[r] / period.
+    """
+    two, three = (simulate(repeat(schedule, k), costs, blocking=blocking) for k in (2, 3))
+    period = three.step_time - two.step_time
+    one_step = [b3 - b2 for b2, b3 in zip(two.busy, three.busy)]
+    return [1.0 - b / period if period > 0 else 0.0 for b in one_step]
+
+
+Event = TimedAction | tuple[Action, float, float]
+
+
+def chrome_trace(events: Iterable[Event], us_per_unit: float = 1e6, vpp: int = 1, comm: bool = True) -> dict:
+    """A chrome://tracing / Perfetto object: one process per rank, compute on thread 0, p2p on 1.
+
+    ``events`` are TimedActions or (action, start, end) tuples: from ``simulate`` (times in cost
+    units) or from the trainer timing the real run (seconds, the default ``us_per_unit``; any common
+    origin), so the simulated and the measured trace read the same way side by side.
+    """
+    out: list[dict] = []
+    ranks: set[int] = set()
+    for ev in events:
+        a, start, end = (ev.action, ev.start, ev.end) if isinstance(ev, TimedAction) else ev
+        if a.op.is_comm and not comm:
+            continue
+        ranks.add(a.rank)
+        out.append({"name": a.token(vpp > 1), "cat": a.op.value, "ph": "X", "pid": a.rank,
+                    "tid": 1 if a.op.is_comm else 0, "ts": start * us_per_unit, "dur": (end - start) * us_per_unit,
+                    "args": {"microbatch": a.microbatch, "chunk": a.chunk}})
+    for r in sorted(ranks):
+        out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+        out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "compute"}})
+        out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1, "args": {"name": "p2p"}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | Path, events: Iterable[Event], us_per_unit: float = 1e6,
+                       vpp: int = 1) -> Path:
+    """Write ``chrome_trace(events)`` as JSON to ``path``; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(events, us_per_unit, vpp)))
+    return path

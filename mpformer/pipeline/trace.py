@@ -1,0 +1,60 @@
+"""Traces of the real pipeline run: the engine's timed actions, gathered, written, and turned into costs.
+
+The engine records ``(action, start, end)`` per compute action and per receive wait, in
+``time.perf_counter`` seconds (a system-wide monotonic clock on Linux, so the ranks of one node share
+an origin; across nodes the rows are offset by the clocks' difference). ``write_trace`` writes them
+in the same Chrome-trace form as ``tools/schedule.py --trace`` writes the simulated schedule, so the
+two read side by side; ``measured_costs`` takes the median duration of each operation per global
+stage, which is what ``simulate`` needs to predict the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from mpformer.pipeline.actions import Action, Op
+from mpformer.pipeline.simulate import Costs, chrome_trace
+
+Event = tuple[Action, float, float]
+
+
+def gather_events(events: list[Event], group: dist.ProcessGroup | None) -> list[Event]:
+    """Every rank's events of the pipeline group (all ranks of ``group`` must call this)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return list(events)
+    out: list[list[Event] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, events, group=group)
+    return [e for part in out if part for e in part]
+
+
+def write_trace(path: str | Path, events: Sequence[Event], vpp: int) -> Path:
+    """A Chrome trace (chrome://tracing, Perfetto) of measured events, time 0 at the earliest one."""
+    origin = min((start for _, start, _ in events), default=0.0)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace([(a, s - origin, e - origin) for a, s, e in events], vpp=vpp)))
+    return path
+
+
+def measured_costs(events: Sequence[Event], num_stages: int, pp: int, p2p: float = 0.0) -> Costs:
+    """Median seconds of F, BI (or a combined B) and BW per global stage.
+
+    A combined B is reported as ``b`` with ``w = 0``, which is how ``Costs.duration`` prices B
+    (b + w). A stage that never ran an op gets 0 for it.
+    """
+    by: dict[tuple[str, int], list[float]] = {}
+    for a, start, end in events:
+        if a.op.is_comm:
+            continue
+        kind = {Op.F: "f", Op.B: "b", Op.BI: "b", Op.BW: "w"}[a.op]
+        by.setdefault((kind, a.stage(pp)), []).append(end - start)
+
+    def per_stage(kind: str) -> list[float]:
+        return [statistics.median(by[(kind, s)]) if (kind, s) in by else 0.0 for s in range(num_stages)]
+
+    return Costs(f=per_stage("f"), b=per_stage("b"), w=per_stage("w"), p2p=p2p)
