@@ -142,10 +142,16 @@ def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
                               f"valid vpp at pp={L.pp}: 1..{layers // L.pp}")
         return
     if layers % stages:
-        what = f"pp*vpp={stages}" if L.vpp > 1 else f"pp={L.pp}"
-        raise ConfigError(f"num_layers={layers} cannot be split into {what} equal stages; valid pp: "
-                          f"{format_choices(valid_pp_values(model, L.vpp))} (or give parallel.pp_split, or "
-                          "parallel.pp_partition=balanced)")
+        alternatives = "parallel.pp_split, or parallel.pp_partition=balanced"
+        if L.vpp == 1:
+            raise ConfigError(f"num_layers={layers} cannot be split into pp={L.pp} equal stages; valid pp: "
+                              f"{format_choices(valid_pp_values(model))} (or give {alternatives})")
+        vpps = [v for v in range(2, layers // L.pp + 1) if layers % (L.pp * v) == 0]
+        pps = [p for p in valid_pp_values(model, L.vpp) if p > 1]
+        valid = "; ".join(x for x in (f"vpp in {format_choices(vpps)} at pp={L.pp}" if vpps else "",
+                                      f"pp in {format_choices(pps)} at vpp={L.vpp}" if pps else "",
+                                      f"or give {alternatives}") if x)
+        raise ConfigError(f"num_layers={layers} cannot be split into pp*vpp={stages} equal stages; valid: {valid}")
 
 
 def _resolve_dp(L: ParallelLayout, world_size: int) -> ParallelLayout:

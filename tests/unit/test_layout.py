@@ -77,7 +77,7 @@ def test_pipeline_layouts():
     """pp > layers, vpp not dividing a stage's layers, interleaved without vpp, too few micro-batches."""
     assert "parallel.pp=8 exceeds num_layers=4" in _err(ParallelLayout(pp=8), world=8)
     msg = _err(ParallelLayout(pp=2, vpp=4, schedule="interleaved"), world=2)
-    assert "pp*vpp=8" in msg and "valid pp: 1" in msg
+    assert "pp*vpp=8" in msg and "vpp in 2 at pp=2" in msg
     msg = _err(ParallelLayout(pp=2, schedule="interleaved"), world=2)
     assert "needs parallel.vpp > 1" in msg and "vpp in 2" in msg
     msg = _err(ParallelLayout(pp=4, schedule="zb-h2"), world=4, global_batch_size=4, micro_batch_size=1)
