@@ -30,7 +30,7 @@ from mpformer.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
-from mpformer.checkpoint.shards import Shard, ShardLoadPlanner, ShardSavePlanner
+from mpformer.checkpoint.shards import Shard, ShardLoadPlanner, ShardSavePlanner, stored_name
 from mpformer.errors import ConfigError
 
 MODEL_PREFIX = "model."
@@ -135,10 +135,12 @@ def stored_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
 def load_tensors(ckpt_dir: str | Path, targets: dict[str, Shard]) -> None:
     """Fill each shard's ``local`` in place with its block of the stored tensor (dtype cast on copy)."""
     stored = stored_metadata(ckpt_dir)
-    missing = [k for k in targets if k not in stored]
+    names = {k: stored_name(k, sh) for k, sh in targets.items()}
+    missing = sorted({n for n in names.values() if n not in stored})
     if missing:
         raise ConfigError(f"checkpoint {ckpt_dir} lacks {len(missing)} tensors, first: {missing[0]}")
-    bad = [(k, stored[k][0], sh.global_shape) for k, sh in targets.items() if stored[k][0] != tuple(sh.global_shape)]
+    bad = [(names[k], stored[names[k]][0], sh.global_shape) for k, sh in targets.items()
+           if stored[names[k]][0] != tuple(sh.global_shape)]
     if bad:
         k, got, want = bad[0]
         raise ConfigError(f"checkpoint {ckpt_dir}: tensor {k} has shape {list(got)}, the model needs {list(want)}")

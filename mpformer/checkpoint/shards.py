@@ -31,6 +31,7 @@ class Shard:
     local: torch.Tensor
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    name: str | None = None  # the stored tensor's name when the dict key is not it (several chunks)
 
     @classmethod
     def full(cls, t: torch.Tensor) -> Shard:
@@ -44,7 +45,7 @@ class Shard:
     def like(self, t: torch.Tensor) -> Shard:
         """The same block of another tensor with the local shape (e.g. Adam's exp_avg)."""
         assert t.shape == self.local.shape
-        return Shard(t, self.global_shape, self.offsets)
+        return Shard(t, self.global_shape, self.offsets, self.name)
 
     @property
     def is_full(self) -> bool:
@@ -54,6 +55,14 @@ class Shard:
         return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.local.shape)
 
 
+def stored_name(key: str, sh: Shard) -> str:
+    return sh.name if sh.name is not None else key
+
+
+def _by_index(shards: dict[str, Shard]) -> dict[tuple[str, tuple[int, ...]], Shard]:
+    return {(stored_name(k, sh), tuple(sh.offsets)): sh for k, sh in shards.items()}
+
+
 class ShardSavePlanner(DefaultSavePlanner):
     """Write each shard as a chunk of its global tensor (identical chunks on several ranks are
     written once: DefaultSavePlanner deduplicates by (name, offsets))."""
@@ -61,23 +70,22 @@ class ShardSavePlanner(DefaultSavePlanner):
     def __init__(self, shards: dict[str, Shard]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.shards = shards
+        self.index = _by_index(shards)
 
     def create_local_plan(self) -> SavePlan:
         items = []
-        for fqn, sh in self.shards.items():
+        for key, sh in self.shards.items():
             if sh.local.numel() == 0:
                 continue  # a rank whose vocabulary block is all padding holds nothing to save
             items.append(WriteItem(
-                index=MetadataIndex(fqn, torch.Size(sh.offsets)), type=WriteItemType.SHARD,
+                index=MetadataIndex(stored_name(key, sh), torch.Size(sh.offsets)), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=sh._chunk(), properties=TensorProperties.create_from_tensor(sh.local),
                                             size=torch.Size(sh.global_shape))))
         self.plan = SavePlan(items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        sh = self.shards[write_item.index.fqn]
-        assert tuple(write_item.index.offset) == tuple(sh.offsets)
-        return sh.local.detach()
+        return self.index[(write_item.index.fqn, tuple(write_item.index.offset))].local.detach()
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
@@ -87,19 +95,21 @@ class ShardLoadPlanner(DefaultLoadPlanner):
     def __init__(self, shards: dict[str, Shard]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.shards = shards
+        self.index = _by_index(shards)
 
     def create_local_plan(self) -> LoadPlan:
         requests: list[ReadItem] = []
-        for fqn, sh in self.shards.items():
+        for key, sh in self.shards.items():
             if sh.local.numel() == 0:
                 continue
+            fqn = stored_name(key, sh)
             requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [sh._chunk()])
         return LoadPlan(requests)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         # detach: single-device canonical tensors are autograd views (split of a fused weight), and
         # autograd forbids narrowing such a view again after an in-place copy into it.
-        local = self.shards[read_item.dest_index.fqn].local.detach()
+        local = self.index[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))].local.detach()
         return narrow_tensor_by_index(local, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

@@ -1,4 +1,10 @@
-"""AdamW with Megatron's parameter groups: no weight decay on biases and norm weights."""
+"""Optimizers by name, with Megatron's parameter groups: no weight decay on biases and norm weights.
+
+ZeRO (zero.py) wraps an optimizer by handing it 1-D shards of the parameters, which gives the same
+update only when the update of each element depends on that element alone
+(``config.ELEMENTWISE_OPTIMIZERS``).
+Adafactor keeps row and column statistics of whole matrices, so a shard cannot be stepped alone.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +27,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_kind: str = "cpu") -> torch.optim.Optimizer:
-    """torch.optim.AdamW, fused where the device has a fused kernel (cpu and cuda in torch >= 2.4)."""
+def make_optimizer(groups: list[dict], cfg: OptimConfig, device_kind: str = "cpu") -> torch.optim.Optimizer:
+    """``cfg.name`` over ``groups`` (fused AdamW/Adam where the device has the kernel: cpu, cuda)."""
     fused = cfg.fused if cfg.fused is not None else device_kind in ("cpu", "cuda")
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                             eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
+    if cfg.name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_kind: str = "cpu") -> torch.optim.Optimizer:
+    """The optimizer over the whole model's parameters (no ZeRO)."""
+    return make_optimizer(param_groups(model, cfg.weight_decay), cfg, device_kind)

@@ -90,6 +90,22 @@ class Comm:
         dist.reduce_scatter_tensor(out, src, group=self.group)
         return out.movedim(0, dim)
 
+    def reduce_scatter_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        """Flat ``src`` summed over ranks; this rank's 1/n of it into ``out`` (ZeRO's gradient shards)."""
+        if self.size == 1:
+            out.copy_(src)
+            return None
+        self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
+        return dist.reduce_scatter_tensor(out, src, group=self.group, async_op=async_op)
+
+    def all_gather_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        """Every rank's flat ``src`` concatenated into ``out`` (ZeRO's parameter shards)."""
+        if self.size == 1:
+            out.copy_(src)
+            return None
+        self._note("all_gather", out.numel() * out.element_size(), 1.0)
+        return dist.all_gather_into_tensor(out, src, group=self.group, async_op=async_op)
+
     def all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` along ``scatter_dim`` into one chunk per rank, exchange, concatenate along ``gather_dim``."""
         if self.size == 1:

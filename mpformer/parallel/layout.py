@@ -58,7 +58,7 @@ class ParallelLayout:
 # (predicate, key, what) for features whose config exists but whose runtime lands in a later issue.
 NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = [
     (lambda L: L.cp > 1, "cp", "context parallelism", "1"),
-    (lambda L: L.zero > 0, "zero", "ZeRO-sharded optimizers", "0"),
+    (lambda L: L.zero == 3, "zero", "ZeRO stage 3 (sharded parameters)", "0, 1, 2"),
 ]
 
 
@@ -154,6 +154,15 @@ def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
         raise ConfigError(f"num_layers={layers} cannot be split into pp*vpp={stages} equal stages; valid: {valid}")
 
 
+def _check_zero(L: ParallelLayout) -> None:
+    if L.zero >= 2 and L.pp > 1:
+        # Stage 2 frees full gradients after each micro-batch's reduction; under a pipeline every
+        # micro-batch would be reduce-scattered, multiplying dp traffic by the micro-batch count
+        # (DeepSpeed disallows it for the same reason).
+        raise ConfigError(f"parallel.zero={L.zero} cannot run with parallel.pp={L.pp}: gradients would be "
+                          "reduce-scattered once per micro-batch; valid with pipeline parallelism: zero=0 or 1")
+
+
 def _resolve_dp(L: ParallelLayout, world_size: int) -> ParallelLayout:
     others = L.tp * L.pp * L.cp
     if L.dp == -1:
@@ -200,6 +209,7 @@ def validate(layout: ParallelLayout, model: ModelConfig, world_size: int, *,
     model.validate()
     _check_values(layout)
     _check_model(layout, model, seq_length)
+    _check_zero(layout)
     resolved = _resolve_dp(layout, world_size)
     if global_batch_size is not None and micro_batch_size is not None:
         _check_batch(resolved, global_batch_size, micro_batch_size)

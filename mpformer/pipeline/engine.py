@@ -41,7 +41,10 @@ TraceEvent = tuple[Action, float, float]  # (action, start, end) in perf_counter
 class PipelineEngine:
     def __init__(self, model: nn.Module, plan: StagePlan, schedule: Schedule, p2p: P2P | None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 on_grads_done: Callable[[], None] | None = None) -> None:
+                 on_grads_done: Callable[[], None] | None = None, split_backward: bool = False) -> None:
+        """``split_backward``: give the model's linear layers this engine's WeightGradStore so that a
+        schedule's BI/BW really split (the training engine; an evaluation engine must not take the
+        model's layers over from it)."""
         assert schedule.pp == plan.pp and schedule.vpp == plan.vpp
         self.model, self.plan, self.schedule, self.p2p, self.autocast = model, plan, schedule, p2p, autocast
         self.on_grads_done = on_grads_done
@@ -49,7 +52,8 @@ class PipelineEngine:
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward, Op.BW: self._backward_weight}
         self.trace: list[TraceEvent] | None = None  # set to [] to record this rank's actions
         self.store: WeightGradStore | None = None
-        if any(a.op is Op.BW for a in schedule.actions[plan.rank]):
+        self._cuda = p2p is not None and p2p.device.type == "cuda"
+        if split_backward and any(a.op is Op.BW for a in schedule.actions[plan.rank]):
             self.store = WeightGradStore()
             for m in model.modules():
                 if hasattr(m, "weight_grad_store"):
@@ -94,15 +98,22 @@ class PipelineEngine:
             if self.store is not None:
                 self.store.clear()
         assert not self.outputs or forward_only, f"activations left without backward: {sorted(self.outputs)}"
-        return self.losses
+        self.outputs.clear()  # forward-only: the last outputs were sent, nothing needs them
+        return [float(x) for x in torch.stack(self.losses).tolist()] if self.losses else []
 
     def _timed(self, a: Action, received: torch.Tensor | None) -> None:
         if self.trace is None:
             self.dispatch[a.op](a, received)
             return
-        t0 = time.perf_counter()
+        t0 = self._now()
         self.dispatch[a.op](a, received)
-        self.trace.append((a, t0, time.perf_counter()))
+        self.trace.append((a, t0, self._now()))
+
+    def _now(self) -> float:
+        """Host time after the device has finished what was queued (traces time kernels, not launches)."""
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def _input_of(self, a: Action) -> torch.Tensor | None:
         """The received tensor ``a`` consumes: the activation of an F, the output gradient of a B/BI."""
@@ -124,7 +135,7 @@ class PipelineEngine:
         with self.autocast():
             out = chunk_forward(self.model, self.plan, a.chunk, x, tokens, labels)
         if self.plan.is_last(a.chunk):
-            self.losses.append(float(out.detach()))
+            self.losses.append(out.detach())  # read once at the end: no device sync per micro-batch
             if self.forward_only:
                 return
             out = out / self.schedule.microbatches
@@ -150,10 +161,10 @@ class PipelineEngine:
         if self.trace is None:
             pending.wait()
         else:
-            t0 = time.perf_counter()
+            t0 = self._now()
             pending.wait()
             if pending.action is not None:
-                self.trace.append((pending.action, t0, time.perf_counter()))
+                self.trace.append((pending.action, t0, self._now()))
         return buf
 
     def _communicate(self, acts: Sequence[Action]) -> None:

@@ -49,8 +49,9 @@ class P2P:
         ops = []
         sent = []
         for peer, t in sends:
-            if tuple(t.shape) != self.shape:
-                raise RuntimeError(f"pipeline send of shape {list(t.shape)}, boundary shape is {list(self.shape)}")
+            if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+                raise RuntimeError(f"pipeline send of {list(t.shape)} {t.dtype}, the boundary is {list(self.shape)} "
+                                   f"{self.dtype}")
             t = t.contiguous()
             sent.append(t)
             ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))

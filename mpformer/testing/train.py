@@ -24,4 +24,6 @@ def train(args: list[str]) -> dict[str, list]:
     path = Path(composed.run_dir) / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     return {"losses": losses, "grad_norms": [m["grad_norm"] for m in rows], "steps": [m["step"] for m in rows],
-            "comm_bytes": [m["comm_bytes"] for m in rows]}
+            "comm_bytes": [m["comm_bytes"] for m in rows], "comm_by_kind": [m["comm_bytes_by_kind"] for m in rows],
+            "grad_norms_clipped": [m["grad_norm_clipped"] for m in rows],
+            "val_losses": [m["val_loss"] for m in rows if "val_loss" in m]}

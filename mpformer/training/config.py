@@ -62,6 +62,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | adam | sgd | adafactor (not with parallel.zero > 0)
     lr: float = 3e-4
     min_lr: float = 3e-5
     warmup_steps: int = 0
@@ -72,6 +73,7 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
     fused: bool | None = None  # None: torch's fused AdamW where the device supports it
+    momentum: float = 0.0  # sgd only
 
 
 @dataclass
@@ -129,6 +131,11 @@ def _choice(key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is unknown; valid: {format_choices(choices)}")
 
 
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
+# ZeRO steps 1-D shards of each tensor: only optimizers whose update is elementwise can be wrapped.
+ELEMENTWISE_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
 def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
@@ -137,6 +144,11 @@ def check_training_config(cfg: Config) -> None:
         raise ConfigError("train.precision=fp16: fp16 with dynamic loss scaling is not implemented yet; "
                           "valid: fp32, bf16")
     _choice("optim.decay", o.decay, DECAYS)
+    _choice("optim.name", o.name, OPTIMIZERS)
+    if cfg.parallel.zero > 0 and o.name not in ELEMENTWISE_OPTIMIZERS:
+        raise ConfigError(f"optim.name={o.name} cannot be wrapped by parallel.zero={cfg.parallel.zero}: ZeRO steps "
+                          f"1-D shards of each tensor and {o.name} keeps statistics of whole matrices; valid with "
+                          f"zero > 0: {', '.join(ELEMENTWISE_OPTIMIZERS)} (or parallel.zero=0)")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")

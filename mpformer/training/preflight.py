@@ -20,7 +20,7 @@ from mpformer.errors import ConfigError
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout, validate
 from mpformer.training.config import check_training_config
-from mpformer.training.evaluation import load_eval_tokens_for
+from mpformer.training.evaluation import check_pipeline_eval, load_eval_tokens_for
 
 
 def adopt_checkpoint_model(composed: Composed) -> dict[str, Any] | None:
@@ -115,6 +115,8 @@ def preflight_train(composed: Composed, world_size: int) -> ParallelLayout:
     build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)  # too-small data fails here
     if cfg.eval.interval:
         rows = load_eval_tokens_for(cfg)
+        if layout.pp > 1:
+            check_pipeline_eval(layout, rows.shape[0], cfg.eval.micro_batch_size)
         if layout.sequence_parallel and (rows.shape[1] - 1) % layout.tp:
             raise ConfigError(f"eval.tokens={cfg.eval.tokens}: rows of {rows.shape[1] - 1} inputs do not split over "
                               f"parallel.tp={layout.tp} under sequence parallelism; valid: multiples of {layout.tp}")

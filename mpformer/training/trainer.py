@@ -14,26 +14,25 @@ from typing import Any
 
 import torch
 
-from mpformer.checkpoint.io import load_checkpoint, model_state, optimizer_state, save_checkpoint
+from mpformer.checkpoint.io import load_checkpoint, model_state, save_checkpoint
 from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.errors import ConfigError
 from mpformer.models.parallelize import build_model, grad_specs
-from mpformer.optim.builder import build_optimizer
-from mpformer.optim.clip import clip_grad_norm
+from mpformer.optim.distributed import build_distributed_optimizer
 from mpformer.optim.lr import LRSchedule
+from mpformer.optim.memory import format_report, write_report
 from mpformer.parallel.comm import Comm
-from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.layout import ParallelLayout
-from mpformer.parallel.tensor_parallel import kv_replicas, sync_tp_grads
+from mpformer.parallel.tensor_parallel import kv_replicas
 from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.p2p import P2P
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.pipeline.stage import stage_plan
 from mpformer.pipeline.trace import gather_events, write_trace
 from mpformer.training.config import Config
-from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for
+from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for, pipeline_evaluate_loss
 from mpformer.training.metrics import MetricsLogger, StepTimer
 
 
@@ -55,9 +54,11 @@ class Trainer:
         self.grad_specs = grad_specs(self.model)
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
         self.pipeline = self._build_pipeline() if self.plan is not None else None
-        self.dp = DataParallel(self.model, groups.comm("dp"), bucket_mb=t.grad_bucket_mb)
+        # Gradient reduction and the optimizer step, for every ZeRO stage (optim/distributed.py).
+        self.dp = build_distributed_optimizer(self.model, groups.comm("dp"), layout.zero, cfg.optim,
+                                              self.device.kind, t.grad_bucket_mb)
+        self.optimizer = self.dp.optimizer
         self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.kind)
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                                    decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
@@ -118,9 +119,11 @@ class Trainer:
             for s in self.grad_specs:  # the last stage's copy of a tied embedding: counted once, on stage 0
                 if s.param is self.model.embed.weight:
                     s.in_norm = False
-        # A stage's data-parallel reduction starts right after its last backward (dp is built later).
+        # A stage's data-parallel reduction starts right after its last backward (dp is built later),
+        # except with a tied embedding, whose two copies' gradients are summed first (train_step).
+        start = None if self.embedding_comm is not None else (lambda: self.dp.start())
         return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
-                              on_grads_done=lambda: self.dp.start())
+                              on_grads_done=start, split_backward=True)
 
     def train_step(self) -> dict[str, float]:
         t = self.cfg.train
@@ -131,14 +134,16 @@ class Trainer:
         else:
             with self.dp.no_sync():  # a stage's gradients are reduced after its last backward, in finish()
                 loss_sum = sum(self.pipeline.run(batches))
+            if self.embedding_comm is not None:  # before the dp reduction, which may shard the gradient
+                self.embedding_comm.all_reduce(self.dp.main_grad(self.model.embed.weight))
         self.dp.finish()
-        if self.pipeline is not None and self.embedding_comm is not None:
-            self.embedding_comm.all_reduce(self.model.embed.weight.grad)  # the two copies' gradients
-        sync_tp_grads(self.grad_specs)
+        self.dp.sync_tp(self.grad_specs)
         pp_comm = self.groups.comm("pp") if self.pipeline is not None else None
-        grad_norm = clip_grad_norm(self.grad_specs, self.cfg.optim.clip_grad, self.tp.comm, pp_comm)
+        clip = self.cfg.optim.clip_grad
+        grad_norm = self.dp.clip(self.grad_specs, clip, self.tp.comm, pp_comm)
+        clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
         lr = self.schedule.apply(self.optimizer, self.step)
-        self.optimizer.step()
+        self.dp.step()
         self.step += 1
         self.consumed_samples += t.global_batch_size
         loss_mean = torch.tensor(loss_sum / self.micro_steps, device=self.device.torch_device)
@@ -147,7 +152,7 @@ class Trainer:
         if self.layout.dp > 1:  # a metric, not training traffic: its own ledger kind
             self.metrics_comm.all_reduce(loss_mean)
             loss_mean /= self.layout.dp
-        return {"loss": float(loss_mean), "grad_norm": grad_norm, "lr": lr}
+        return {"loss": float(loss_mean), "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr}
 
     def fit(self) -> list[float]:
         """Train until train.steps (or train.stop_at); return the losses of the steps run here."""
@@ -155,6 +160,7 @@ class Trainer:
         end = t.stop_at if t.stop_at is not None else t.steps
         tokens_per_step = t.global_batch_size * t.seq_length
         self.metrics.message(self._banner(end))
+        self._memory_report()
         losses: list[float] = []
         timer = StepTimer()
         self._first_step = self.step
@@ -180,6 +186,22 @@ class Trainer:
             self.save()
         self.metrics.close()
         return losses
+
+    def _memory_report(self) -> None:
+        """Model-state bytes per rank (counted from the tensors held), printed and in memory.json."""
+        import torch.distributed as dist
+
+        mine = self.dp.memory()
+        per_rank = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            per_rank = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(per_rank, mine)
+        if self.is_logger:
+            worst = max(range(len(per_rank)), key=lambda r: per_rank[r]["total"])
+            self.metrics.message(format_report(worst, per_rank[worst]) + " (the largest rank)")
+            write_report(self.run_dir / "memory.json", per_rank,
+                         {"zero": self.layout.zero, "layout": self.layout.to_dict(),
+                          "param_dtype": str(next(self.model.parameters()).dtype)})
 
     # ---- pipeline trace ----------------------------------------------------------------------------
     def _trace_window(self, end: int) -> range:
@@ -209,8 +231,12 @@ class Trainer:
         """Mean loss on eval.tokens, rows split over the data-parallel ranks."""
         assert self.eval_tokens is not None
         self.model.eval()
-        loss, _ = evaluate_loss(self.model, self.eval_tokens, self.cfg.eval.micro_batch_size,
-                                self.device.torch_device, Comm(self.groups.dp, self.groups.ledger, tag="eval.dp."))
+        if self.plan is not None:  # the stage's layers only: the schedule's forward passes
+            loss, _ = pipeline_evaluate_loss(self.model, self.plan, self.layout, self.groups, self.eval_tokens,
+                                             self.cfg.eval.micro_batch_size)
+        else:
+            loss, _ = evaluate_loss(self.model, self.eval_tokens, self.cfg.eval.micro_batch_size,
+                                    self.device.torch_device, Comm(self.groups.dp, self.groups.ledger, tag="eval.dp."))
         self.model.train()
         return loss
 
@@ -222,7 +248,7 @@ class Trainer:
                          "seq_length": t.seq_length, "global_batch_size": t.global_batch_size, "seed": t.seed}}
 
     def save(self) -> Path:
-        tensors = {**model_state(self.model), **optimizer_state(self.model, self.optimizer)}
+        tensors = {**model_state(self.model), **self.dp.state_shards(self.model)}
         manifest = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
                     "trainer": self.trainer_state(), "world_size": self.layout.world_size,
                     "config": self.resolved_config}
@@ -238,7 +264,10 @@ class Trainer:
 
     def _load(self, path: str) -> None:
         finetune = self.cfg.checkpoint.finetune
-        manifest = load_checkpoint(path, self.model, None if finetune else self.optimizer)
+        manifest = load_checkpoint(path, self.model)
+        if manifest.get("has_optimizer") and not finetune:
+            self.dp.load_state(manifest["path"], self.model)
+            manifest["loaded_optimizer"] = True
         if self.tokenizer_dir is None and manifest.get("tokenizer"):
             self.tokenizer_dir = Path(manifest["path"]) / manifest["tokenizer"]  # keep carrying it
         state = manifest.get("trainer")

@@ -38,17 +38,26 @@ RUNS["gpt2_pp2_dp2"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parall
                              "parallel.schedule": "zb-h1"})  # the tied head's weight gradient deferred
 
 
+EVAL = ("ref", "pp2_split")  # validation during training (eval.interval) through the pipeline too
+
+
 def _worker(world: int, data: str, root: str) -> dict:
     out = {}
     for name, (w, kw) in RUNS.items():
         if w == world:
+            if name in EVAL:
+                kw = {**kw, "eval.tokens": str(Path(root) / "eval.npy"), "eval.interval": 3,
+                      "eval.micro_batch_size": 2}
             out[name] = train(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
     return out
 
 
 @pytest.fixture(scope="module")
 def results(tiny_data, tmp_path_factory):
+    import numpy as np
+
     root = tmp_path_factory.mktemp("pp")
+    np.save(root / "eval.npy", np.random.default_rng(0).integers(1, 256, size=(8, 33)).astype(np.int64))
     res = {"root": root}
     for world in (1, 2, 3, 4):
         res.update(run_distributed(_worker, world, args=(world, tiny_data, str(root)), timeout=400)[0])
@@ -72,6 +81,12 @@ def test_pipeline_matches_one_process(results, run):
     assert sorted(mine) == sorted(ref)
     for name in ref:
         torch.testing.assert_close(mine[name], ref[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_validation_during_pipeline_training(results):
+    assert len(results["ref"]["val_losses"]) == 1
+    torch.testing.assert_close(torch.tensor(results["pp2_split"]["val_losses"]),
+                               torch.tensor(results["ref"]["val_losses"]), rtol=RTOL, atol=0)
 
 
 def test_trace_of_the_real_run_follows_the_schedule(results):

@@ -110,7 +110,7 @@ def test_enum_values():
 
 @pytest.mark.parametrize("layout,world,key", [
     (ParallelLayout(cp=2), 2, "cp"),
-    (ParallelLayout(zero=1), 1, "zero"),
+    (ParallelLayout(zero=3), 1, "zero"),
 ])
 def test_unimplemented_features_are_rejected_not_ignored(layout, world, key):
     msg = _err(layout, world=world)
@@ -119,3 +119,9 @@ def test_unimplemented_features_are_rejected_not_ignored(layout, world, key):
 
 def test_recompute_is_implemented():
     assert validate(ParallelLayout(recompute="full"), LLAMA, 1).recompute == "full"
+
+
+def test_zero_stage_two_does_not_run_under_a_pipeline():
+    msg = _err(ParallelLayout(pp=2, zero=2), world=4)
+    assert "parallel.zero=2 cannot run with parallel.pp=2" in msg and "zero=0 or 1" in msg
+    assert validate(ParallelLayout(pp=2, zero=1), LLAMA, 4).dp == 2

@@ -1,0 +1,113 @@
+"""Flat buffers for sharded data parallelism: where each parameter lives, and what each rank owns.
+
+Parameters are packed, in reverse order (roughly the order backward produces their gradients),
+into buckets of at most ``cap`` elements. A bucket is padded to a multiple of the data-parallel
+size ``dp`` so that it splits into ``dp`` equal, contiguous shards: rank r owns elements
+``[r * S, (r + 1) * S)`` of every bucket (S = padded size / dp). A parameter may straddle shards;
+each rank's part of it is a ``Piece``: a contiguous range of the parameter's flattened elements
+and where that range sits in the rank's shard.
+
+Everything here is arithmetic on element counts (no tensors, no processes), so the bookkeeping
+that ZeRO's correctness rests on is unit-tested on its own (tests/unit/test_optim_buffers.py).
+
+    bucket  | p3 ......... | p2 .... | p1 ............. | pad |
+    shards  | rank 0       | rank 1        | rank 2         ...
+    pieces  rank 1: (p3, [a, n3), at 0), (p2, [0, n2), at n3 - a), (p1, [0, b), at ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Parameter ``index`` (its position in the model's parameter list) at ``start`` in its bucket."""
+
+    index: int
+    start: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[lo, hi)`` of parameter ``index`` (flattened) sit at ``shard_offset`` in a rank's shard."""
+
+    index: int
+    lo: int
+    hi: int
+    shard_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    slots: tuple[Slot, ...]
+    size: int  # padded: a multiple of dp
+    dp: int
+
+    @property
+    def used(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def shard_size(self) -> int:
+        return self.size // self.dp
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The parts of parameters that fall in ``rank``'s shard, in bucket order."""
+        lo, hi = self.shard_range(rank)
+        out = []
+        for s in self.slots:
+            a, b = max(lo, s.start), min(hi, s.end)
+            if a < b:
+                out.append(Piece(s.index, a - s.start, b - s.start, a - lo))
+        return out
+
+
+def plan_buckets(numels: Sequence[int], dp: int, cap: int) -> list[BucketLayout]:
+    """Pack parameters (given by element count, in model order) into padded buckets, last first.
+
+    A bucket closes when the next parameter would push it past ``cap`` elements (a parameter larger
+    than ``cap`` gets a bucket of its own). Padding is at most ``dp - 1`` elements per bucket.
+    """
+    if dp < 1 or cap < 1:
+        raise ValueError(f"dp={dp} and cap={cap} must be >= 1")
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(numels))):
+        if groups[-1] and size + numels[i] > cap:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += numels[i]
+    out = []
+    for g in groups:
+        if not g:
+            continue
+        slots, at = [], 0
+        for i in g:
+            slots.append(Slot(i, at, numels[i]))
+            at += numels[i]
+        out.append(BucketLayout(tuple(slots), -(-at // dp) * dp, dp))
+    return out
+
+
+def pieces_by_param(buckets: Sequence[BucketLayout], rank: int) -> dict[int, list[tuple[int, Piece]]]:
+    """For each parameter index, ``(bucket number, piece)`` of what ``rank`` owns of it."""
+    out: dict[int, list[tuple[int, Piece]]] = {}
+    for k, b in enumerate(buckets):
+        for piece in b.pieces(rank):
+            out.setdefault(piece.index, []).append((k, piece))
+    return out
