@@ -160,11 +160,17 @@ def read_all_tensors(ckpt_dir: str | Path, prefix: str = MODEL_PREFIX) -> dict[s
     return {k[len(prefix):]: v for k, v in out.items()}
 
 
+def open_checkpoint(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint whose files are all present and intact (``path``: its step dir)."""
+    manifest = read_manifest(ckpt_dir)
+    check_files(manifest)
+    return manifest
+
+
 def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load weights (and optimizer state if the checkpoint has it); returns the manifest."""
-    manifest = read_manifest(ckpt_dir)
-    check_files(manifest)
+    manifest = open_checkpoint(ckpt_dir)
     d = manifest["path"]
     load_tensors(d, model_state(model))
     manifest["loaded_optimizer"] = False

@@ -1,7 +1,8 @@
 """The trainer's one handle on gradients and the optimizer step, whatever the ZeRO stage.
 
-    zero=0   ReplicatedOptimizer: DataParallel's bucketed all-reduce + the optimizer on full tensors
-    zero=1,2 ZeroOptimizer (zero.py): reduce-scatter into shards, step the shard, all-gather
+    zero=0 fp32       ReplicatedOptimizer: DataParallel's bucketed all-reduce + the optimizer on full tensors
+    zero=0-2, 16-bit  ZeroOptimizer (zero.py): fp32 main gradients and masters; 1-2 shard them
+    zero=3            Zero3Optimizer (zero3.py): parameters sharded too, gathered per layer
 
 Both offer the same calls in the order the trainer makes them each step:
 ``zero_grad, no_sync (earlier micro-batches), start (a pipeline stage after its last backward),
@@ -18,13 +19,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from mpformer.checkpoint.io import OPTIM_PREFIX, load_tensors, optimizer_state, set_optimizer_step
+from mpformer.checkpoint.io import OPTIM_PREFIX, load_tensors, model_state, optimizer_state, set_optimizer_step
 from mpformer.checkpoint.shards import Shard
 from mpformer.optim.builder import make_optimizer, param_groups
 from mpformer.optim.clip import clip_grad_norm
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.zero import ZeroOptimizer
-from mpformer.optim.zero_state import load_zero_state, zero_optimizer_state
+from mpformer.optim.zero3 import Zero3Optimizer
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.tensor_parallel import GradSpec, sync_tp_grads
@@ -42,6 +43,9 @@ class DistributedOptimizer(Protocol):
     def sync_tp(self, specs: Sequence[GradSpec]) -> None: ...
     def clip(self, specs: Sequence[GradSpec], max_norm: float, tp: Comm | None, pp: Comm | None) -> float: ...
     def step(self) -> None: ...
+    def unscale(self, inv_scale: float, tp: Comm | None, pp: Comm | None) -> bool: ...
+    def weight_shards(self, model: nn.Module) -> dict[str, Shard]: ...
+    def load_weights(self, ckpt_dir: str, model: nn.Module) -> None: ...
     def state_shards(self, model: nn.Module) -> dict[str, Shard]: ...
     def load_state(self, ckpt_dir: str, model: nn.Module) -> None: ...
     def memory(self) -> dict[str, int]: ...
@@ -80,6 +84,15 @@ class ReplicatedOptimizer:
     def step(self) -> None:
         self.optimizer.step()
 
+    def weight_shards(self, model: nn.Module) -> dict[str, Shard]:
+        return model_state(model)
+
+    def load_weights(self, ckpt_dir: str, model: nn.Module) -> None:
+        load_tensors(ckpt_dir, model_state(model))
+
+    def unscale(self, inv_scale: float, tp: Comm | None, pp: Comm | None) -> bool:
+        raise AssertionError("fp32 parameters need no loss scaling")
+
     def state_shards(self, model: nn.Module) -> dict[str, Shard]:
         return optimizer_state(model, self.optimizer)
 
@@ -94,30 +107,14 @@ class ReplicatedOptimizer:
         return model_state_bytes(params, grads, [], self.optimizer)
 
 
-class ShardedOptimizer(ZeroOptimizer):
-    """ZeRO stages 1 and 2 (zero.py) with the trainer-facing calls of ``DistributedOptimizer``."""
-
-    def main_grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        k, slot = self._where[id(p)]
-        buf = self.buckets[k].grad_buf
-        return None if buf is None else buf[slot.start:slot.end].view_as(p)
-
-    def state_shards(self, model: nn.Module) -> dict[str, Shard]:
-        return zero_optimizer_state(model, self)
-
-    def load_state(self, ckpt_dir: str, model: nn.Module) -> None:
-        load_zero_state(ckpt_dir, model, self)
-
-    def memory(self) -> dict[str, int]:
-        masters = [s.master for s in self.shards] if self.param_dtype != torch.float32 else []
-        grads = [b.grad_shard for b in self.buckets] + [b.grad_buf for b in self.buckets if b.grad_buf is not None]
-        return model_state_bytes([b.param_buf for b in self.buckets], grads, masters, self.optimizer)
-
-
 def build_distributed_optimizer(model: nn.Module, dp: Comm, zero: int, cfg: OptimConfig, device_kind: str,
-                                bucket_mb: float) -> DistributedOptimizer:
+                                bucket_mb: float, param_dtype: torch.dtype = torch.float32) -> DistributedOptimizer:
+    """``param_dtype`` 16-bit: the model's parameters are cast to it and fp32 masters kept (any stage)."""
     groups = param_groups(model, cfg.weight_decay)
-    if zero == 0:
-        return ReplicatedOptimizer(model, dp, make_optimizer(groups, cfg, device_kind), bucket_mb)
-    return ShardedOptimizer(model, dp, stage=zero, groups=groups, bucket_mb=bucket_mb,
-                            make_optimizer=lambda g: make_optimizer(g, cfg, device_kind))
+    make = lambda g: make_optimizer(g, cfg, device_kind)
+    if zero == 3:
+        return Zero3Optimizer(model, dp, groups=groups, make_optimizer=make, param_dtype=param_dtype)
+    if zero == 0 and param_dtype == torch.float32:
+        return ReplicatedOptimizer(model, dp, make(groups), bucket_mb)
+    return ZeroOptimizer(model, dp, stage=zero, groups=groups, bucket_mb=bucket_mb, make_optimizer=make,
+                         param_dtype=param_dtype)

@@ -2,6 +2,9 @@
 
 Each data-parallel rank owns 1/dp of every bucket (buffers.py). What it keeps:
 
+    stage 0   (16-bit models only; fp32 ones use DataParallel) everything: the "shard" is the whole
+              bucket, gradients are all-reduced, and the fp32 masters are full copies
+
     stage 1   full parameters, full fp32 main gradients (accumulated over micro-batches), and the
               optimizer state and master weights of its shard only; after the last micro-batch each
               bucket's gradients are reduce-scattered as soon as backward has finished them.
@@ -35,9 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpformer.optim.buffers import BucketLayout, Piece, plan_buckets
+from mpformer.optim.buffers import BucketLayout, plan_buckets
+from mpformer.optim.sharded import ShardedBase
+from mpformer.optim.zero_state import ShardParam
 from mpformer.parallel.comm import Comm
-from mpformer.parallel.tensor_parallel import GradSpec
 
 
 @dataclass
@@ -52,49 +56,26 @@ class _Bucket:
     pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # work, input, output
 
 
-@dataclass(frozen=True)
-class ShardParam:
-    """A piece of model parameter ``name`` that this rank updates: elements ``[lo, hi)`` of the flat
-    parameter, as the 1-D tensor ``master`` the wrapped optimizer steps."""
-
-    name: str
-    param: nn.Parameter
-    piece: Piece
-    bucket: int
-    master: torch.Tensor
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(ShardedBase):
     """The gradient synchronisation (no_sync / start / finish / zero_grad, as DataParallel) and the
-    optimizer step of ZeRO stage 1 or 2 over the data-parallel ``comm``."""
+    optimizer step of ZeRO stage 0 (16-bit), 1 or 2 over the data-parallel ``comm``; ``param_dtype``
+    is the dtype the model's parameters are cast to (fp32 masters are kept when it is 16-bit)."""
 
     def __init__(self, model: nn.Module, comm: Comm, *, stage: int,
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 groups: Sequence[dict], bucket_mb: float = 25.0) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer runs stages 1 and 2, not {stage}")
-        self.model, self.comm, self.stage = model, comm, stage
-        self._norm_comm = Comm(comm.group, comm.ledger, tag=comm.tag + "norm.")  # a scalar, its own kind
-        self.sync = True
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.names = [names[id(p)] for p in self.params]
-        dtype = self.params[0].dtype
-        assert all(p.dtype == dtype for p in self.params), "one parameter dtype per model"
-        self.param_dtype = dtype
+                 groups: Sequence[dict], bucket_mb: float = 25.0, param_dtype: torch.dtype = torch.float32) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeroOptimizer runs stages 0, 1 and 2, not {stage}")
+        super().__init__(model, comm, stage=stage, param_dtype=param_dtype)
+        # Stage 0 keeps the whole bucket on every rank: lay it out for one "rank".
+        self.shard_rank, shard_dp = (0, 1) if stage == 0 else (comm.rank, comm.size)
         cap = max(1, int(bucket_mb * 2**20 / 4))  # fp32 main-gradient elements per bucket
-        layouts = plan_buckets([p.numel() for p in self.params], comm.size, cap)
+        layouts = plan_buckets([p.numel() for p in self.params], shard_dp, cap)
         self.buckets = [self._materialise(b) for b in layouts]
         self._where = {id(p): (k, s) for k, b in enumerate(self.buckets) for p, s in zip(b.params, b.layout.slots)}
         self.shards = self._shard_params()
         self._in_flight: list[_Bucket] = []
-        group_of = {id(p): g for g in groups for p in g["params"]}
-        inner_groups = []
-        for g in groups:
-            opts = {k: v for k, v in g.items() if k != "params"}
-            mine = [s.master for s in self.shards if group_of[id(s.param)] is g]
-            inner_groups.append({**opts, "params": mine})
-        self.optimizer = make_optimizer(inner_groups)
+        self._build_optimizer(groups, make_optimizer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # ---- construction ------------------------------------------------------------------------
@@ -102,12 +83,15 @@ class ZeroOptimizer:
         params = [self.params[s.index] for s in layout.slots]
         dev = params[0].device
         buf = torch.zeros(layout.size, dtype=self.param_dtype, device=dev)
+        self._fp32_init = getattr(self, "_fp32_init", {})
         for p, s in zip(params, layout.slots):
+            if self.param_dtype != p.dtype:  # the masters start from the full-precision values
+                self._fp32_init[id(p)] = p.detach().float().reshape(-1).clone()
             buf[s.start:s.end].copy_(p.detach().reshape(-1))
             p.data = buf[s.start:s.end].view_as(p)  # the parameter now lives in the bucket
-        if self.stage == 1:  # the shard is a view of the full buffer (Megatron's layout): no extra copy
+        if self.stage < 2:  # the shard is a view of the full buffer (Megatron's layout): no extra copy
             grads = self._zeros(layout, dev)
-            lo, hi = layout.shard_range(self.comm.rank)
+            lo, hi = layout.shard_range(self.shard_rank)
             return _Bucket(layout, params, buf, grads[lo:hi], grads)
         shard = torch.zeros(layout.shard_size, dtype=torch.float32, device=dev)
         return _Bucket(layout, params, buf, shard, None)
@@ -119,19 +103,25 @@ class ZeroOptimizer:
     def _shard_params(self) -> list[ShardParam]:
         out = []
         for k, b in enumerate(self.buckets):
-            lo, _ = b.layout.shard_range(self.comm.rank)
-            for piece in b.layout.pieces(self.comm.rank):
+            lo, _ = b.layout.shard_range(self.shard_rank)
+            for piece in b.layout.pieces(self.shard_rank):
                 start = lo + piece.shard_offset
                 view = b.param_buf[start:start + piece.numel]
-                master = view if self.param_dtype == torch.float32 else view.detach().float().clone()
+                p = self.params[piece.index]
+                if self.param_dtype == torch.float32:
+                    master = view
+                else:  # from the full-precision initial values, not their 16-bit rounding
+                    full = self._fp32_init.get(id(p))
+                    master = full[piece.lo:piece.hi].clone() if full is not None else view.detach().float()
                 master.grad = b.grad_shard[piece.shard_offset:piece.shard_offset + piece.numel]
-                out.append(ShardParam(self.names[piece.index], self.params[piece.index], piece, k, master))
+                out.append(ShardParam(self.names[piece.index], p, piece, k, master))
+        self._fp32_init = {}
         return out
 
     # ---- gradients ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Stage 1: accumulate locally (earlier micro-batches). Stage 2 reduces every micro-batch."""
+        """Stages 0-1: accumulate locally (earlier micro-batches). Stage 2 reduces every micro-batch."""
         prev, self.sync = self.sync, self.stage == 2
         try:
             yield
@@ -158,8 +148,11 @@ class ZeroOptimizer:
         if b.grad_buf is None:  # no gradient reached this bucket (unused parameters)
             b.grad_buf = self._zeros(b.layout, b.param_buf.device)
         b.grad_buf.div_(self.comm.size)
-        out = torch.empty_like(b.grad_shard)
-        b.pending = (self.comm.reduce_scatter_into(out, b.grad_buf, async_op=True), b.grad_buf, out)
+        if self.stage == 0:  # in place: the "shard" is the whole buffer
+            b.pending = (self.comm.all_reduce(b.grad_buf, async_op=True), b.grad_buf, b.grad_buf)
+        else:
+            out = torch.empty_like(b.grad_shard)
+            b.pending = (self.comm.reduce_scatter_into(out, b.grad_buf, async_op=True), b.grad_buf, out)
         b.ready.clear()
         b.launched = True
         if self.stage == 2:
@@ -175,14 +168,14 @@ class ZeroOptimizer:
             work.wait()
         if self.stage == 1:  # one reduction per step, into the buffer's own shard
             b.grad_shard.copy_(out)
-        else:  # stage 2 reduces every micro-batch and accumulates in the persistent shard
+        elif self.stage == 2:  # stage 2 reduces every micro-batch and accumulates in the persistent shard
             b.grad_shard.add_(out)
         b.pending = None
 
     def start(self) -> None:
         """Launch every reduction still owed this step (a pipeline stage after its last backward)."""
         for b in self.buckets:
-            owed = not b.launched if self.stage == 1 else b.grad_buf is not None
+            owed = not b.launched if self.stage < 2 else b.grad_buf is not None
             if owed and b.pending is None:
                 self._launch(b)
 
@@ -197,63 +190,29 @@ class ZeroOptimizer:
             assert b.pending is None, "zero_grad() with a reduction in flight: call finish() first"
             b.ready.clear()
             b.launched = False
-            if self.stage == 1:
+            if self.stage < 2:
                 assert b.grad_buf is not None
                 b.grad_buf.zero_()  # the shard is a view of it
             else:
                 b.grad_shard.zero_()
                 b.grad_buf = None
 
-    # ---- norm, clipping, step ------------------------------------------------------------------
-    def shard_grads(self, specs: Sequence[GradSpec]) -> list[tuple[torch.Tensor, GradSpec]]:
-        """This rank's part of each spec's gradient block (a view into the gradient shard)."""
-        by_param: dict[int, list[ShardParam]] = {}
-        for s in self.shards:
-            by_param.setdefault(id(s.param), []).append(s)
-        out = []
-        for spec in specs:
-            p = spec.param
-            row = p.numel() // p.shape[0] if p.dim() > 0 else 1
-            lo, hi = (0, p.numel()) if spec.rows is None else (spec.rows[0] * row, spec.rows[1] * row)
-            for s in by_param.get(id(p), []):
-                a, b = max(lo, s.piece.lo), min(hi, s.piece.hi)
-                if a < b:
-                    assert s.master.grad is not None
-                    out.append((s.master.grad[a - s.piece.lo:b - s.piece.lo], spec))
-        return out
-
-    def sync_tp(self, specs: Sequence[GradSpec]) -> None:
-        """Sum partial gradients over tp groups on the shards (tp ranks share dp rank and buckets)."""
-        for g, spec in self.shard_grads([s for s in specs if s.sync is not None]):
-            assert spec.sync is not None
-            spec.sync.all_reduce(g)
-
-    def grad_norm_sq(self, specs: Sequence[GradSpec], tp: Comm | None, pp: Comm | None) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.buckets[0].grad_shard.device)
-        for g, spec in self.shard_grads([s for s in specs if s.in_norm]):
-            total += g.float().pow(2).sum() / spec.replicas
-        for comm in (self._norm_comm, tp, pp):  # the shards partition each gradient over dp
-            if comm is not None and comm.size > 1:
-                comm.all_reduce(total)
-        return total
-
-    def clip(self, specs: Sequence[GradSpec], max_norm: float, tp: Comm | None, pp: Comm | None) -> float:
-        """Global gradient norm before clipping; scales the gradient shards when it exceeds ``max_norm``."""
-        total = self.grad_norm_sq(specs, tp, pp).sqrt()
-        if max_norm > 0:
-            coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for b in self.buckets:
-                b.grad_shard.mul_(coeff)
-        return float(total)
+    # ---- step ------------------------------------------------------------------------------------
+    def _write_back(self) -> None:
+        if self.param_dtype == torch.float32:  # the masters are views of the parameters
+            return
+        for s in self.shards:  # masters -> this rank's part of the 16-bit parameters
+            b = self.buckets[s.bucket]
+            start = b.layout.shard_range(self.shard_rank)[0] + s.piece.shard_offset
+            b.param_buf[start:start + s.piece.numel].copy_(s.master)
 
     def step(self) -> None:
         """The wrapped optimizer on this rank's shard, then every bucket's parameters all-gathered."""
         self.optimizer.step()
-        if self.param_dtype != torch.float32:  # masters -> this rank's part of the 16-bit parameters
-            for s in self.shards:
-                b = self.buckets[s.bucket]
-                start = b.layout.shard_range(self.comm.rank)[0] + s.piece.shard_offset
-                b.param_buf[start:start + s.piece.numel].copy_(s.master)
+        self.steps_taken += 1
+        self._write_back()
+        if self.stage == 0:
+            return
         works = []
         for b in self.buckets:
             lo, hi = b.layout.shard_range(self.comm.rank)
@@ -263,7 +222,17 @@ class ZeroOptimizer:
             if w is not None:
                 w.wait()
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+    # ---- what ShardedBase and the trainer read --------------------------------------------------
+    def grad_shard_buffers(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets]
+
+    def weight_buffers(self) -> list[torch.Tensor]:
+        return [b.param_buf for b in self.buckets]
+
+    def _full_grads(self) -> list[torch.Tensor]:
+        return [b.grad_buf for b in self.buckets if b.grad_buf is not None]
+
+    def main_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        k, slot = self._where[id(p)]
+        buf = self.buckets[k].grad_buf
+        return None if buf is None else buf[slot.start:slot.end].view_as(p)

@@ -1,38 +1,74 @@
-"""ZeRO optimizer state in the layout-free checkpoint: by canonical name and slice.
+"""Sharded state in the layout-free checkpoint: by canonical name and slice.
 
-A rank's optimizer state for a parameter covers a contiguous range ``[lo, hi)`` of the flattened
-(tensor-parallel) parameter (buffers.Piece). A canonical tensor's block in that parameter is a set
-of whole rows (q of a fused qkv, a vocabulary block, a row-parallel column block), so the range
-cuts it into at most three rectangles: the end of a first row, whole rows, the start of a last
-row. Each rectangle is saved as a chunk of ``optim.<state>.<canonical name>`` at its global offsets,
-exactly where an unsharded run would have put those elements, so any layout, sharded or not, reads
-its own slices back (DCP resolves the overlaps).
+A rank's shard of a parameter covers a contiguous range ``[lo, hi)`` of the flattened (tensor-
+parallel) parameter (buffers.Piece). A canonical tensor's block in that parameter is a set of whole
+rows (q of a fused qkv, a vocabulary block, a row-parallel column block), so the range cuts it into
+at most three rectangles: the end of a first row, whole rows, the start of a last row. Each
+rectangle is saved as a chunk of ``optim.<state>.<canonical name>`` (or, for master weights,
+``model.<canonical name>``) at its global offsets, exactly where an unsharded run would have put
+those elements, so any layout, sharded or not, reads its own slices back (DCP resolves overlaps).
+
+The map from canonical names to parameter rows is taken once, while every parameter is
+materialised (ZeRO-3 frees the storage the views point into afterwards).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from mpformer.checkpoint.io import OPTIM_PREFIX, init_adam_state
 from mpformer.checkpoint.shards import Shard
-from mpformer.optim.zero import ShardParam, ZeroOptimizer
+from mpformer.optim.buffers import Piece
+
+
+@dataclass(frozen=True)
+class ShardParam:
+    """A piece of model parameter ``name`` that this rank updates: elements ``[lo, hi)`` of the flat
+    parameter, as the 1-D tensor ``master`` the wrapped optimizer steps (``bucket``: its unit)."""
+
+    name: str
+    param: nn.Parameter
+    piece: Piece
+    bucket: int
+    master: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CanonicalRows:
+    """Canonical tensor ``name`` is rows ``[first, first + rows)`` (of ``row`` elements) of parameter
+    ``index``, stored at ``offsets`` of a tensor of ``global_shape``."""
+
+    name: str
+    index: int
+    first: int
+    rows: int
+    row: int
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
 
 
 def _inside(view: torch.Tensor, p: nn.Parameter) -> bool:
-    """Whether ``view`` looks into ``p`` (parameters of a bucket share one storage: compare ranges)."""
     if view.numel() == 0 or view.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
         return False
     return p.storage_offset() <= view.storage_offset() < p.storage_offset() + p.numel()
 
 
-def _row_block(view: torch.Tensor, p: nn.Parameter) -> tuple[int, int, int]:
-    """(first row, rows, row length) of ``view``, a block of whole rows of parameter ``p``."""
-    row = p.numel() // p.shape[0] if p.dim() > 1 else 1
-    first = (view.storage_offset() - p.storage_offset()) // row
-    rows = view.shape[0] if view.dim() > 0 else 1
-    assert view.numel() == rows * row, "canonical views are blocks of whole rows"
-    return first, rows, row
+def canonical_rows(model: nn.Module, params: Sequence[nn.Parameter]) -> list[CanonicalRows]:
+    """Where every canonical tensor of this rank lives in ``params`` (all materialised)."""
+    out = []
+    for name, sh in model.canonical_shards().items():
+        for i, p in enumerate(params):
+            if _inside(sh.local, p):
+                row = p.numel() // p.shape[0] if p.dim() > 1 else 1
+                first = (sh.local.storage_offset() - p.storage_offset()) // row
+                rows = sh.local.shape[0] if sh.local.dim() > 0 else 1
+                assert sh.local.numel() == rows * row, "canonical views are blocks of whole rows"
+                out.append(CanonicalRows(name, i, first, rows, row, tuple(sh.global_shape), tuple(sh.offsets)))
+                break
+    return out
 
 
 def rectangles(x: int, y: int, row: int) -> list[tuple[int, int, int, int]]:
@@ -52,59 +88,38 @@ def rectangles(x: int, y: int, row: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _chunks(canonical: dict[str, Shard], shard: ShardParam) -> list[tuple[str, tuple[int, ...], slice, tuple]]:
-    """(canonical name, global offsets, slice of the master, local shape) per rectangle."""
-    p, piece = shard.param, shard.piece
-    out = []
-    for name, sh in canonical.items():
-        if not _inside(sh.local, p):
+def chunks(canon: Sequence[CanonicalRows], shard: ShardParam, t: torch.Tensor, prefix: str) -> dict[str, Shard]:
+    """``t`` (laid out like ``shard.master``) as checkpoint chunks of ``prefix + canonical name``."""
+    piece = shard.piece
+    out = {}
+    for c in canon:
+        if c.index != piece.index:
             continue
-        first, rows, row = _row_block(sh.local, p)
-        a, b = max(piece.lo, first * row), min(piece.hi, (first + rows) * row)
+        a, b = max(piece.lo, c.first * c.row), min(piece.hi, (c.first + c.rows) * c.row)
         if a >= b:
             continue
-        for r, c, nr, nc in rectangles(a - first * row, b - first * row, row):
-            flat = r * row + c + first * row - piece.lo
-            if p.dim() > 1:
-                offsets = (sh.offsets[0] + r, sh.offsets[1] + c)
-                out.append((name, offsets, slice(flat, flat + nr * nc), (nr, nc)))
+        for r, col, nr, nc in rectangles(a - c.first * c.row, b - c.first * c.row, c.row):
+            flat = (c.first + r) * c.row + col - piece.lo
+            if len(c.global_shape) > 1:
+                offsets, shape = (c.offsets[0] + r, c.offsets[1] + col), (nr, nc)
             else:
-                out.append((name, (sh.offsets[0] + r,), slice(flat, flat + nr), (nr,)))
+                offsets, shape = (c.offsets[0] + r,), (nr,)
+            fqn = prefix + c.name
+            out[f"{fqn}@{offsets}"] = Shard(t[flat:flat + nr * nc].view(shape), c.global_shape, offsets, fqn)
     return out
 
 
-def zero_optimizer_state(model: nn.Module, zero: ZeroOptimizer) -> dict[str, Shard]:
-    """``optim.<key>.<name>`` chunks of this rank's optimizer state, and the step count once."""
-    init_adam_state(zero.optimizer)
-    canonical = model.canonical_shards()
+def sharded_state(canon: Sequence[CanonicalRows], shards: Sequence[ShardParam],
+                  optimizer: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, Shard], float | None]:
+    """``prefix<key>.<name>`` chunks of every per-element state tensor, and the (common) step count."""
     out: dict[str, Shard] = {}
     steps = set()
-    for s in zero.shards:
-        state = zero.optimizer.state[s.master]
-        steps.add(float(state["step"]))
+    for s in shards:
+        state = optimizer.state[s.master]
+        if "step" in state:
+            steps.add(float(state["step"]))
         for key, t in state.items():
-            if t.dim() == 0:
-                continue
-            for name, offsets, sl, shape in _chunks(canonical, s):
-                sh = canonical[name]
-                fqn = f"{OPTIM_PREFIX}{key}.{name}"
-                out[f"{fqn}@{offsets}"] = Shard(t[sl].view(shape), tuple(sh.global_shape), offsets, fqn)
-    if steps:
-        assert len(steps) == 1, f"shards disagree on the optimizer step: {steps}"
-    step = next(iter(steps)) if steps else 0.0
-    out[OPTIM_PREFIX + "step"] = Shard.full(torch.tensor([step]))
-    return out
-
-
-def set_zero_step(zero: ZeroOptimizer, step_tensor: torch.Tensor) -> None:
-    for s in zero.shards:
-        zero.optimizer.state[s.master]["step"].fill_(float(step_tensor.reshape(-1)[0]))
-
-
-def load_zero_state(ckpt_dir: str, model: nn.Module, zero: ZeroOptimizer) -> None:
-    """Read this rank's slices of the stored optimizer state (written under any layout)."""
-    from mpformer.checkpoint.io import load_tensors
-
-    targets = zero_optimizer_state(model, zero)
-    load_tensors(ckpt_dir, targets)
-    set_zero_step(zero, targets[OPTIM_PREFIX + "step"].local)
+            if torch.is_tensor(t) and t.dim() > 0:
+                out.update(chunks(canon, s, t, f"{prefix}{key}."))
+    assert len(steps) <= 1, f"shards disagree on the optimizer step: {steps}"
+    return out, (next(iter(steps)) if steps else None)

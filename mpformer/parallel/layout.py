@@ -2,8 +2,8 @@
 
 validate() runs before any process group exists. Each rule raises a ConfigError whose single line
 names the key, its value, the rule, and the values that would be valid. Rules run in the order a
-user can act on them: value ranges, model compatibility, batch arithmetic, world size, and last
-the features that are specified but not implemented yet (rejected, never silently ignored).
+user can act on them: value ranges, model compatibility, features that are specified but not
+implemented yet (rejected, never silently ignored), world size, batch arithmetic.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ class ParallelLayout:
 # (predicate, key, what) for features whose config exists but whose runtime lands in a later issue.
 NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = [
     (lambda L: L.cp > 1, "cp", "context parallelism", "1"),
-    (lambda L: L.zero == 3, "zero", "ZeRO stage 3 (sharded parameters)", "0, 1, 2"),
 ]
 
 
@@ -210,13 +209,13 @@ def validate(layout: ParallelLayout, model: ModelConfig, world_size: int, *,
     _check_values(layout)
     _check_model(layout, model, seq_length)
     _check_zero(layout)
+    for pred, key, what, valid in NOT_IMPLEMENTED:  # before the world size: the more useful message
+        if pred(layout):
+            raise ConfigError(f"parallel.{key}={getattr(layout, key)}: {what} is not implemented yet; "
+                              f"valid: parallel.{key}={valid}")
     resolved = _resolve_dp(layout, world_size)
     if global_batch_size is not None and micro_batch_size is not None:
         _check_batch(resolved, global_batch_size, micro_batch_size)
         if resolved.pp > 1:
             _check_schedule(resolved, global_batch_size // (micro_batch_size * resolved.dp))
-    for pred, key, what, valid in NOT_IMPLEMENTED:
-        if pred(resolved):
-            raise ConfigError(f"parallel.{key}={getattr(resolved, key)}: {what} is not implemented yet; "
-                              f"valid: parallel.{key}={valid}")
     return resolved

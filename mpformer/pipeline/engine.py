@@ -52,6 +52,7 @@ class PipelineEngine:
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward, Op.BW: self._backward_weight}
         self.trace: list[TraceEvent] | None = None  # set to [] to record this rank's actions
         self.store: WeightGradStore | None = None
+        self.loss_scale = 1.0  # the trainer sets fp16's dynamic loss scale before each step
         self._cuda = p2p is not None and p2p.device.type == "cuda"
         if split_backward and any(a.op is Op.BW for a in schedule.actions[plan.rank]):
             self.store = WeightGradStore()
@@ -138,7 +139,8 @@ class PipelineEngine:
             self.losses.append(out.detach())  # read once at the end: no device sync per micro-batch
             if self.forward_only:
                 return
-            out = out / self.schedule.microbatches
+            m = self.schedule.microbatches
+            out = out / m if self.loss_scale == 1.0 else out * (self.loss_scale / m)  # fp16: loss scaling
         self.outputs[key] = out
 
     def _backward(self, a: Action, grad: torch.Tensor | None) -> None:

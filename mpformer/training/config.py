@@ -56,6 +56,9 @@ class TrainConfig:
     use_apex: bool = False  # apex fused kernels when installed (optional fast path)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
+    initial_loss_scale: float = 65536.0  # fp16: dynamic loss scaling starts here (2^16) ...
+    loss_scale_window: int = 1000  # ... doubles after this many steps without inf/nan, halves on one
+    min_loss_scale: float = 1.0
     pipeline_trace_steps: int = 0  # pp > 1: time the actions of this many steps after the first, written
     # as a Chrome trace to <run dir>/pipeline_trace.json (compare with tools/schedule.py --trace)
 
@@ -140,9 +143,9 @@ def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
-    if t.precision == "fp16":
-        raise ConfigError("train.precision=fp16: fp16 with dynamic loss scaling is not implemented yet; "
-                          "valid: fp32, bf16")
+    if t.precision == "fp16" and not (t.initial_loss_scale >= t.min_loss_scale > 0 and t.loss_scale_window >= 1):
+        raise ConfigError(f"fp16 loss scaling needs initial_loss_scale >= min_loss_scale > 0 and loss_scale_window "
+                          f">= 1; got {t.initial_loss_scale}, {t.min_loss_scale}, {t.loss_scale_window}")
     _choice("optim.decay", o.decay, DECAYS)
     _choice("optim.name", o.name, OPTIMIZERS)
     if cfg.parallel.zero > 0 and o.name not in ELEMENTWISE_OPTIMIZERS:

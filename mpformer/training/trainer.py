@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from mpformer.checkpoint.io import load_checkpoint, model_state, save_checkpoint
+from mpformer.checkpoint.io import open_checkpoint, save_checkpoint
 from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.errors import ConfigError
 from mpformer.models.parallelize import build_model, grad_specs
 from mpformer.optim.distributed import build_distributed_optimizer
+from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
 from mpformer.optim.memory import format_report, write_report
 from mpformer.parallel.comm import Comm
@@ -44,8 +45,13 @@ class Trainer:
         self.resolved_config = resolved_config
         self.device = groups.device
         t = cfg.train
-        self.dtype_ctx = (torch.autocast(self.device.kind, dtype=torch.bfloat16) if t.precision == "bf16"
+        # 16-bit precisions keep the parameters in that dtype with fp32 masters and main gradients
+        # (optim/sharded.py); autocast on top keeps its per-op policy (fp32 softmax, CPU linear path).
+        self.param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+        self.dtype_ctx = (torch.autocast(self.device.kind, dtype=self.param_dtype) if t.precision != "fp32"
                           else contextlib.nullcontext())
+        self.scaler = (LossScaler(t.initial_loss_scale, t.loss_scale_window, t.min_loss_scale)
+                       if t.precision == "fp16" else None)
         m = cfg.model
         self.tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads), seed=t.seed)
         self.plan = stage_plan(m, layout, groups.coords["pp"], t.seq_length) if layout.pp > 1 else None
@@ -53,11 +59,11 @@ class Trainer:
                                  recompute=layout.recompute, use_apex=t.use_apex, stage=self.plan)
         self.grad_specs = grad_specs(self.model)
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        self.pipeline = self._build_pipeline() if self.plan is not None else None
         # Gradient reduction and the optimizer step, for every ZeRO stage (optim/distributed.py).
         self.dp = build_distributed_optimizer(self.model, groups.comm("dp"), layout.zero, cfg.optim,
-                                              self.device.kind, t.grad_bucket_mb)
+                                              self.device.kind, t.grad_bucket_mb, self.param_dtype)
         self.optimizer = self.dp.optimizer
+        self.pipeline = self._build_pipeline() if self.plan is not None else None
         self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
@@ -104,7 +110,8 @@ class Trainer:
             with self.dp.no_sync() if j < len(batches) - 1 else contextlib.nullcontext():
                 with self.dtype_ctx:
                     loss = self.model(inputs, labels)
-                (loss / self.micro_steps).backward()
+                scale = self.scaler.scale if self.scaler is not None else 1.0
+                (loss / self.micro_steps if scale == 1.0 else loss * (scale / self.micro_steps)).backward()
             loss_sum += loss.detach().float()
         return float(loss_sum)
 
@@ -113,13 +120,13 @@ class Trainer:
         schedule = build_schedule(L.schedule, L.pp, self.micro_steps, L.vpp)
         seq = t.seq_length // L.tp if L.sequence_parallel else t.seq_length
         p2p = P2P(self.groups.pp, self.groups.ledger, (seq, t.micro_batch_size, self.cfg.model.hidden_size),
-                  torch.float32, self.device.torch_device)
+                  self.param_dtype, self.device.torch_device)
         self.embedding_comm = self.groups.embedding_comm() if self.cfg.model.tie_embeddings else None
         if self.embedding_comm is not None and not self.plan.has_embedding:
             for s in self.grad_specs:  # the last stage's copy of a tied embedding: counted once, on stage 0
                 if s.param is self.model.embed.weight:
                     s.in_norm = False
-        # A stage's data-parallel reduction starts right after its last backward (dp is built later),
+        # A stage's data-parallel reduction starts right after its last backward,
         # except with a tied embedding, whose two copies' gradients are summed first (train_step).
         start = None if self.embedding_comm is not None else (lambda: self.dp.start())
         return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
@@ -132,6 +139,7 @@ class Trainer:
         if self.pipeline is None:
             loss_sum = self._forward_backward(batches)
         else:
+            self.pipeline.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
             with self.dp.no_sync():  # a stage's gradients are reduced after its last backward, in finish()
                 loss_sum = sum(self.pipeline.run(batches))
             if self.embedding_comm is not None:  # before the dp reduction, which may shard the gradient
@@ -139,11 +147,20 @@ class Trainer:
         self.dp.finish()
         self.dp.sync_tp(self.grad_specs)
         pp_comm = self.groups.comm("pp") if self.pipeline is not None else None
+        extra: dict[str, float] = {}
+        skip = False
+        if self.scaler is not None:  # fp16: unscale; an inf or nan on any rank skips the step
+            extra["loss_scale"] = self.scaler.scale
+            skip = self.scaler.update(self.dp.unscale(1.0 / self.scaler.scale, self.tp.comm, pp_comm))
+            extra["skipped_steps"] = self.scaler.skipped
         clip = self.cfg.optim.clip_grad
-        grad_norm = self.dp.clip(self.grad_specs, clip, self.tp.comm, pp_comm)
-        clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
         lr = self.schedule.apply(self.optimizer, self.step)
-        self.dp.step()
+        if skip:
+            grad_norm = clipped = float("nan")
+        else:
+            grad_norm = self.dp.clip(self.grad_specs, clip, self.tp.comm, pp_comm)
+            clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
+            self.dp.step()
         self.step += 1
         self.consumed_samples += t.global_batch_size
         loss_mean = torch.tensor(loss_sum / self.micro_steps, device=self.device.torch_device)
@@ -152,7 +169,7 @@ class Trainer:
         if self.layout.dp > 1:  # a metric, not training traffic: its own ledger kind
             self.metrics_comm.all_reduce(loss_mean)
             loss_mean /= self.layout.dp
-        return {"loss": float(loss_mean), "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr}
+        return {"loss": float(loss_mean), "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr, **extra}
 
     def fit(self) -> list[float]:
         """Train until train.steps (or train.stop_at); return the losses of the steps run here."""
@@ -245,10 +262,11 @@ class Trainer:
         t = self.cfg.train
         return {"step": self.step, "consumed_samples": self.consumed_samples, "wandb_run_id": self.wandb_run_id,
                 "data": {"paths": list(self.cfg.data.paths), "weights": self.cfg.data.weights,
-                         "seq_length": t.seq_length, "global_batch_size": t.global_batch_size, "seed": t.seed}}
+                         "seq_length": t.seq_length, "global_batch_size": t.global_batch_size, "seed": t.seed},
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def save(self) -> Path:
-        tensors = {**model_state(self.model), **self.dp.state_shards(self.model)}
+        tensors = {**self.dp.weight_shards(self.model), **self.dp.state_shards(self.model)}
         manifest = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
                     "trainer": self.trainer_state(), "world_size": self.layout.world_size,
                     "config": self.resolved_config}
@@ -264,7 +282,9 @@ class Trainer:
 
     def _load(self, path: str) -> None:
         finetune = self.cfg.checkpoint.finetune
-        manifest = load_checkpoint(path, self.model)
+        manifest = open_checkpoint(path)
+        self.dp.load_weights(manifest["path"], self.model)
+        manifest["loaded_optimizer"] = False
         if manifest.get("has_optimizer") and not finetune:
             self.dp.load_state(manifest["path"], self.model)
             manifest["loaded_optimizer"] = True
@@ -274,6 +294,8 @@ class Trainer:
         if not (finetune or not manifest["loaded_optimizer"] or state is None):
             self.step, self.consumed_samples = state["step"], state["consumed_samples"]
             self.wandb_run_id = state.get("wandb_run_id")
+            if self.scaler is not None and state.get("loss_scaler"):
+                self.scaler.load_state_dict(state["loss_scaler"])
         rng_file = Path(manifest["path"]) / "rng" / f"rank_{self.groups.rank:05d}.pt"
         same_layout = manifest.get("layout") == self.layout.to_dict()
         if self.step and same_layout and rng_file.is_file():

@@ -84,10 +84,10 @@ BAD_INPUTS = {
     "heads vs tp": (["parallel.tp=3"], ["num_attention_heads=4", "valid tp for this model: 1, 2, 4"]),
     "layers vs pp": (["model.num_layers=4", "parallel.pp=3"], ["num_layers=4", "valid pp: 1, 2, 4"]),
     "batch": (["train.global_batch_size=10", "train.micro_batch_size=4"], ["global_batch_size=10", "multiples of 4"]),
-    "not implemented": (["parallel.zero=3"], ["not implemented yet", "parallel.zero=0, 1, 2"]),
+    "not implemented": (["parallel.cp=2"], ["not implemented yet", "parallel.cp=1"]),
     "optimizer zero cannot wrap": (["parallel.zero=1", "optim.name=adafactor"],
                                    ["optim.name=adafactor cannot be wrapped", "valid with zero > 0: adamw, adam, sgd"]),
-    "fp16": (["train.precision=fp16"], ["not implemented yet"]),
+    "fp16": (["train.precision=fp16", "train.initial_loss_scale=0"], ["fp16 loss scaling needs"]),
     "unknown preset": (["model=llama-9000"], ["valid: gpt2"]),
 }
 

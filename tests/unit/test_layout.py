@@ -110,7 +110,6 @@ def test_enum_values():
 
 @pytest.mark.parametrize("layout,world,key", [
     (ParallelLayout(cp=2), 2, "cp"),
-    (ParallelLayout(zero=3), 1, "zero"),
 ])
 def test_unimplemented_features_are_rejected_not_ignored(layout, world, key):
     msg = _err(layout, world=world)
