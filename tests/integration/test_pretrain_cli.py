@@ -85,6 +85,8 @@ BAD_INPUTS = {
     "layers vs pp": (["model.num_layers=4", "parallel.pp=3"], ["num_layers=4", "valid pp: 1, 2, 4"]),
     "batch": (["train.global_batch_size=10", "train.micro_batch_size=4"], ["global_batch_size=10", "multiples of 4"]),
     "not implemented": (["parallel.cp=2"], ["not implemented yet", "parallel.cp=1"]),
+    "zero3 with pp": (["parallel.zero=3", "parallel.pp=2"], ["parallel.zero=3 cannot run with parallel.pp=2",
+                                                           "valid with pipeline parallelism: zero=0 or 1"]),
     "optimizer zero cannot wrap": (["parallel.zero=1", "optim.name=adafactor"],
                                    ["optim.name=adafactor cannot be wrapped", "valid with zero > 0: adamw, adam, sgd"]),
     "fp16": (["train.precision=fp16", "train.initial_loss_scale=0"], ["fp16 loss scaling needs"]),
