@@ -31,6 +31,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed reduce_scatter_tensor (deprecated, warns on every call); older torch, as GPU
+# users may install, only has the old name.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommLedger:
     """Bytes moved by this rank, per collective kind; the trainer reads and resets it every step."""
@@ -87,7 +91,7 @@ class Comm:
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((src.shape[0] // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
         self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
-        dist.reduce_scatter_tensor(out, src, group=self.group)
+        _reduce_scatter(out, src, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
@@ -96,7 +100,7 @@ class Comm:
             out.copy_(src)
             return None
         self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
-        return dist.reduce_scatter_tensor(out, src, group=self.group, async_op=async_op)
+        return _reduce_scatter(out, src, group=self.group, async_op=async_op)
 
     def all_gather_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """Every rank's flat ``src`` concatenated into ``out`` (ZeRO's parameter shards)."""
