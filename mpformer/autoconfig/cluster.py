@@ -1,0 +1,92 @@
+"""Clusters the auto-configurator plans for: devices, peak rates, memory, links.
+
+A cluster is a preset in configs/cluster/NAME.yaml (vendor data-sheet numbers; local-cpu from a
+measured profile) with the node count chosen per search. Bandwidths are bytes/s per device per
+direction: intra-node (NVLink, or loopback for local-cpu) and inter-node (one NIC per GPU).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from mpformer.errors import ConfigError, format_choices
+
+CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    devices_per_node: int
+    nodes: int
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s per device
+    memory_gb: float
+    memory_bandwidth: float  # bytes/s
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    cores: int | None = None  # local-cpu: processes share this many cores
+    profile: str | None = None  # a measured profile (profile.py) next to the preset
+    measured: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ConfigError(f"cluster {self.name} has no peak rate for {dtype}; valid: "
+                              f"{format_choices(sorted(self.peak_flops))}")
+        return self.peak_flops[dtype]
+
+    def link(self, group_span_nodes: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of a collective's slowest hop: inter-node when the group spans nodes."""
+        if group_span_nodes:
+            return self.inter_bandwidth, self.inter_latency
+        return self.intra_bandwidth, self.intra_latency
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        if nodes < 1:
+            raise ConfigError(f"cluster nodes={nodes} must be >= 1")
+        return replace(self, nodes=nodes)
+
+
+def cluster_names() -> list[str]:
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+
+
+def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
+    """A preset by name (configs/cluster/NAME.yaml) or a YAML path; ``nodes`` overrides the preset's."""
+    from omegaconf import OmegaConf
+
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CLUSTER_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown cluster {name_or_path!r}; valid: {format_choices(cluster_names())} "
+                          "(or a path to a cluster YAML)")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert isinstance(raw, dict)
+    known = {f.name for f in fields(Cluster)} - {"measured"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"cluster file {path}: unknown keys {unknown}; valid: {format_choices(sorted(known))}")
+    missing = sorted(k for k in known - set(raw) if k not in ("cores", "profile"))
+    if missing:
+        raise ConfigError(f"cluster file {path} lacks {missing}")
+    measured: dict[str, Any] = {}
+    if raw.get("profile"):
+        prof = path.parent / str(raw["profile"])
+        if prof.is_file():
+            measured = json.loads(prof.read_text())
+            raw.update({k: v for k, v in measured.get("cluster", {}).items() if k in known})
+    cluster = Cluster(**{k: v for k, v in raw.items()}, measured=measured)
+    return cluster.with_nodes(nodes) if nodes is not None else cluster

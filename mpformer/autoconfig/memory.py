@@ -1,0 +1,137 @@
+"""Memory per device of a plan, per pipeline stage: model state, activations, transients, overhead.
+
+    model state   the ZeRO table (formulas.md) for the parameters this rank holds: its stage's layers
+                  cut by tp (blocks tp replicates - norm gains, kv heads when tp > kv heads - counted
+                  whole), the embedding on the first stage, the LM head (or the tied embedding's
+                  copy) on the last; bytes per parameter from the precision (16-bit: fp32 main
+                  gradients and masters, as mpformer keeps them)
+    activations   Korthikanti et al.'s bytes per layer for 16-bit activations (x2 for fp32), with
+                  tp / sp / cp and the recompute mode, times the layers of one pipeline chunk, times
+                  the chunks in flight that the chosen schedule really keeps on this rank (verified
+                  from the schedule's own action lists), plus the first stage's embedding output and
+                  the last stage's fp32 logits and their gradient
+    transients    ZeRO-2: one bucket of fp32 gradients in flight; ZeRO-3: two gathered layers and
+                  their fp32 gradients
+    overhead      a fixed runtime context (CUDA context and workspaces) and a fragmentation factor
+                  on everything else (``ALLOCATOR_FACTOR``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from mpformer.models.config import ModelConfig
+from mpformer.optim.memory import zero_formula_bytes
+from mpformer.parallel.layout import ParallelLayout
+
+ALLOCATOR_FACTOR = 1.08  # caching-allocator fragmentation on top of the live tensors
+RUNTIME_BYTES = {"cuda": 1.5e9, "cpu": 0.4e9}  # CUDA context + cuBLAS/NCCL workspaces; torch on CPU
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step computes: the global batch, the sequence, the precision."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    seq_length: int
+    precision: str = "bf16"
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    params: int  # parameters this rank holds (before ZeRO sharding)
+    model_state: float
+    activations: float
+    transients: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations + self.transients + self.overhead
+
+
+def layer_params_per_rank(m: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank."""
+    h, d, f = m.hidden_size, m.head_size, m.ffn_size
+    q = m.num_attention_heads * d // tp
+    kv = max(m.kv_heads // tp, 1) * d  # kv heads replicate when tp exceeds them
+    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if m.attention_bias else 0) + (h if m.out_proj_bias else 0)
+    mlp = (3 if m.gated_mlp else 2) * h * f // tp + (((2 * f if m.gated_mlp else f) // tp + h) if m.mlp_bias else 0)
+    norms = 2 * (2 if m.norm_bias else 1) * h
+    return attn + mlp + norms
+
+
+def stage_params(m: ModelConfig, L: ParallelLayout, stage_layers: int, first: bool, last: bool) -> int:
+    vocab = -(-m.vocab_size // L.tp) * m.hidden_size
+    n = stage_layers * layer_params_per_rank(m, L.tp)
+    if first:
+        n += vocab + (m.max_position_embeddings * m.hidden_size if m.learned_positions else 0)
+    if last:
+        n += (2 if m.norm_bias else 1) * m.hidden_size
+        if not m.tie_embeddings or not first:
+            n += vocab  # the untied head, or the last stage's copy of a tied embedding
+    return n
+
+
+def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
+    """Korthikanti et al. Table 2 (16-bit activations and 1-byte dropout masks), scaled for fp32."""
+    s, b, h, a, t = w.seq_length // L.cp, w.micro_batch_size, m.hidden_size, m.num_attention_heads, L.tp
+    if L.recompute == "full":
+        per = 2.0  # the layer input only
+    elif L.sequence_parallel:
+        per = 34.0 / t
+    else:
+        per = 10.0 + 24.0 / t
+    if L.recompute == "none":
+        per += 5.0 * a * s / (h * t)  # attention scores, softmax and its dropout mask (s^2 per head)
+    return s * b * h * per * BYTES[w.precision] / 2
+
+
+@lru_cache(maxsize=4096)
+def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...]:
+    """Peak (micro-batch, chunk) activations each rank holds under the schedule (verify.py)."""
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.verify import verify
+
+    if pp == 1:
+        return (1,)
+    return tuple(verify(build_schedule(schedule, pp, microbatches, vpp)).peak_inflight)
+
+
+def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str = "cuda",
+                bucket_mb: float = 25.0) -> list[StageMemory]:
+    """Per pipeline rank (pp entries): the bytes one device of that stage needs."""
+    wb = BYTES[w.precision]
+    g, master = 4, (4 if wb < 4 else 0)
+    micro = w.global_batch_size // (w.micro_batch_size * L.dp)
+    peaks = inflight(L.schedule, L.pp, micro, L.vpp) if L.pp > 1 else (1,)
+    stages = L.pp * L.vpp
+    counts = [m.num_layers // stages + (1 if i < m.num_layers % stages else 0) for i in range(stages)]
+    act_layer = activation_bytes_per_layer(m, L, w)
+    s, b = w.seq_length // L.cp, w.micro_batch_size
+    out = []
+    for r in range(L.pp):
+        layers = sum(counts[c * L.pp + r] for c in range(L.vpp))
+        first, last = r == 0, r == L.pp - 1
+        n = stage_params(m, L, layers, first, last)
+        state = zero_formula_bytes(L.zero, n, L.dp, w=wb, g=g, m=master, k=8)
+        chunk_layers = layers / L.vpp
+        act = peaks[r] * chunk_layers * act_layer
+        if L.recompute == "full":  # one layer's activations live again while it is recomputed
+            act += activation_bytes_per_layer(m, replace(L, recompute="selective"), w)
+        seq_rank = s // L.tp if L.sequence_parallel else s
+        if first:
+            act += peaks[r] * seq_rank * b * m.hidden_size * wb
+        if last:  # fp32 logits of this rank's vocabulary block and their gradient
+            act += 2 * s * b * (-(-m.vocab_size // L.tp)) * 4
+        transient = 0.0
+        if L.zero == 2:
+            transient = min(bucket_mb * 2**20, n * 4)
+        elif L.zero == 3:
+            transient = 2 * layer_params_per_rank(m, L.tp) * (wb + 4)
+        live = state + act + transient
+        out.append(StageMemory(n, state, act, transient, (ALLOCATOR_FACTOR - 1) * live + RUNTIME_BYTES[device]))
+    return out

@@ -1,0 +1,74 @@
+"""The auto-configurator's memory model against formulas.md and the runtime's own parameter counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpformer.autoconfig.cluster import cluster_names, load_cluster
+from mpformer.autoconfig.memory import Workload, activation_bytes_per_layer, inflight, plan_memory, stage_params
+from mpformer.errors import ConfigError
+from mpformer.models.config import ModelConfig
+from mpformer.optim.memory import zero_formula_bytes
+from mpformer.parallel.layout import ParallelLayout
+
+LLAMA = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
+                    ffn_hidden_size=704, vocab_size=8192)
+
+
+def test_zero_table_published_check_values():
+    """formulas.md: Psi = 7.5B, N_d = 64, 2 + 2 + K(12) bytes -> 120 / 31.4 / 16.6 / 1.9 GB."""
+    got = [zero_formula_bytes(z, 7.5e9, 64, w=2, g=2, m=4, k=8) / 1e9 for z in range(4)]
+    assert got == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.06)
+
+
+def test_parameters_on_one_rank_equal_the_model_count():
+    L = ParallelLayout(dp=1)
+    assert stage_params(LLAMA, L, 8, first=True, last=True) == LLAMA.num_params()
+    tied = ModelConfig(**{**LLAMA.to_dict(), "tie_embeddings": True})
+    assert stage_params(tied, L, 8, first=True, last=True) == tied.num_params()
+    # pp=2: the stages split the layers; a tied embedding has a copy on each end stage
+    pp = ParallelLayout(dp=1, pp=2)
+    assert stage_params(tied, pp, 4, True, False) + stage_params(tied, pp, 4, False, True) == \
+        tied.num_params() + tied.vocab_size * tied.hidden_size
+
+
+def test_activation_bytes_follow_korthikanti():
+    s, b, h, a = 2048, 1, 12288, 96
+    m = ModelConfig(arch="gpt2", num_layers=2, hidden_size=h, num_attention_heads=a, vocab_size=51200,
+                    activation="gelu_tanh", attention_bias=True, mlp_bias=True, max_position_embeddings=s)
+    w = Workload(1, b, s, "bf16")
+    base = s * b * h
+    assert activation_bytes_per_layer(m, ParallelLayout(), w) == pytest.approx(base * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(m, ParallelLayout(tp=8), w) == pytest.approx(
+        base * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+    assert activation_bytes_per_layer(m, ParallelLayout(tp=8, sequence_parallel=True, recompute="selective"),
+                                      w) == pytest.approx(base * 34 / 8)
+    assert activation_bytes_per_layer(m, ParallelLayout(recompute="full"), w) == pytest.approx(2 * base)
+    assert activation_bytes_per_layer(m, ParallelLayout(recompute="full"), Workload(1, b, s, "fp32")) == \
+        pytest.approx(4 * base)
+
+
+def test_inflight_comes_from_the_schedule():
+    assert inflight("1f1b", 4, 8, 1) == (4, 3, 2, 1)
+    assert inflight("gpipe", 4, 8, 1)[0] == 8
+    assert max(inflight("zb-h2", 4, 16, 1)) <= 2 * 4 - 1
+
+
+def test_plan_memory_per_stage():
+    w = Workload(global_batch_size=16, micro_batch_size=1, seq_length=256, precision="bf16")
+    one = plan_memory(LLAMA, ParallelLayout(dp=1), w)
+    assert len(one) == 1 and one[0].params == LLAMA.num_params()
+    assert one[0].model_state == zero_formula_bytes(0, LLAMA.num_params(), 1, w=2, g=4, m=4, k=8)
+    z3 = plan_memory(LLAMA, ParallelLayout(dp=8, zero=3), w)[0]
+    assert z3.model_state == pytest.approx(18 * LLAMA.num_params() / 8)
+    stages = plan_memory(LLAMA, ParallelLayout(dp=1, pp=4), w)
+    assert stages[0].activations > stages[2].activations  # 1F1B: the first stage holds p micro-batches
+    assert stages[3].params > stages[1].params  # the LM head
+
+
+def test_clusters():
+    assert {"dgx-a100-80gb", "dgx-h100", "h200-node", "local-cpu"} <= set(cluster_names())
+    c = load_cluster("dgx-h100", nodes=512)
+    assert c.world_size == 4096 and c.peak("bf16") == 989e12 and c.memory_bytes == 80e9
+    with pytest.raises(ConfigError, match="unknown cluster 'dgx-z'; valid: dgx-a100-80gb"):
+        load_cluster("dgx-z")
