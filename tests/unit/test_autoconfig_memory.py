@@ -72,3 +72,16 @@ def test_clusters():
     assert c.world_size == 4096 and c.peak("bf16") == 989e12 and c.memory_bytes == 80e9
     with pytest.raises(ConfigError, match="unknown cluster 'dgx-z'; valid: dgx-a100-80gb"):
         load_cluster("dgx-z")
+
+
+def test_alpha_beta_fit_recovers_a_link():
+    from mpformer.autoconfig.profile import fit_alpha_beta, summarise
+
+    pts = [(x, 2e-5 + x / 5e9) for x in (4e3, 6.4e4, 1e6, 1.6e7)]
+    alpha, beta = fit_alpha_beta(pts)
+    assert alpha == pytest.approx(2e-5, rel=1e-6) and beta == pytest.approx(5e9, rel=1e-6)
+    coll = [{"op": "all_reduce", "ranks": 2, "bus_bytes": x, "seconds": t} for x, t in pts]
+    mm = [{"dtype": "fp32", "m": 8, "n": 8, "k": 8, "flops_per_s": 3e10}]
+    out = summarise(mm, coll)
+    assert out["cluster"]["peak_flops"] == {"fp32": 3e10}
+    assert out["cluster"]["intra_bandwidth"] == pytest.approx(5e9, rel=1e-6)
