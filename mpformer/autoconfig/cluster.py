@@ -14,8 +14,6 @@ from typing import Any
 
 from mpformer.errors import ConfigError, format_choices
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
-
 
 @dataclass(frozen=True)
 class Cluster:
@@ -59,8 +57,14 @@ class Cluster:
         return replace(self, nodes=nodes)
 
 
+def cluster_dir() -> Path:
+    from mpformer.cli.compose import config_dir
+
+    return config_dir() / "cluster"
+
+
 def cluster_names() -> list[str]:
-    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in cluster_dir().glob("*.yaml"))
 
 
 def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
@@ -69,7 +73,7 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
 
     path = Path(name_or_path)
     if not path.suffix:
-        path = CLUSTER_DIR / f"{name_or_path}.yaml"
+        path = cluster_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown cluster {name_or_path!r}; valid: {format_choices(cluster_names())} "
                           "(or a path to a cluster YAML)")

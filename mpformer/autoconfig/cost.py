@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout
+from mpformer.pipeline.actions import Schedule
 
 # Fraction of the data-sheet peak a large, well-shaped 16-bit GEMM reaches (cuBLAS on A100/H100
 # class parts), and the GEMM size (FLOPs) at which half of that is reached: small GEMMs are
@@ -107,9 +109,15 @@ def head_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> flo
     return 3 * _gemm_time(c, dt, tokens, -(-m.vocab_size // L.tp), m.hidden_size)  # forward + 2 backward
 
 
+@lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
+    from mpformer.pipeline.schedules import build_schedule
+
+    return build_schedule(name, pp, microbatches, vpp)
+
+
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
                    params_per_rank: int, simulate_pipeline: bool = True) -> Breakdown:
-    from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.simulate import Costs, simulate
 
     out = Breakdown()
@@ -131,7 +139,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     p2p = latp + boundary / bwp if L.pp > 1 else 0.0
     compute_per_micro = sum(fs) + sum(bs) + sum(ws)
     if L.pp > 1 and simulate_pipeline:
-        sim = simulate(build_schedule(L.schedule, L.pp, micro, L.vpp), Costs(f=fs, b=bs, w=ws, p2p=p2p))
+        sim = simulate(_schedule(L.schedule, L.pp, micro, L.vpp), Costs(f=fs, b=bs, w=ws, p2p=p2p))
         pipe = sim.step_time
     else:  # closed form: (m + p - 1) slots of a stage's work, interleaving shrinks the fill by vpp
         stage_work = (sum(fs) + sum(bs) + sum(ws)) / L.pp

@@ -90,14 +90,28 @@ def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -
     return s * b * h * per * BYTES[w.precision] / 2
 
 
+def inflight_closed_form(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...] | None:
+    """Peak in-flight (micro-batch, chunk) units per rank for m >= 2p, where every schedule has reached
+    its steady state (tests/unit/test_autoconfig_memory.py checks these against verify()); None otherwise."""
+    p, m, v = pp, microbatches, vpp
+    if m < 2 * p:
+        return None
+    return {"1f1b": tuple(p - r for r in range(p)), "gpipe": (m,) * p, "zb-h1": (p,) * p,
+            "zb-h2": (2 * p - 1,) * p, "interleaved": tuple(v * p - r for r in range(p))}.get(schedule)
+
+
 @lru_cache(maxsize=4096)
 def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...]:
-    """Peak (micro-batch, chunk) activations each rank holds under the schedule (verify.py)."""
+    """Peak (micro-batch, chunk) activations each rank holds under the schedule: the closed form in
+    the steady state, else verify.py on the schedule's own action lists."""
     from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.verify import verify
 
     if pp == 1:
         return (1,)
+    closed = inflight_closed_form(schedule, pp, microbatches, vpp)
+    if closed is not None:
+        return closed
     return tuple(verify(build_schedule(schedule, pp, microbatches, vpp)).peak_inflight)
 
 

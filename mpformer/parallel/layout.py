@@ -203,14 +203,15 @@ def _check_schedule(L: ParallelLayout, microbatches: int) -> None:
 
 def validate(layout: ParallelLayout, model: ModelConfig, world_size: int, *,
              global_batch_size: int | None = None, micro_batch_size: int | None = None,
-             seq_length: int | None = None) -> ParallelLayout:
-    """Check every rule; return the layout with dp resolved. Raises ConfigError (one line)."""
+             seq_length: int | None = None, check_implemented: bool = True) -> ParallelLayout:
+    """Check every rule; return the layout with dp resolved. Raises ConfigError (one line).
+    ``check_implemented=False`` lets the cost model reason about layouts the runtime cannot run yet."""
     model.validate()
     _check_values(layout)
     _check_model(layout, model, seq_length)
     _check_zero(layout)
     for pred, key, what, valid in NOT_IMPLEMENTED:  # before the world size: the more useful message
-        if pred(layout):
+        if check_implemented and pred(layout):
             raise ConfigError(f"parallel.{key}={getattr(layout, key)}: {what} is not implemented yet; "
                               f"valid: parallel.{key}={valid}")
     resolved = _resolve_dp(layout, world_size)

@@ -48,6 +48,18 @@ def test_activation_bytes_follow_korthikanti():
         pytest.approx(4 * base)
 
 
+def test_inflight_closed_forms_equal_the_verifier():
+    from mpformer.autoconfig.memory import inflight_closed_form
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.verify import verify
+
+    for name, vpp in [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved", 3)]:
+        for p in (2, 3, 4, 6, 8):
+            for m in (2 * p, 3 * p, 4 * p + (0 if name == "interleaved" else 1)):
+                want = tuple(verify(build_schedule(name, p, m, vpp)).peak_inflight)
+                assert inflight_closed_form(name, p, m, vpp) == want, (name, p, m, vpp)
+
+
 def test_inflight_comes_from_the_schedule():
     assert inflight("1f1b", 4, 8, 1) == (4, 3, 2, 1)
     assert inflight("gpipe", 4, 8, 1)[0] == 8

@@ -1,0 +1,151 @@
+"""Search the parallel layout: enumerate, reject with the runtime's own validate(), then by memory,
+rank by predicted iteration time; return the top plans with breakdowns and why the rest failed.
+
+Enumerated: tp (up to a node), pp, dp (what the world leaves), vpp and schedule, micro-batch size,
+ZeRO stage, recompute, sequence parallelism (always on with tp > 1: same traffic, less memory),
+cp when pinned. Any field can be pinned (``fixed``). Ranking uses the pipeline's closed form
+(bubble (p-1)/(v m + p-1) of each stage's work); the best ``resimulate`` plans are then re-timed
+with simulate.py on their actual schedules and re-ranked.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mpformer.autoconfig.cluster import Cluster
+from mpformer.autoconfig.cost import Breakdown, iteration_time
+from mpformer.autoconfig.memory import Workload, plan_memory
+from mpformer.errors import ConfigError
+from mpformer.models.config import ModelConfig, divisors
+from mpformer.parallel.layout import ParallelLayout, validate
+
+PLAN_FIELDS = ("dp", "tp", "pp", "cp", "cp_kind", "vpp", "micro_batch_size", "zero", "recompute", "schedule",
+               "sequence_parallel")
+
+
+@dataclass
+class Candidate:
+    layout: ParallelLayout
+    micro_batch_size: int
+    memory_bytes: float
+    time: Breakdown
+
+    def plan(self) -> dict[str, Any]:
+        L = self.layout
+        return {"dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "cp_kind": L.cp_kind, "vpp": L.vpp,
+                "micro_batch_size": self.micro_batch_size, "zero": L.zero, "recompute": L.recompute,
+                "schedule": L.schedule, "sequence_parallel": L.sequence_parallel}
+
+
+@dataclass
+class SearchResult:
+    top: list[Candidate]
+    feasible: list[Candidate]
+    rejected: dict[str, dict[str, Any]] = field(default_factory=dict)  # class -> {"count", "example"}
+    smallest: Candidate | None = None  # the least memory among valid plans (when none fits)
+    evaluated: int = 0
+    seconds: float = 0.0
+
+
+def _reject(result: SearchResult, cls: str, why: str) -> None:
+    r = result.rejected.setdefault(cls, {"count": 0, "example": why})
+    r["count"] += 1
+
+
+def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: dict[str, Any] | None = None,
+           top_k: int = 5, resimulate: int | None = None, device: str = "cuda") -> SearchResult:
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(PLAN_FIELDS))
+    if unknown:
+        raise ConfigError(f"autoconfig.fixed has unknown fields {unknown}; valid: {', '.join(PLAN_FIELDS)}")
+    t0 = time.perf_counter()
+    world, gbs = cluster.world_size, workload.global_batch_size
+    result = SearchResult([], [])
+
+    def options(name: str, values: list) -> list:
+        return [fixed[name]] if name in fixed else values
+
+    tps = options("tp", [t for t in divisors(cluster.devices_per_node) if model.num_attention_heads % t == 0])
+    cps = options("cp", [1])
+    for tp in tps:
+        for cp in cps:
+            for pp in options("pp", [p for p in divisors(model.num_layers) if world % (tp * cp * p) == 0]):
+                dp = world // (tp * cp * pp)
+                if tp * cp * pp * dp != world or ("dp" in fixed and fixed["dp"] != dp):
+                    _reject(result, "world size", f"tp={tp} cp={cp} pp={pp} leave dp={dp} of {world} devices")
+                    continue
+                _structure(model, cluster, workload, result, fixed, tp, cp, pp, dp, gbs, options, device)
+    result.feasible.sort(key=lambda c: c.time.iteration_s)
+    best = result.feasible[:resimulate if resimulate is not None else top_k + 2]
+    for c in best:  # the pipeline timeline of the actual schedule
+        c.time = _retime(model, c, workload, cluster)
+    best.sort(key=lambda c: c.time.iteration_s)
+    result.top = best[:top_k]
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _retime(model: ModelConfig, c: Candidate, w: Workload, cluster: Cluster) -> Breakdown:
+    params = c.time.extra["params"]
+    b = iteration_time(model, c.layout, _with_mbs(w, c.micro_batch_size), cluster, params_per_rank=params,
+                       simulate_pipeline=True)
+    b.extra["params"] = params
+    return b
+
+
+def _with_mbs(w: Workload, mbs: int) -> Workload:
+    return Workload(w.global_batch_size, mbs, w.seq_length, w.precision)
+
+
+def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, fixed: dict, tp: int,
+               cp: int, pp: int, dp: int, gbs: int, options, device: str) -> None:
+    per_dp = gbs // dp if gbs % dp == 0 else 0
+    if not per_dp:
+        _reject(result, "batch", f"global batch {gbs} does not split over dp={dp}")
+        return
+    schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2"]
+    for schedule in options("schedule", schedules):
+        vpps = [1] if schedule != "interleaved" else [v for v in (2, 3, 4) if model.num_layers % (pp * v) == 0]
+        for vpp in options("vpp", vpps):
+            for mbs in options("micro_batch_size", [b for b in (1, 2, 4, 8) if per_dp % b == 0]):
+                for sp in options("sequence_parallel", [tp > 1]):
+                    for zero in options("zero", [0, 1, 2, 3] if pp == 1 else [0, 1]):
+                        _recompute_choice(model, cluster, w, result, fixed, options, device,
+                                          ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, vpp=vpp, schedule=schedule,
+                                                         sequence_parallel=sp, zero=zero), mbs)
+
+
+def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, fixed: dict,
+                      options, device: str, base: ParallelLayout, mbs: int) -> None:
+    """The cheapest recompute mode that fits (none < selective < full in time), unless pinned."""
+    ww = _with_mbs(w, mbs)
+    for rec in options("recompute", ["none", "selective", "full"]):
+        L = ParallelLayout(**{**asdict(base), "recompute": rec})
+        result.evaluated += 1
+        try:
+            # A pinned cp > 1 is modelled although the runtime cannot run it yet (published layouts).
+            validate(L, model, cluster.world_size, global_batch_size=w.global_batch_size, micro_batch_size=mbs,
+                     seq_length=w.seq_length, check_implemented=fixed.get("cp", 1) == 1)
+        except ConfigError as e:
+            _reject(result, "invalid layout", str(e))
+            return
+        stages = plan_memory(model, L, ww, device=device)
+        need = max(s.total for s in stages)
+        params = max(s.params for s in stages)
+        if need > cluster.memory_bytes:
+            cand = Candidate(L, mbs, need, Breakdown(extra={"params": params}))
+            if result.smallest is None or need < result.smallest.memory_bytes:
+                result.smallest = cand
+            _reject(result, "out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
+            continue
+        b = iteration_time(model, L, ww, cluster, params_per_rank=params, simulate_pipeline=False)
+        b.extra["params"] = params
+        result.feasible.append(Candidate(L, mbs, need, b))
+        return
+
+
+def _short(L: ParallelLayout, mbs: int) -> str:
+    return (f"dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} vpp={L.vpp} {L.schedule} mbs={mbs} zero={L.zero} "
+            f"recompute={L.recompute}" + (" sp" if L.sequence_parallel else ""))

@@ -1,0 +1,171 @@
+"""``mpformer-autoconfig`` / ``tools/autoconfig.py``: the fastest layout that fits, and why.
+
+    tools/autoconfig.py model=llama3-8b cluster=dgx-h100 autoconfig.nodes=4 train.global_batch_size=512 \\
+        train.seq_length=4096 [train.precision=bf16] [autoconfig.fixed.tp=8 ...] [autoconfig.top_k=5] \\
+        [autoconfig.output=plan.json] [autoconfig.plot=plans.png]
+
+``model=`` and ``train.*`` are the pretraining config's own keys (composed and checked the same way);
+``cluster=`` names a preset in configs/cluster/; ``autoconfig.*`` are this tool's. The output JSON
+(``autoconfig.output``) has ``plan``, ``predicted``, ``top``, ``candidates_evaluated`` and
+``search_time_s``; next to it ``<stem>.parallel.yaml`` holds the plan as a Hydra parallel config and
+the overrides line to pass to pretrain is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mpformer.cli import user_errors_to_exit
+from mpformer.errors import ConfigError
+
+KEYS = ("nodes", "output", "top_k", "plot")
+
+
+def _parse(argv: Sequence[str]) -> tuple[list[str], str, dict[str, Any], dict[str, Any]]:
+    passthrough, cluster, opts, fixed = [], "local-cpu", {}, {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ConfigError(f"argument {arg!r} is not key=value")
+        if key == "cluster":
+            cluster = value
+        elif key.startswith("autoconfig.fixed."):
+            fixed[key[len("autoconfig.fixed."):]] = _value(value)
+        elif key.startswith("autoconfig."):
+            name = key[len("autoconfig."):]
+            if name not in KEYS:
+                raise ConfigError(f"unknown key {key}; valid: {', '.join('autoconfig.' + k for k in KEYS)}, "
+                                  "autoconfig.fixed.<plan field>")
+            opts[name] = _value(value)
+        else:
+            passthrough.append(arg)
+    return passthrough, cluster, opts, fixed
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def model_flops_per_step(model, global_batch: int, seq: int) -> float:
+    """6 N T for the weights' GEMMs (embedding lookups excluded) plus attention's 12 L s d_q T."""
+    n = model.num_params() - (0 if model.tie_embeddings else model.vocab_size * model.hidden_size)
+    if model.learned_positions:
+        n -= model.max_position_embeddings * model.hidden_size
+    tokens = global_batch * seq
+    return 6.0 * n * tokens + 12.0 * model.num_layers * seq * model.num_attention_heads * model.head_size * tokens
+
+
+def _predicted(c, model, world: int, w) -> dict[str, Any]:
+    t = c.time.iteration_s
+    return {"iteration_time_s": t, "memory_gb_per_device": c.memory_bytes / 1e9,
+            "model_tflops_per_device": model_flops_per_step(model, w.global_batch_size, w.seq_length) / t / world
+            / 1e12, "breakdown": {k: v for k, v in c.time.to_dict().items() if k != "params"}}
+
+
+@user_errors_to_exit
+def main(argv: Sequence[str] | None = None) -> int:
+    from mpformer.autoconfig.cluster import load_cluster
+    from mpformer.autoconfig.memory import Workload
+    from mpformer.autoconfig.search import search
+    from mpformer.cli.compose import compose_config
+
+    passthrough, cluster_name, opts, fixed = _parse(sys.argv[1:] if argv is None else argv)
+    cfg = compose_config(passthrough).cfg
+    cfg.model.validate()
+    t = cfg.train
+    cluster = load_cluster(cluster_name, opts.get("nodes"))
+    w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision)
+    device = "cpu" if cluster.name == "local-cpu" else "cuda"
+    res = search(cfg.model, cluster, w, fixed=fixed, top_k=int(opts.get("top_k", 5)), device=device)
+    if not res.top:
+        if res.smallest is not None:
+            s = res.smallest
+            raise ConfigError(f"no layout fits {cluster.name} x {cluster.nodes} node(s) ({cluster.memory_gb:g} GB per "
+                              f"device): the smallest need is {s.memory_bytes / 1e9:.1f} GB per device, with "
+                              f"{_overrides(s)}")
+        why = "; ".join(f"{k}: {v['count']} (e.g. {v['example']})" for k, v in res.rejected.items())
+        raise ConfigError(f"no valid layout for {cluster.world_size} devices: {why}")
+    _print(res, cfg.model, cluster, w)
+    best = res.top[0]
+    payload = {"plan": best.plan(), "predicted": _predicted(best, cfg.model, cluster.world_size, w),
+               "top": [{"plan": c.plan(), "predicted": _predicted(c, cfg.model, cluster.world_size, w)}
+                       for c in res.top],
+               "candidates_evaluated": res.evaluated, "search_time_s": res.seconds,
+               "rejected": res.rejected, "cluster": cluster.name, "nodes": cluster.nodes}
+    print(f"pretrain with: {_overrides(best)}")
+    if opts.get("output"):
+        out = Path(str(opts["output"]))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=1))
+        yaml = out.with_suffix("").with_suffix(".parallel.yaml") if out.suffix else Path(f"{out}.parallel.yaml")
+        plan = {k: v for k, v in best.plan().items() if k != "micro_batch_size"}
+        yaml.write_text("# written by tools/autoconfig.py; train.micro_batch_size=" f"{best.micro_batch_size}\n"
+                        + "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in plan.items()))
+        print(f"wrote {out} and {yaml}")
+    if opts.get("plot"):
+        _plot(res, Path(str(opts["plot"])))
+    return 0
+
+
+def _overrides(c) -> str:
+    p = c.plan()
+    parts = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in p.items()
+             if k != "micro_batch_size"]
+    return " ".join([*parts, f"train.micro_batch_size={p['micro_batch_size']}"])
+
+
+def _print(res, model, cluster, w) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(res.feasible)} feasible of {res.evaluated} evaluated on {cluster.name} x "
+                        f"{cluster.nodes} ({res.seconds:.1f} s)")
+    for col in ("dp", "tp", "pp", "cp", "vpp", "schedule", "mbs", "zero", "recompute", "sp", "iter s", "GB/dev",
+                "TFLOP/s/dev", "compute", "tp comm", "bubble", "dp comm"):
+        table.add_column(col, justify="right")
+    for c in res.top:
+        p, b = c.plan(), c.time
+        pred = _predicted(c, model, cluster.world_size, w)
+        table.add_row(*map(str, (p["dp"], p["tp"], p["pp"], p["cp"], p["vpp"], p["schedule"], p["micro_batch_size"],
+                                 p["zero"], p["recompute"], "y" if p["sequence_parallel"] else "n")),
+                      f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}", f"{pred['model_tflops_per_device']:.0f}",
+                      f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}", f"{b.dp_comm_exposed_s:.3g}")
+    Console(width=max(160, Console().width)).print(table)
+    for cls, r in res.rejected.items():
+        print(f"rejected {r['count']} as {cls}, e.g. {r['example']}")
+
+
+def _plot(res, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([c.memory_bytes / 1e9 for c in res.feasible], [c.time.iteration_s for c in res.feasible], s=8,
+               alpha=0.6, label="feasible plans")
+    best = res.top[0]
+    ax.scatter([best.memory_bytes / 1e9], [best.time.iteration_s], color="red", s=30, label="chosen")
+    ax.set_xlabel("memory per device (GB)")
+    ax.set_ylabel("predicted iteration time (s)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
