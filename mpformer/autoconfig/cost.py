@@ -21,7 +21,7 @@ runs at the inter-node link's rate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from mpformer.autoconfig.cluster import Cluster
@@ -29,6 +29,7 @@ from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_lay
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout
 from mpformer.pipeline.actions import Schedule
+from mpformer.pipeline.stage import stage_counts
 
 # Fraction of the data-sheet peak a large, well-shaped 16-bit GEMM reaches (cuBLAS on A100/H100
 # class parts), and the GEMM size (FLOPs) at which half of that is reached: small GEMMs are
@@ -85,9 +86,12 @@ def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> t
     ffn_in = (2 if m.gated_mlp else 1) * m.ffn_size // t
     gemms = [(tokens, q + 2 * kv, h), (tokens, h, q), (tokens, ffn_in, h), (tokens, h, m.ffn_size // t)]
     heads = m.num_attention_heads // t
-    attn = 2 * _gemm_time(c, dt, s * L.cp, s, d, batch=b * heads) / L.cp  # QK^T and AV over the local queries
+    attn = 2 * _gemm_time(c, dt, s, s * L.cp, d, batch=b * heads)  # QK^T and AV: local queries, all keys
     f_gemm = sum(_gemm_time(c, dt, *g) for g in gemms)
-    elementwise = ELEMENTWISE_PASSES * activation_bytes_per_layer(m, L, w) / c.memory_bandwidth
+    elementwise = ELEMENTWISE_PASSES * activation_bytes_per_layer(m, replace(L, recompute="selective"), w)
+    if not w.flash_attention:  # scores written, scale-mask-softmax read/write, dropout and its mask
+        elementwise += 9.0 * heads * s * s * L.cp * b / L.cp * BYTES[w.precision] / 2
+    elementwise /= c.memory_bandwidth
     f = f_gemm + attn + elementwise
     bi = f_gemm + 2 * attn + 2 * elementwise  # input gradients: one GEMM each, attention's two
     bw_ = f_gemm  # weight gradients: one GEMM each
@@ -99,7 +103,12 @@ def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> t
     act = tokens * h * BYTES[w.precision]
     kinds = ("all_gather", "reduce_scatter") if L.sequence_parallel else ("all_reduce", None)
     per = sum(_collective(c, k, act, t, spans) for k in kinds if k)  # one AR, or one AG + one RS
-    tp_comm = 4 * per  # two such points in forward, two in backward
+    tp_comm = (6 if L.recompute == "full" else 4) * per  # 2 in forward, 2 in backward, 2 more to recompute
+    if L.cp > 1:  # ring attention: cp-1 K/V blocks in, overlapped with the blocks' attention compute
+        kv_block = 2 * s * b * kv * BYTES[w.precision]
+        bw_cp, lat_cp = c.link(t * L.cp > c.devices_per_node)
+        ring = (L.cp - 1) * (lat_cp + kv_block / bw_cp)
+        tp_comm += max(ring - attn, 0.0) + max(2 * ring - 2 * attn, 0.0)  # forward; backward (dK, dV too)
     return f, bi, bw_, tp_comm
 
 
@@ -123,12 +132,11 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     out = Breakdown()
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     f, bi, bw_, tp_comm = layer_times(m, L, w, c)
-    stages = L.pp * L.vpp
-    per_stage_layers = m.num_layers / stages
+    counts = stage_counts(m, L, w.seq_length)
     split = L.schedule in ("zb-h1", "zb-h2")
-    fs = [per_stage_layers * (f + tp_comm / 2) for _ in range(stages)]
-    bs = [per_stage_layers * (bi + tp_comm / 2 + (0 if split else bw_)) for _ in range(stages)]
-    ws = [per_stage_layers * bw_ if split else 0.0 for _ in range(stages)]
+    fs = [n * (f + tp_comm / 2) for n in counts]
+    bs = [n * (bi + tp_comm / 2 + (0 if split else bw_)) for n in counts]
+    ws = [n * bw_ if split else 0.0 for n in counts]
     head = head_time(m, L, w, c)
     fs[-1] += head / 3
     bs[-1] += 2 * head / 3
@@ -145,24 +153,25 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         stage_work = (sum(fs) + sum(bs) + sum(ws)) / L.pp
         pipe = (micro + (L.pp - 1) / L.vpp) * stage_work / 1 + (L.pp - 1) * 2 * p2p
     out.compute_s = micro * compute_per_micro / L.pp
-    out.tp_comm_s = micro * m.num_layers / L.pp * tp_comm
+    out.tp_comm_s = micro * max(counts) * L.vpp * tp_comm
     out.pp_bubble_s = max(pipe - micro * compute_per_micro / L.pp, 0.0)
     # Data parallel: fp32 gradients reduced, 16-bit (or fp32) parameters gathered.
-    dp_spans = L.tp * L.cp * L.dp > c.devices_per_node
+    dp_spans = L.tp * L.cp * L.dp > c.devices_per_node  # gradients reduce over dp x cp (same weights)
+    dp_ranks = L.dp * L.cp
     grads = params_per_rank * 4.0
     wbytes = params_per_rank * BYTES[w.precision]
     if L.zero == 0:
-        dp = _collective(c, "all_reduce", grads, L.dp, dp_spans)
+        dp = _collective(c, "all_reduce", grads, dp_ranks, dp_spans)
     elif L.zero in (1, 2):
-        dp = _collective(c, "reduce_scatter", grads, L.dp, dp_spans) + \
-            _collective(c, "all_gather", wbytes, L.dp, dp_spans)
+        dp = _collective(c, "reduce_scatter", grads, dp_ranks, dp_spans) + \
+            _collective(c, "all_gather", wbytes, dp_ranks, dp_spans)
         if L.zero == 2:
-            dp += (micro - 1) * _collective(c, "reduce_scatter", grads, L.dp, dp_spans)
+            dp += (micro - 1) * _collective(c, "reduce_scatter", grads, dp_ranks, dp_spans)
     else:
-        dp = micro * (_collective(c, "reduce_scatter", grads, L.dp, dp_spans)
-                      + 2 * _collective(c, "all_gather", wbytes, L.dp, dp_spans))
+        dp = micro * (_collective(c, "reduce_scatter", grads, dp_ranks, dp_spans)
+                      + 2 * _collective(c, "all_gather", wbytes, dp_ranks, dp_spans))
     overlap = (bs[-1] + ws[-1]) * (micro if L.zero == 3 else 1)  # backward the reduction hides behind
-    out.dp_comm_exposed_s = max(dp - 0.8 * overlap, 0.05 * dp) if L.dp > 1 else 0.0
+    out.dp_comm_exposed_s = max(dp - 0.8 * overlap, 0.05 * dp) if dp_ranks > 1 else 0.0
     shard = params_per_rank / (L.dp if L.zero >= 1 else 1)
     out.optimizer_s = shard * (2 * (4 + 4 + 8) + 4 + BYTES[w.precision]) / c.memory_bandwidth
     out.p2p_s = p2p

@@ -24,6 +24,7 @@ from functools import lru_cache
 from mpformer.models.config import ModelConfig
 from mpformer.optim.memory import zero_formula_bytes
 from mpformer.parallel.layout import ParallelLayout
+from mpformer.pipeline.stage import stage_counts
 
 ALLOCATOR_FACTOR = 1.08  # caching-allocator fragmentation on top of the live tensors
 RUNTIME_BYTES = {"cuda": 1.5e9, "cpu": 0.4e9}  # CUDA context + cuBLAS/NCCL workspaces; torch on CPU
@@ -38,6 +39,7 @@ class Workload:
     micro_batch_size: int
     seq_length: int
     precision: str = "bf16"
+    flash_attention: bool = True  # False: attention scores materialised (Megatron before FlashAttention)
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,7 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
     g, master = 4, (4 if wb < 4 else 0)
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     peaks = inflight(L.schedule, L.pp, micro, L.vpp) if L.pp > 1 else (1,)
-    stages = L.pp * L.vpp
-    counts = [m.num_layers // stages + (1 if i < m.num_layers % stages else 0) for i in range(stages)]
+    counts = stage_counts(m, L, w.seq_length)
     act_layer = activation_bytes_per_layer(m, L, w)
     s, b = w.seq_length // L.cp, w.micro_batch_size
     out = []

@@ -11,7 +11,7 @@ with simulate.py on their actual schedules and re-ranked.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster
@@ -71,7 +71,8 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: d
     cps = options("cp", [1])
     for tp in tps:
         for cp in cps:
-            for pp in options("pp", [p for p in divisors(model.num_layers) if world % (tp * cp * p) == 0]):
+            pps = [p for p in divisors(world // (tp * cp)) if p <= model.num_layers]
+            for pp in options("pp", pps):
                 dp = world // (tp * cp * pp)
                 if tp * cp * pp * dp != world or ("dp" in fixed and fixed["dp"] != dp):
                     _reject(result, "world size", f"tp={tp} cp={cp} pp={pp} leave dp={dp} of {world} devices")
@@ -96,7 +97,7 @@ def _retime(model: ModelConfig, c: Candidate, w: Workload, cluster: Cluster) -> 
 
 
 def _with_mbs(w: Workload, mbs: int) -> Workload:
-    return Workload(w.global_batch_size, mbs, w.seq_length, w.precision)
+    return replace(w, micro_batch_size=mbs)
 
 
 def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, fixed: dict, tp: int,
@@ -107,14 +108,16 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
         return
     schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2"]
     for schedule in options("schedule", schedules):
-        vpps = [1] if schedule != "interleaved" else [v for v in (2, 3, 4) if model.num_layers % (pp * v) == 0]
+        vpps = [1] if schedule != "interleaved" else [v for v in (2, 3, 4) if pp * v <= model.num_layers]
         for vpp in options("vpp", vpps):
             for mbs in options("micro_batch_size", [b for b in (1, 2, 4, 8) if per_dp % b == 0]):
                 for sp in options("sequence_parallel", [tp > 1]):
                     for zero in options("zero", [0, 1, 2, 3] if pp == 1 else [0, 1]):
+                        # Layers that do not split evenly go to stages balanced by compute (partition.py).
+                        part = "uniform" if model.num_layers % (pp * vpp) == 0 else "balanced"
                         _recompute_choice(model, cluster, w, result, fixed, options, device,
                                           ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, vpp=vpp, schedule=schedule,
-                                                         sequence_parallel=sp, zero=zero), mbs)
+                                                         sequence_parallel=sp, zero=zero, pp_partition=part), mbs)
 
 
 def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, fixed: dict,
