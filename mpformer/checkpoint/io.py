@@ -82,6 +82,19 @@ def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
 
 
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The state each optimizer's first step creates, as zeros, so DCP can load into it in place:
+    Adam's moments and step; SGD's momentum buffer (zeros then grad equals torch's clone of the first
+    gradient, with dampening 0). Plain SGD keeps nothing."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        init_adam_state(optimizer)
+    elif isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group["momentum"]:
+                for p in group["params"]:
+                    optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+
+
 def model_state(model: nn.Module) -> dict[str, Shard]:
     """model.<canonical name> -> this rank's shard of the weight."""
     return {MODEL_PREFIX + k: sh for k, sh in model.canonical_shards().items()}
@@ -90,7 +103,7 @@ def model_state(model: nn.Module) -> dict[str, Shard]:
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Shard]:
     """optim.<key>.<canonical name> -> the same shard of the per-parameter state (Adam's exp_avg of
     the fused QKV weight is cut into q, k, v blocks exactly as the weight is); the step count once."""
-    init_adam_state(optimizer)
+    init_optimizer_state(optimizer)
     shards = model.canonical_shards()
     local = {k: sh.local for k, sh in shards.items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -99,9 +112,9 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     for key in keys:
         views = views_like(local, params, lambda p, key=key: optimizer.state[p].get(key))
         out.update({f"{OPTIM_PREFIX}{key}.{n}": shards[n].like(v) for n, v in views.items()})
-    steps = {float(optimizer.state[p]["step"]) for p in params}
-    assert len(steps) == 1, f"parameters disagree on the optimizer step: {steps}"
-    out[OPTIM_PREFIX + "step"] = Shard.full(optimizer.state[params[0]]["step"].detach().clone().cpu().reshape(1))
+    steps = {float(optimizer.state[p]["step"]) for p in params if "step" in optimizer.state[p]}
+    assert len(steps) <= 1, f"parameters disagree on the optimizer step: {steps}"
+    out[OPTIM_PREFIX + "step"] = Shard.full(torch.tensor([steps.pop() if steps else 0.0]))
     return out
 
 
@@ -109,7 +122,8 @@ def set_optimizer_step(optimizer: torch.optim.Optimizer, step_tensor: torch.Tens
     """Every parameter's step count from the checkpoint's single one."""
     for g in optimizer.param_groups:
         for p in g["params"]:
-            optimizer.state[p]["step"].fill_(float(step_tensor.reshape(-1)[0]))
+            if "step" in optimizer.state[p]:
+                optimizer.state[p]["step"].fill_(float(step_tensor.reshape(-1)[0]))
 
 
 # ---- load / save -------------------------------------------------------------------------------

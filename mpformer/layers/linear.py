@@ -58,6 +58,9 @@ class WeightGradStore:
     def __init__(self) -> None:
         self.capturing: list[Callable[[], None]] | None = None
         self.pending: dict[Hashable, list[Callable[[], None]]] = {}
+        # Called with each parameter after BW accumulated into its .grad (the post-accumulate-grad
+        # hooks autograd would have run: the data-parallel / ZeRO gradient buffers).
+        self.on_accumulated: Callable[[torch.Tensor], None] | None = None
 
     @contextlib.contextmanager
     def capture(self, key: Hashable) -> Iterator[None]:
@@ -120,12 +123,15 @@ class _SplitLinear(torch.autograd.Function):
         if ctx.store.capturing is None:
             return (dx, *weight_grads(), None, None)
 
+        store = ctx.store
+
         def job() -> None:
             dw, db = weight_grads()
-            if dw is not None:
-                _accumulate(weight, dw)
-            if db is not None:
-                _accumulate(bias, db)
+            for p, g in ((weight, dw), (bias, db)):
+                if g is not None:
+                    _accumulate(p, g)
+                    if store.on_accumulated is not None:
+                        store.on_accumulated(p)
 
         ctx.store.capturing.append(job)
         return dx, None, None, None, None

@@ -35,10 +35,9 @@ def _bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
 def model_state_bytes(weights: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None],
                       masters: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of distinct storages by kind; ``optimizer_scalars`` are per-tensor step counters."""
-    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        from mpformer.checkpoint.io import init_adam_state
+    from mpformer.checkpoint.io import init_optimizer_state
 
-        init_adam_state(optimizer)  # the zeros the first step creates: count them before it runs
+    init_optimizer_state(optimizer)  # the zeros the first step creates: count them before it runs
     seen: set[int] = set()
     out = {"weights": _bytes(weights, seen), "gradients": _bytes(grads, seen), "master_weights": _bytes(masters, seen)}
     state = [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpformer.checkpoint.io import MODEL_PREFIX, OPTIM_PREFIX, init_adam_state, load_tensors, model_state
+from mpformer.checkpoint.io import MODEL_PREFIX, OPTIM_PREFIX, init_optimizer_state, load_tensors, model_state
 from mpformer.checkpoint.shards import Shard
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.zero_state import ShardParam, canonical_rows, chunks, sharded_state
@@ -41,6 +41,14 @@ class ShardedBase:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [names[id(p)] for p in self.params]
         self.canonical = canonical_rows(model, self.params)  # before any storage moves or is freed
+        self._skip_on_save: set[int] = set()
+
+    def skip_on_save(self, p: nn.Parameter) -> None:
+        """Do not write ``p``'s chunks (a copy another rank writes; it is still loaded here)."""
+        self._skip_on_save.add(id(p))
+
+    def _saved(self, saving: bool) -> list[ShardParam]:
+        return [s for s in self.shards if not (saving and id(s.param) in self._skip_on_save)]
 
     def _build_optimizer(self, groups: Sequence[dict], make: Callable[[list[dict]], torch.optim.Optimizer]) -> None:
         group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
@@ -112,19 +120,19 @@ class ShardedBase:
     def _masters_are_weights(self) -> bool:
         return self.param_dtype != torch.float32 or self.stage == 3
 
-    def weight_shards(self, model: nn.Module) -> dict[str, Shard]:
+    def weight_shards(self, model: nn.Module, saving: bool = True) -> dict[str, Shard]:
         """``model.*``: the fp32 masters as chunks (16-bit or stage 3), else the parameters themselves."""
         if not self._masters_are_weights():
             return model_state(model)
         out: dict[str, Shard] = {}
-        for s in self.shards:
+        for s in self._saved(saving):
             out.update(chunks(self.canonical, s, s.master.detach(), MODEL_PREFIX))
         return out
 
     def load_weights(self, ckpt_dir: str, model: nn.Module) -> None:
         """Stored ``model.*`` into the masters (fp32, exact) and the parameters (cast)."""
         if self._masters_are_weights():
-            load_tensors(ckpt_dir, self.weight_shards(model))
+            load_tensors(ckpt_dir, self.weight_shards(model, saving=False))
         if self.stage < 3:
             load_tensors(ckpt_dir, model_state(model))
         self._write_back()
@@ -132,14 +140,14 @@ class ShardedBase:
     def _write_back(self) -> None:
         """Masters -> 16-bit parameters (each subclass knows where its parameter shard lives)."""
 
-    def state_shards(self, model: nn.Module) -> dict[str, Shard]:
-        init_adam_state(self.optimizer)
-        out, _ = sharded_state(self.canonical, self.shards, self.optimizer, OPTIM_PREFIX)
+    def state_shards(self, model: nn.Module, saving: bool = True) -> dict[str, Shard]:
+        init_optimizer_state(self.optimizer)
+        out, _ = sharded_state(self.canonical, self._saved(saving), self.optimizer, OPTIM_PREFIX)
         out[OPTIM_PREFIX + "step"] = Shard.full(torch.tensor([float(self.steps_taken)]))
         return out
 
     def load_state(self, ckpt_dir: str, model: nn.Module) -> None:
-        targets = self.state_shards(model)
+        targets = self.state_shards(model, saving=False)
         load_tensors(ckpt_dir, targets)
         self.steps_taken = int(targets[OPTIM_PREFIX + "step"].local.reshape(-1)[0])
         for s in self.shards:

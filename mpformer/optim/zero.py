@@ -129,6 +129,8 @@ class ZeroOptimizer(ShardedBase):
             self.sync = prev
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # a split backward's BI: the weight gradient comes later, from BW
+            return
         k, slot = self._where[id(p)]
         b = self.buckets[k]
         if b.grad_buf is None:
@@ -231,6 +233,9 @@ class ZeroOptimizer(ShardedBase):
 
     def _full_grads(self) -> list[torch.Tensor]:
         return [b.grad_buf for b in self.buckets if b.grad_buf is not None]
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        self._on_grad(p)
 
     def main_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         k, slot = self._where[id(p)]

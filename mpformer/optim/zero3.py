@@ -44,7 +44,7 @@ class _Unit:
     full: torch.Tensor  # parameter dtype; storage freed while the unit is not gathered
     shard: torch.Tensor  # parameter dtype, this rank's part of ``full``
     grad_shard: torch.Tensor  # fp32
-    init: torch.Tensor  # fp32 initial values of this rank's part (the masters start from them)
+    init: torch.Tensor | None  # fp32 initial values of this rank's part (the masters start from them)
     gathered: bool = True
     gathering: dist.Work | None = None
     backward_pending: bool = False
@@ -99,10 +99,11 @@ class Zero3Optimizer(ShardedBase):
         for k, u in enumerate(self.units):
             for piece in u.layout.pieces(self.comm.rank):
                 at = slice(piece.shard_offset, piece.shard_offset + piece.numel)
+                assert u.init is not None
                 master = u.shard[at] if self.param_dtype == torch.float32 else u.init[at].clone()
                 master.grad = u.grad_shard[at]
                 out.append(ShardParam(self.names[piece.index], self.params[piece.index], piece, k, master))
-            u.init = u.init[:0]  # only needed to start the masters
+            u.init = None  # only needed to start the masters (a view would keep the storage)
         return out
 
     # ---- gather / free -------------------------------------------------------------------------
@@ -154,7 +155,12 @@ class Zero3Optimizer(ShardedBase):
             self._gather(self.units[k - 1], async_op=True)
         return grad
 
+    def grad_ready(self, p: torch.Tensor) -> None:
+        self._on_grad(p)
+
     def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:
+            return
         u = self._unit_of[id(p)]
         if u.grad_buf is None:
             u.grad_buf = torch.zeros(u.layout.size, dtype=torch.float32, device=u.shard.device)

@@ -31,9 +31,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed reduce_scatter_tensor (deprecated, warns on every call); older torch, as GPU
-# users may install, only has the old name.
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (deprecated, warning on every call);
+# older torch, as GPU users may install, only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CommLedger:
@@ -79,7 +80,7 @@ class Comm:
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         self._note("all_gather", out.numel() * out.element_size(), 1.0)
-        dist.all_gather_into_tensor(out, src, group=self.group)
+        _all_gather(out, src, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -108,7 +109,7 @@ class Comm:
             out.copy_(src)
             return None
         self._note("all_gather", out.numel() * out.element_size(), 1.0)
-        return dist.all_gather_into_tensor(out, src, group=self.group, async_op=async_op)
+        return _all_gather(out, src, group=self.group, async_op=async_op)
 
     def all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` along ``scatter_dim`` into one chunk per rank, exchange, concatenate along ``gather_dim``."""

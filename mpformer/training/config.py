@@ -148,10 +148,11 @@ def check_training_config(cfg: Config) -> None:
                           f">= 1; got {t.initial_loss_scale}, {t.min_loss_scale}, {t.loss_scale_window}")
     _choice("optim.decay", o.decay, DECAYS)
     _choice("optim.name", o.name, OPTIMIZERS)
-    if cfg.parallel.zero > 0 and o.name not in ELEMENTWISE_OPTIMIZERS:
-        raise ConfigError(f"optim.name={o.name} cannot be wrapped by parallel.zero={cfg.parallel.zero}: ZeRO steps "
-                          f"1-D shards of each tensor and {o.name} keeps statistics of whole matrices; valid with "
-                          f"zero > 0: {', '.join(ELEMENTWISE_OPTIMIZERS)} (or parallel.zero=0)")
+    if (cfg.parallel.zero > 0 or t.precision != "fp32") and o.name not in ELEMENTWISE_OPTIMIZERS:
+        why = f"parallel.zero={cfg.parallel.zero}" if cfg.parallel.zero > 0 else f"train.precision={t.precision}"
+        raise ConfigError(f"optim.name={o.name} cannot be wrapped under {why}: ZeRO and 16-bit masters step 1-D "
+                          f"shards of each tensor and {o.name} keeps statistics of whole matrices; valid with "
+                          f"zero > 0 or 16-bit: {', '.join(ELEMENTWISE_OPTIMIZERS)} (or zero=0 with fp32)")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,20 +47,29 @@ def load_eval_tokens(path: str | None, vocab_size: int, max_positions: int | Non
 
 
 def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, device: torch.device,
-                  dp: Comm | None = None) -> tuple[float, int]:
+                  dp: Comm | None = None,
+                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                  ) -> tuple[float, int]:
     """Sum of token losses over this dp rank's rows, all-reduced over ``dp``: (mean loss, token count)."""
     import torch
 
     dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
-    rows = np.array_split(np.arange(tokens.shape[0]), dp_size)[dp_rank]
+    parts = np.array_split(np.arange(tokens.shape[0]), dp_size)
+    rows = parts[dp_rank]
+    # Every rank runs as many forward passes as the rank with most rows (ZeRO-3 gathers parameters
+    # collectively in each one); a rank out of rows repeats its first batch and counts it zero.
+    passes = -(-max(len(r) for r in parts) // micro_batch)
     total = torch.zeros((), dtype=torch.float64, device=device)  # on the device: NCCL reduces no CPU tensors
-    for i in range(0, len(rows), micro_batch):
-        batch = torch.from_numpy(tokens[rows[i:i + micro_batch]]).to(device)
-        with torch.no_grad():
+    for k in range(passes):
+        i = k * micro_batch
+        idx = rows[i:i + micro_batch] if i < len(rows) else rows[:micro_batch] if len(rows) else parts[0][:1]
+        batch = torch.from_numpy(tokens[idx]).to(device)
+        with torch.no_grad(), autocast():
             # The training loss path (mean over the batch's tokens): under tensor parallelism it is the
             # vocabulary-parallel cross entropy, so full logits are never gathered.
             mean = model(batch[:, :-1], batch[:, 1:])
-        total += mean.double() * batch[:, 1:].numel()
+        if i < len(rows):
+            total += mean.double() * batch[:, 1:].numel()
     if dp is not None:
         dp.all_reduce(total)
     count = tokens.shape[0] * (tokens.shape[1] - 1)
@@ -87,7 +98,9 @@ def check_pipeline_eval(layout: ParallelLayout, rows: int, micro_batch: int) -> 
 
 
 def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: ParallelLayout, groups: ProcessGroups,
-                           tokens: np.ndarray, micro_batch: int) -> tuple[float, int]:
+                           tokens: np.ndarray, micro_batch: int,
+                           autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                           ) -> tuple[float, int]:
     """The forward passes of the training schedule (forward_only), the loss summed on the last stage
     and shared over pp and dp: (mean loss, token count)."""
     import torch
@@ -104,9 +117,11 @@ def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: Para
         b = torch.from_numpy(tokens[rows[i:i + micro_batch]]).to(device)
         batches.append((b[:, :-1], b[:, 1:]))
     seq = tokens.shape[1] - 1
+    dtype = next(model.parameters()).dtype  # the residual stream's: 16-bit under bf16/fp16 parameters
     p2p = P2P(groups.pp, groups.ledger, (seq // layout.tp if layout.sequence_parallel else seq, micro_batch,
-                                         model.cfg.hidden_size), torch.float32, device)
-    engine = PipelineEngine(model, plan, build_schedule(layout.schedule, layout.pp, len(batches), layout.vpp), p2p)
+                                         model.cfg.hidden_size), dtype, device)
+    engine = PipelineEngine(model, plan, build_schedule(layout.schedule, layout.pp, len(batches), layout.vpp), p2p,
+                            autocast=autocast)
     with torch.no_grad():
         means = engine.run(batches, forward_only=True)
     total = torch.tensor(sum(means) * micro_batch * seq, dtype=torch.float64, device=device)

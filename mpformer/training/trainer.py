@@ -63,6 +63,10 @@ class Trainer:
         self.dp = build_distributed_optimizer(self.model, groups.comm("dp"), layout.zero, cfg.optim,
                                               self.device.kind, t.grad_bucket_mb, self.param_dtype)
         self.optimizer = self.dp.optimizer
+        if self.plan is not None and m.tie_embeddings and not self.plan.has_embedding:
+            # The last stage's copy of a tied embedding equals stage 0's; sharded differently, its chunks
+            # would overlap stage 0's in the checkpoint, so only stage 0 writes it (both read it).
+            self.dp.skip_on_save(self.model.embed.weight)
         self.pipeline = self._build_pipeline() if self.plan is not None else None
         self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
         o = cfg.optim
@@ -129,8 +133,11 @@ class Trainer:
         # A stage's data-parallel reduction starts right after its last backward,
         # except with a tied embedding, whose two copies' gradients are summed first (train_step).
         start = None if self.embedding_comm is not None else (lambda: self.dp.start())
-        return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
-                              on_grads_done=start, split_backward=True)
+        engine = PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
+                                on_grads_done=start, split_backward=True)
+        if engine.store is not None:  # BW writes .grad outside autograd: hand it on as autograd's hooks would
+            engine.store.on_accumulated = self.dp.grad_ready
+        return engine
 
     def train_step(self) -> dict[str, float]:
         t = self.cfg.train
@@ -250,10 +257,11 @@ class Trainer:
         self.model.eval()
         if self.plan is not None:  # the stage's layers only: the schedule's forward passes
             loss, _ = pipeline_evaluate_loss(self.model, self.plan, self.layout, self.groups, self.eval_tokens,
-                                             self.cfg.eval.micro_batch_size)
+                                             self.cfg.eval.micro_batch_size, autocast=lambda: self.dtype_ctx)
         else:
             loss, _ = evaluate_loss(self.model, self.eval_tokens, self.cfg.eval.micro_batch_size,
-                                    self.device.torch_device, Comm(self.groups.dp, self.groups.ledger, tag="eval.dp."))
+                                    self.device.torch_device, Comm(self.groups.dp, self.groups.ledger, tag="eval.dp."),
+                                    autocast=lambda: self.dtype_ctx)
         self.model.train()
         return loss
 

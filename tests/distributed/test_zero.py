@@ -29,6 +29,8 @@ STEPS = 10
 BASE = {"model": "tiny-llama", "train.seq_length": 32, "train.steps": STEPS, "train.global_batch_size": 8,
         "train.micro_batch_size": 2, "train.device": "cpu", "optim.lr": 3e-3, "optim.warmup_steps": 2,
         "optim.clip_grad": 0.3, "logging.progress": False}
+EVAL = {"eval.interval": 5, "eval.micro_batch_size": 1}  # eval.tokens (6 rows: uneven over 4 ranks) added below
+SGD = {"optim.name": "sgd", "optim.momentum": 0.9, "optim.lr": 0.05}
 RUNS = {  # name: (world, overrides)
     "z0": (4, {"parallel.zero": 0}),
     "z1": (4, {"parallel.zero": 1}),
@@ -43,13 +45,24 @@ RUNS = {  # name: (world, overrides)
     "bf16_z3": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
     "bf16_z1_stop": (4, {"parallel.zero": 1, "train.precision": "bf16", "train.stop_at": 5}),
     "fp16_z2": (4, {"parallel.zero": 2, "train.precision": "fp16", "train.initial_loss_scale": 2.0**22}),
+    "z1_accum": (4, {"parallel.zero": 1, "train.micro_batch_size": 1, **EVAL}),
+    "z2_accum": (4, {"parallel.zero": 2, "train.micro_batch_size": 1}),
+    "z3_accum_eval": (4, {"parallel.zero": 3, "train.micro_batch_size": 1, **EVAL}),
+    "bf16_pp2_eval": (4, {"parallel.zero": 1, "parallel.pp": 2, "train.precision": "bf16", **EVAL}),
+    "gpt2_z0": (4, {"model": "tiny-gpt2", "parallel.zero": 0}),
+    "gpt2_pp2_z1_zb": (4, {"model": "tiny-gpt2", "parallel.zero": 1, "parallel.pp": 2, "parallel.schedule": "zb-h1",
+                           "train.micro_batch_size": 1}),
+    "sgd_z0": (4, {"parallel.zero": 0, **SGD}),
+    "sgd_z1": (4, {"parallel.zero": 1, **SGD}),
+    "sgd_z1_stop": (4, {"parallel.zero": 1, "train.stop_at": 5, **SGD}),
+    "sgd_z1_resume": (4, {"parallel.zero": 1, **SGD}),
     "z1_dp2_resume": (2, {"parallel.zero": 1, "train.micro_batch_size": 4}),
     "z0_dp1_resume": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
     "z0_dp1_resume_z3": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
     "bf16_z1_resume": (4, {"parallel.zero": 1, "train.precision": "bf16"}),
 }
 RESUME_FROM = {"z1_dp2_resume": "z2_stop", "z0_dp1_resume": "z2_stop", "z0_dp1_resume_z3": "z3_stop",
-               "bf16_z1_resume": "bf16_z1_stop"}
+               "bf16_z1_resume": "bf16_z1_stop", "sgd_z1_resume": "sgd_z1_stop"}
 
 
 def _worker(world: int, data: str, root: str) -> dict:
@@ -59,6 +72,8 @@ def _worker(world: int, data: str, root: str) -> dict:
             continue
         if name in RESUME_FROM:
             kw = {**kw, "checkpoint.load": str(Path(root) / RESUME_FROM[name] / "checkpoints")}
+        if "eval.interval" in kw:
+            kw = {**kw, "eval.tokens": str(Path(root) / "eval.npy")}
         out[name] = train(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
     return out
 
@@ -94,7 +109,10 @@ def _oracle(data: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tiny_data, tmp_path_factory):
+    import numpy as np
+
     root = tmp_path_factory.mktemp("zero")
+    np.save(root / "eval.npy", np.random.default_rng(0).integers(1, 256, size=(6, 33)).astype(np.int64))
     res = {"root": root, "oracle": _oracle(tiny_data)}
     for world in (4, 2, 1):
         res.update(run_distributed(_worker, world, args=(world, tiny_data, str(root)), timeout=400)[0])
@@ -106,7 +124,8 @@ def _close(got, want):
                                rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("run", ["z0", "z1", "z2", "z3", "z2_tp2", "z3_tp2_recompute", "z1_pp2"])
+@pytest.mark.parametrize("run", ["z0", "z1", "z2", "z3", "z2_tp2", "z3_tp2_recompute", "z1_pp2", "z1_accum",
+                                 "z2_accum", "z3_accum_eval"])
 def test_matches_single_process_adamw(results, run):
     got, want = results[run], results["oracle"]
     assert max(want["grad_norms"]) > BASE["optim.clip_grad"], "clipping must be active"
@@ -182,3 +201,26 @@ def test_model_state_bytes_match_the_zero_table(results, run):
     for mem in report["per_rank"]:
         assert abs(mem["total"] - mem["optimizer_scalars"] - want) <= 0.01 * want, (mem, want)
         assert (mem["master_weights"] > 0) == bf16
+
+
+def test_validation_runs_under_every_stage_and_pipeline(results):
+    """6 eval rows over 4 dp ranks (uneven): ZeRO-3 gathers in every forward, so ranks must run the same
+    number of passes; bf16 pipeline validation sends 16-bit activations."""
+    want = results["z1_accum"]["val_losses"]
+    assert len(want) == 2
+    _close(results["z3_accum_eval"]["val_losses"], want)
+    assert len(results["bf16_pp2_eval"]["val_losses"]) == 2
+
+
+def test_tied_embeddings_pipeline_zero1_zero_bubble(results):
+    """GPT-2 (tied) at pp=2 x dp=2, ZeRO-1, ZB-H1: deferred weight gradients reach the ZeRO buffers,
+    and the two copies of the embedding save without overlapping chunks; as dp=4 at zero=0."""
+    torch.testing.assert_close(torch.tensor(results["gpt2_pp2_z1_zb"]["losses"]),
+                               torch.tensor(results["gpt2_z0"]["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(results["gpt2_pp2_z1_zb"]["grad_norms"]),
+                               torch.tensor(results["gpt2_z0"]["grad_norms"]), rtol=1e-5, atol=0)
+
+
+def test_sgd_with_momentum_shards_and_resumes(results):
+    _close(results["sgd_z1"]["losses"], results["sgd_z0"]["losses"])
+    assert results["sgd_z1_stop"]["losses"] + results["sgd_z1_resume"]["losses"] == results["sgd_z1"]["losses"]

@@ -88,7 +88,8 @@ BAD_INPUTS = {
     "zero3 with pp": (["parallel.zero=3", "parallel.pp=2"], ["parallel.zero=3 cannot run with parallel.pp=2",
                                                            "valid with pipeline parallelism: zero=0 or 1"]),
     "optimizer zero cannot wrap": (["parallel.zero=1", "optim.name=adafactor"],
-                                   ["optim.name=adafactor cannot be wrapped", "valid with zero > 0: adamw, adam, sgd"]),
+                                   ["optim.name=adafactor cannot be wrapped",
+                                    "valid with zero > 0 or 16-bit: adamw, adam, sgd"]),
     "fp16": (["train.precision=fp16", "train.initial_loss_scale=0"], ["fp16 loss scaling needs"]),
     "unknown preset": (["model=llama-9000"], ["valid: gpt2"]),
 }
