@@ -29,6 +29,7 @@ from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_lay
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout
 from mpformer.pipeline.actions import Schedule
+from mpformer.pipeline.simulate import Costs
 from mpformer.pipeline.stage import stage_counts
 
 # Fraction of the data-sheet peak a large, well-shaped 16-bit GEMM reaches (cuBLAS on A100/H100
@@ -125,9 +126,25 @@ def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
     return build_schedule(name, pp, microbatches, vpp)
 
 
+def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs) -> float:
+    """simulate()'s step time of the schedule. Past p micro-batches every schedule here is in its
+    steady state, where each further micro-batch adds the same time: the timelines at p and 2p
+    micro-batches are simulated and extended linearly (tests check this against the full timeline),
+    so a 64-stage pipeline of 512 micro-batches costs two small simulations."""
+    from mpformer.pipeline.schedules import min_microbatches
+    from mpformer.pipeline.simulate import simulate
+
+    lo, hi = pp, 2 * pp
+    if microbatches <= hi or lo < min_microbatches(schedule, pp):
+        return simulate(_schedule(schedule, pp, microbatches, vpp), costs, verified=True).step_time
+    t_lo = simulate(_schedule(schedule, pp, lo, vpp), costs, verified=True).step_time
+    t_hi = simulate(_schedule(schedule, pp, hi, vpp), costs, verified=True).step_time
+    return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
+
+
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
                    params_per_rank: int, simulate_pipeline: bool = True) -> Breakdown:
-    from mpformer.pipeline.simulate import Costs, simulate
+    from mpformer.pipeline.simulate import Costs
 
     out = Breakdown()
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
@@ -147,8 +164,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     p2p = latp + boundary / bwp if L.pp > 1 else 0.0
     compute_per_micro = sum(fs) + sum(bs) + sum(ws)
     if L.pp > 1 and simulate_pipeline:
-        sim = simulate(_schedule(L.schedule, L.pp, micro, L.vpp), Costs(f=fs, b=bs, w=ws, p2p=p2p))
-        pipe = sim.step_time
+        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=ws, p2p=p2p))
     else:  # closed form: (m + p - 1) slots of a stage's work, interleaving shrinks the fill by vpp
         stage_work = (sum(fs) + sum(bs) + sum(ws)) / L.pp
         pipe = (micro + (L.pp - 1) / L.vpp) * stage_work / 1 + (L.pp - 1) * 2 * p2p

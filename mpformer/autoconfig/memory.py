@@ -93,19 +93,18 @@ def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -
 
 
 def inflight_closed_form(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...] | None:
-    """Peak in-flight (micro-batch, chunk) units per rank for m >= 2p, where every schedule has reached
-    its steady state (tests/unit/test_autoconfig_memory.py checks these against verify()); None otherwise."""
+    """Peak in-flight (micro-batch, chunk) units per rank of each generated schedule; equal to verify()
+    on the schedules' own action lists for every valid micro-batch count (checked by the unit tests)."""
     p, m, v = pp, microbatches, vpp
-    if m < 2 * p:
-        return None
-    return {"1f1b": tuple(p - r for r in range(p)), "gpipe": (m,) * p, "zb-h1": (p,) * p,
-            "zb-h2": (2 * p - 1,) * p, "interleaved": tuple(v * p - r for r in range(p))}.get(schedule)
+    forms = {"1f1b": tuple(min(p - r, m) for r in range(p)), "gpipe": (m,) * p, "zb-h1": (min(p, m),) * p,
+             "zb-h2": (min(2 * p - 1, m),) * p, "interleaved": tuple(min(v * p - r, v * m) for r in range(p))}
+    return forms.get(schedule)
 
 
 @lru_cache(maxsize=4096)
 def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...]:
-    """Peak (micro-batch, chunk) activations each rank holds under the schedule: the closed form in
-    the steady state, else verify.py on the schedule's own action lists."""
+    """Peak (micro-batch, chunk) activations each rank holds under the schedule: the closed form (a
+    generated schedule), else verify.py on the schedule's own action lists."""
     from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.verify import verify
 

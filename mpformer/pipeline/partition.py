@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 from mpformer.errors import ConfigError, format_choices
 from mpformer.models.config import ModelConfig
@@ -110,7 +111,12 @@ def model_costs(model: ModelConfig, seq_length: int) -> tuple[list[float], float
 def balanced_for(model: ModelConfig, stages: int, seq_length: int) -> list[int]:
     """``parallel.pp_partition=balanced``: the split minimising the slowest stage under ``model_costs``."""
     costs, first, last = model_costs(model, seq_length)
-    return balanced(costs, stages, first_extra=first, last_extra=last)
+    return list(_balanced_cached(tuple(costs), stages, first, last))
+
+
+@lru_cache(maxsize=1024)
+def _balanced_cached(costs: tuple[float, ...], stages: int, first: float, last: float) -> tuple[int, ...]:
+    return tuple(balanced(costs, stages, first_extra=first, last_extra=last))  # the auto-configurator asks often
 
 
 def max_stage_cost(split: Sequence[int], costs: Sequence[float], *, first_extra: float = 0.0,

@@ -55,3 +55,18 @@ def test_pipeline_bubble_and_dp_terms():
     assert big_head.pp_bubble_s / big_head.iteration_s > 3 / 19  # the LM head makes the last stage slowest
     dp = iteration_time(small_vocab, ParallelLayout(dp=16), W, c, params_per_rank=n)
     assert dp.dp_comm_exposed_s > 0 and dp.extra["microbatches"] == 1
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)])
+def test_pipeline_time_extrapolation_equals_the_full_timeline(name, vpp):
+    from mpformer.autoconfig.cost import pipeline_time
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.simulate import Costs, simulate
+
+    for p in (2, 4, 5):
+        stages = p * vpp
+        costs = Costs(f=[1.0 + 0.1 * i for i in range(stages)], b=[2.0 - 0.05 * i for i in range(stages)],
+                      w=[0.7] * stages, p2p=0.05)
+        for m in (4 * p, 7 * p):
+            full = simulate(build_schedule(name, p, m, vpp), costs).step_time
+            assert pipeline_time(name, p, m, vpp, costs) == pytest.approx(full, rel=1e-9), (name, p, m)
