@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from mpformer.layers.linear import WeightGradStore
+from mpformer.parallel.device import Device
 from mpformer.pipeline.actions import Action, Op, Schedule
 from mpformer.pipeline.p2p import P2P, Pending
 from mpformer.pipeline.stage import StagePlan, chunk_forward
@@ -53,7 +54,8 @@ class PipelineEngine:
         self.trace: list[TraceEvent] | None = None  # set to [] to record this rank's actions
         self.store: WeightGradStore | None = None
         self.loss_scale = 1.0  # the trainer sets fp16's dynamic loss scale before each step
-        self._cuda = p2p is not None and p2p.device.type == "cuda"
+        dev = p2p.device if p2p is not None else torch.device("cpu")
+        self._device = Device(dev.type, dev.index or 0)
         if split_backward and any(a.op is Op.BW for a in schedule.actions[plan.rank]):
             self.store = WeightGradStore()
             for m in model.modules():
@@ -112,8 +114,7 @@ class PipelineEngine:
 
     def _now(self) -> float:
         """Host time after the device has finished what was queued (traces time kernels, not launches)."""
-        if self._cuda:
-            torch.cuda.synchronize()
+        self._device.synchronize()
         return time.perf_counter()
 
     def _input_of(self, a: Action) -> torch.Tensor | None:
