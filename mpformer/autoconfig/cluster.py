@@ -21,7 +21,7 @@ class Cluster:
     devices_per_node: int
     nodes: int
     peak_flops: dict[str, float]  # dtype -> dense FLOP/s per device
-    memory_gb: float
+    memory_gb: float  # per device; a CPU host's (``cores`` set) total, shared by its ranks
     memory_bandwidth: float  # bytes/s
     intra_bandwidth: float
     intra_latency: float
@@ -37,7 +37,8 @@ class Cluster:
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
+        """Per device. A CPU host (``cores`` set) shares its memory among the ranks on it."""
+        return self.memory_gb * 1e9 / (self.devices_per_node if self.cores else 1)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

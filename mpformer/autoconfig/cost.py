@@ -16,11 +16,23 @@ on the schedule itself, data-parallel reduction with its overlap, and the optimi
 
 Rank order (topology.py): tp fastest, then cp, dp, pp; a group whose ranks span more than one node
 runs at the inter-node link's rate.
+
+A CPU host (a cluster with ``cores``, local-cpu) runs several ranks on shared cores. Its measured
+profile (profile.py) gives kernel rates by shape, attention's fused kernel, the ratio of a reference
+model's measured time to this model's prediction for it (``compute_factor``: framework overhead),
+the slowdown of each rank while k ranks compute at once (``slowdowns``), and collective alpha-beta
+fits taken with every rank busy. Compute while all ranks are busy runs slowdown(all) times slower;
+a pipeline's timeline is the processor-sharing fixed point of ``shared_step_time`` (an idle rank
+lends its core); gradient reduction does not overlap compute there (no core is free to run it).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -57,10 +69,11 @@ class Breakdown:
 
 def gemm_efficiency(cluster: Cluster, dtype: str, m: int, n: int, k: int) -> float:
     table = [r for r in cluster.measured.get("matmul", []) if r["dtype"] == dtype]
-    if table:  # nearest measured shape by log FLOPs
-        target = math.log(2.0 * m * n * k)
-        best = min(table, key=lambda r: abs(math.log(2.0 * r["m"] * r["n"] * r["k"]) - target))
-        return best["flops_per_s"] / cluster.peak(dtype)
+    if table:  # the nearest measured shape, distance in log m, log n, log k (aspect matters, not just size)
+        def dist(r: dict) -> float:
+            return sum(abs(math.log(a / r[key])) for a, key in ((m, "m"), (n, "n"), (k, "k")))
+
+        return min(table, key=dist)["flops_per_s"] / cluster.peak(dtype)
     flops = 2.0 * m * n * k
     return GEMM_EFFICIENCY * flops / (flops + GEMM_HALF_FLOPS)
 
@@ -69,13 +82,68 @@ def _gemm_time(c: Cluster, dtype: str, m: int, n: int, k: int, batch: int = 1) -
     return batch * 2.0 * m * n * k / (c.peak(dtype) * gemm_efficiency(c, dtype, m, n, k))
 
 
+RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+
+
+def _attention_time(c: Cluster, dtype: str, s_q: int, s_k: int, d: int, heads: int) -> float:
+    """Forward time of attention over ``heads`` (batch x heads) heads: from the profile's measured fused
+    kernel (forward + backward, a third of it; scaled by s_q s_k d from the nearest shape), else its
+    two GEMMs (QK^T and AV: local queries, all keys)."""
+    table = [r for r in c.measured.get("attention", []) if r["dtype"] == dtype]
+    if table:
+        row = min(table, key=lambda r: abs(math.log(s_q / r["seq"])) + abs(math.log(d / r["head_dim"])))
+        scale = s_q * s_k * d / (row["seq"] ** 2 * row["head_dim"])
+        return heads * row["seconds_per_head"] * scale / 3
+    return 2 * _gemm_time(c, dtype, s_q, s_k, d, batch=heads)
+
+
 def _collective(c: Cluster, kind: str, nbytes: float, n: int, spans_nodes: bool) -> float:
-    """Ring time: all-reduce moves 2 (n-1)/n of the buffer, all-gather / reduce-scatter (n-1)/n."""
+    """Ring time: all-reduce moves 2 (n-1)/n of the buffer, all-gather / reduce-scatter (n-1)/n. A
+    measured profile's alpha-beta fit of this op and group size (taken with every rank busy) wins."""
     if n <= 1:
         return 0.0
+    fit = c.measured.get("fits", {}).get(f"{kind}/{n}")
+    if fit is not None and not spans_nodes:
+        return fit["alpha_s"] + RING_FACTOR[kind] * nbytes * (n - 1) / n / fit["beta_bytes_per_s"]
     bw, lat = c.link(spans_nodes)
-    factor = 2.0 if kind == "all_reduce" else 1.0
-    return factor * ((n - 1) * lat + nbytes * (n - 1) / n / bw)
+    return RING_FACTOR[kind] * ((n - 1) * lat + nbytes * (n - 1) / n / bw)
+
+
+def _p2p(c: Cluster, nbytes: float, spans_nodes: bool) -> float:
+    """One send/receive between pipeline stages: a measured 2-rank all-gather moves the same bytes."""
+    fit = c.measured.get("fits", {}).get("all_gather/2")
+    if fit is not None and not spans_nodes:
+        return fit["alpha_s"] + nbytes / fit["beta_bytes_per_s"]
+    bw, lat = c.link(spans_nodes)
+    return lat + nbytes / bw
+
+
+def slowdowns(c: Cluster) -> dict[int, float] | None:
+    """On a CPU host (``cores`` set): how much slower a rank computes while k ranks of the host compute
+    at once, for k = 1 (1.0), every count the profile measured (its reference model run by k processes
+    at once, against one alone), and all the host's ranks (measured, else ranks per core); linear in k
+    between. None on accelerators (a device per rank)."""
+    if not c.cores:
+        return None
+    out = {1: 1.0}
+    for key, row in c.measured.get("loaded", {}).items():
+        if 1 < int(key) <= c.devices_per_node and "slowdown" in row:
+            out[int(key)] = row["slowdown"]
+    if c.devices_per_node not in out:
+        if c.devices_per_node > c.cores:
+            out.setdefault(c.cores, 1.0)
+        out[c.devices_per_node] = max(1.0, c.devices_per_node / c.cores)
+    return out
+
+
+def _interpolate(points: dict[int, float], k: float) -> float:
+    xs = sorted(points)
+    if k <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in itertools.pairwise(xs):
+        if k <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (k - lo) / (hi - lo)
+    return points[xs[-1]]
 
 
 def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float, float]:
@@ -87,7 +155,7 @@ def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> t
     ffn_in = (2 if m.gated_mlp else 1) * m.ffn_size // t
     gemms = [(tokens, q + 2 * kv, h), (tokens, h, q), (tokens, ffn_in, h), (tokens, h, m.ffn_size // t)]
     heads = m.num_attention_heads // t
-    attn = 2 * _gemm_time(c, dt, s, s * L.cp, d, batch=b * heads)  # QK^T and AV: local queries, all keys
+    attn = _attention_time(c, dt, s, s * L.cp, d, b * heads)
     f_gemm = sum(_gemm_time(c, dt, *g) for g in gemms)
     elementwise = ELEMENTWISE_PASSES * activation_bytes_per_layer(m, replace(L, recompute="selective"), w)
     if not w.flash_attention:  # scores written, scale-mask-softmax read/write, dropout and its mask
@@ -114,9 +182,12 @@ def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> t
 
 
 def head_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> float:
+    """LM head forward + backward: three GEMMs, and the fp32 logits' softmax cross-entropy (written,
+    read for the max and the sum, gradient written and read: about 6 passes)."""
     tokens = w.seq_length // L.cp * w.micro_batch_size
-    dt = w.precision
-    return 3 * _gemm_time(c, dt, tokens, -(-m.vocab_size // L.tp), m.hidden_size)  # forward + 2 backward
+    vocab = -(-m.vocab_size // L.tp)
+    logits = 6.0 * tokens * vocab * 4 / c.memory_bandwidth
+    return 3 * _gemm_time(c, w.precision, tokens, vocab, m.hidden_size) + logits
 
 
 @lru_cache(maxsize=64)
@@ -126,20 +197,73 @@ def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
     return build_schedule(name, pp, microbatches, vpp)
 
 
-def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs) -> float:
+def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,
+                  dilation: Callable[[int], float] | None = None) -> float:
     """simulate()'s step time of the schedule. Past p micro-batches every schedule here is in its
     steady state, where each further micro-batch adds the same time: the timelines at p and 2p
     micro-batches are simulated and extended linearly (tests check this against the full timeline),
-    so a 64-stage pipeline of 512 micro-batches costs two small simulations."""
+    so a 64-stage pipeline of 512 micro-batches costs two small simulations.
+
+    ``dilation(k)``: how much slower compute runs while k ranks of the pipeline compute at once (ranks
+    sharing cores); the timeline is then the processor-sharing fixed point of ``shared_timeline``."""
     from mpformer.pipeline.schedules import min_microbatches
     from mpformer.pipeline.simulate import simulate
 
+    def run(mb: int) -> float:
+        if dilation is not None:
+            return shared_step_time(_schedule(schedule, pp, mb, vpp), costs, dilation)
+        return simulate(_schedule(schedule, pp, mb, vpp), costs, verified=True).step_time
+
     lo, hi = pp, 2 * pp
     if microbatches <= hi or lo < min_microbatches(schedule, pp):
-        return simulate(_schedule(schedule, pp, microbatches, vpp), costs, verified=True).step_time
-    t_lo = simulate(_schedule(schedule, pp, lo, vpp), costs, verified=True).step_time
-    t_hi = simulate(_schedule(schedule, pp, hi, vpp), costs, verified=True).step_time
+        return run(microbatches)
+    t_lo, t_hi = run(lo), run(hi)
     return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
+
+
+def shared_step_time(schedule: Schedule, costs: Costs, dilation: Callable[[int], float],
+                     iterations: int = 12) -> float:
+    """Step time when the pipeline's ranks share cores: each compute action takes its cost alone times
+    the mean dilation(k) over its run, k the ranks computing meanwhile (itself included), and the
+    timeline is re-run with those durations until it settles (damped fixed-point iteration). A rank
+    idle in a bubble lends its core to the busy ones; one slowed down stays busy longer, and slows the
+    others in turn, which a one-pass stretch of the alone timeline would miss."""
+    from mpformer.pipeline.verify import execute
+
+    alone = {a: costs.duration(a, schedule.pp) for row in schedule.actions for a in row}
+    dur = dict(alone)
+    timeline = execute(schedule, dur.__getitem__, costs.p2p, blocking=False)
+    for _ in range(iterations):
+        integral = _dilation_integral(timeline, dilation)
+        new = {}
+        for row in timeline:
+            for t in row:
+                if not t.action.op.is_comm and t.end > t.start:
+                    new[t.action] = alone[t.action] * (integral(t.end) - integral(t.start)) / (t.end - t.start)
+        dur = {a: 0.5 * (d + new.get(a, d)) for a, d in dur.items()}
+        timeline = execute(schedule, dur.__getitem__, costs.p2p, blocking=False)
+    return max((t.end for row in timeline for t in row), default=0.0)
+
+
+def _dilation_integral(timeline: list, dilation: Callable[[int], float]) -> Callable[[float], float]:
+    """t -> integral of dilation(k(s)) ds from 0, k(s) the ranks computing at s (1 where none)."""
+    edges = sorted((t.start, 1) if i == 0 else (t.end, -1) for row in timeline for t in row
+                   if not t.action.op.is_comm and t.end > t.start for i in (0, 1))
+    times, values, busy, total, last = [0.0], [0.0], 0, 0.0, 0.0
+    for time, delta in edges:
+        total += (time - last) * dilation(max(busy, 1))
+        times.append(time)
+        values.append(total)
+        busy, last = busy + delta, time
+
+    def integral(t: float) -> float:
+        i = bisect.bisect_right(times, t) - 1
+        if i >= len(times) - 1:
+            return values[-1] + (t - times[-1]) * dilation(1)
+        rate = (values[i + 1] - values[i]) / (times[i + 1] - times[i]) if times[i + 1] > times[i] else 0.0
+        return values[i] + (t - times[i]) * rate
+
+    return integral
 
 
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
@@ -148,49 +272,136 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
 
     out = Breakdown()
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
-    f, bi, bw_, tp_comm = layer_times(m, L, w, c)
     counts = stage_counts(m, L, w.seq_length)
-    split = L.schedule in ("zb-h1", "zb-h2")
-    fs = [n * (f + tp_comm / 2) for n in counts]
-    bs = [n * (bi + tp_comm / 2 + (0 if split else bw_)) for n in counts]
-    ws = [n * bw_ if split else 0.0 for n in counts]
-    head = head_time(m, L, w, c)
-    fs[-1] += head / 3
-    bs[-1] += 2 * head / 3
+    fc, bc, wc, tps = _stage_costs(m, L, w, c, counts)
     boundary = w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
     boundary /= L.tp if L.sequence_parallel else 1
-    pp_spans = L.tp * L.cp * L.dp >= c.devices_per_node
-    bwp, latp = c.link(pp_spans)
-    p2p = latp + boundary / bwp if L.pp > 1 else 0.0
-    compute_per_micro = sum(fs) + sum(bs) + sum(ws)
+    p2p = _p2p(c, boundary, L.tp * L.cp * L.dp >= c.devices_per_node) if L.pp > 1 else 0.0
+    compute_per_micro = sum(fc) + sum(bc) + sum(wc)
+    fs = [x + t / 2 for x, t in zip(fc, tps)]
+    bs = [x + t / 2 for x, t in zip(bc, tps)]
+    slow = slowdowns(c)
+    dilation = None
+    if slow is not None:
+        # Ranks sharing a CPU host. The timeline is simulated with each rank on a core of its own and
+        # its compute-only costs; while k ranks of the host compute, each runs slow[k] times slower (a
+        # rank idle in a bubble or in a collective lends its core to the others). Tensor-parallel
+        # waits are added on top.
+        compute_per_micro *= _interpolate(slow, c.devices_per_node)
+        per_rank = max(1, c.devices_per_node // L.pp)
+
+        def dilation(k: int) -> float:
+            assert slow is not None
+            return _interpolate(slow, k * per_rank)  # every pipeline on the host is in step
+
+        fs, bs = fc, bc
     if L.pp > 1 and simulate_pipeline:
-        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=ws, p2p=p2p))
+        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p), dilation)
     else:  # closed form: (m + p - 1) slots of a stage's work, interleaving shrinks the fill by vpp
-        stage_work = (sum(fs) + sum(bs) + sum(ws)) / L.pp
-        pipe = (micro + (L.pp - 1) / L.vpp) * stage_work / 1 + (L.pp - 1) * 2 * p2p
+        stage_work = (sum(fs) + sum(bs) + sum(wc)) / L.pp
+        pipe = (micro + (L.pp - 1) / L.vpp) * stage_work + (L.pp - 1) * 2 * p2p
+        if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
+            pipe = max(pipe, micro * compute_per_micro / L.pp)
+    if dilation is not None:
+        pipe += micro * max(sum(tps[c_ * L.pp + r] for c_ in range(L.vpp)) for r in range(L.pp))
     out.compute_s = micro * compute_per_micro / L.pp
-    out.tp_comm_s = micro * max(counts) * L.vpp * tp_comm
-    out.pp_bubble_s = max(pipe - micro * compute_per_micro / L.pp, 0.0)
-    # Data parallel: fp32 gradients reduced, 16-bit (or fp32) parameters gathered.
-    dp_spans = L.tp * L.cp * L.dp > c.devices_per_node  # gradients reduce over dp x cp (same weights)
-    dp_ranks = L.dp * L.cp
-    grads = params_per_rank * 4.0
-    wbytes = params_per_rank * BYTES[w.precision]
-    if L.zero == 0:
-        dp = _collective(c, "all_reduce", grads, dp_ranks, dp_spans)
-    elif L.zero in (1, 2):
-        dp = _collective(c, "reduce_scatter", grads, dp_ranks, dp_spans) + \
-            _collective(c, "all_gather", wbytes, dp_ranks, dp_spans)
-        if L.zero == 2:
-            dp += (micro - 1) * _collective(c, "reduce_scatter", grads, dp_ranks, dp_spans)
-    else:
-        dp = micro * (_collective(c, "reduce_scatter", grads, dp_ranks, dp_spans)
-                      + 2 * _collective(c, "all_gather", wbytes, dp_ranks, dp_spans))
-    overlap = (bs[-1] + ws[-1]) * (micro if L.zero == 3 else 1)  # backward the reduction hides behind
-    out.dp_comm_exposed_s = max(dp - 0.8 * overlap, 0.05 * dp) if dp_ranks > 1 else 0.0
+    tp_step = _tp_step_time(m, L, c)
+    pipe += tp_step
+    out.tp_comm_s = micro * max(sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)) + tp_step
+    out.pp_bubble_s = max(pipe - out.compute_s - out.tp_comm_s, 0.0)
+    out.dp_comm_exposed_s = _dp_time(m, L, w, c, params_per_rank, micro, bs[-1] + wc[-1], slow is not None)
     shard = params_per_rank / (L.dp if L.zero >= 1 else 1)
     out.optimizer_s = shard * (2 * (4 + 4 + 8) + 4 + BYTES[w.precision]) / c.memory_bandwidth
+    if slow is not None:
+        out.optimizer_s *= _interpolate(slow, c.devices_per_node)
     out.p2p_s = p2p
     out.iteration_s = pipe + out.dp_comm_exposed_s + out.optimizer_s
     out.extra["microbatches"] = micro
     return out
+
+
+def compute_factor(c: Cluster) -> float:
+    """Measured / modelled forward + backward time of the profile's reference model on one rank alone
+    (1 without a reference measurement): what the kernel-level terms miss on this machine, such as
+    framework and autograd overhead and the small ops they do not list."""
+    ref = c.measured.get("reference")
+    if not ref:
+        return 1.0
+    key = (c.name, ref["seconds"], json.dumps(c.measured.get("matmul", []), sort_keys=True)[:64])
+    if key not in _FACTORS:
+        m = ModelConfig(**ref["model"])
+        w = Workload(ref["micro_batch_size"], ref["micro_batch_size"], ref["seq_length"], ref["precision"])
+        bare = replace(c, measured={k: v for k, v in c.measured.items() if k != "reference"})
+        L = ParallelLayout(dp=1)
+        modelled = sum(sum(x) for x in _stage_costs(m, L, w, bare, stage_counts(m, L, w.seq_length))[:3])
+        _FACTORS[key] = ref["seconds"] / modelled
+    return _FACTORS[key]
+
+
+_FACTORS: dict[tuple, float] = {}
+
+
+def _stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
+                 counts: list[int]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per (chunk) stage and micro-batch: forward, backward (input), weight-gradient compute (the last
+    two merged unless the schedule splits them), and the tensor-parallel collectives waited in."""
+    f, bi, bw_, tp_comm = layer_times(m, L, w, c)
+    k = compute_factor(c)
+    f, bi, bw_ = k * f, k * bi, k * bw_
+    split = L.schedule in ("zb-h1", "zb-h2")
+    fc = [n * f for n in counts]
+    bc = [n * (bi + (0 if split else bw_)) for n in counts]
+    wc = [n * bw_ if split else 0.0 for n in counts]
+    head = k * head_time(m, L, w, c)
+    fc[-1] += head / 3
+    bc[-1] += 2 * head / 3
+    tps = [n * tp_comm for n in counts]
+    if L.tp > 1:  # the vocabulary-parallel embedding and head, and the cross-entropy's three reductions
+        tokens = w.seq_length // L.cp * w.micro_batch_size
+        act = tokens * m.hidden_size * BYTES[w.precision]
+        kinds = ("reduce_scatter", "all_gather") if L.sequence_parallel else ("all_reduce",)
+        edge = sum(_collective(c, k, act, L.tp, L.tp > c.devices_per_node) for k in kinds)
+        tps[0] += edge
+        tps[-1] += edge + 3 * _collective(c, "all_reduce", tokens * 4, L.tp, L.tp > c.devices_per_node)
+    return fc, bc, wc, tps
+
+
+def _tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster) -> float:
+    """Once a step under sequence parallelism: the gradients of the weights tp replicates (the norms'
+    gains) are all-reduced over tp, one tensor at a time as the runtime does."""
+    if L.tp == 1 or not L.sequence_parallel:
+        return 0.0
+    tensors = 2 * -(-m.num_layers // L.pp) + 1
+    return tensors * _collective(c, "all_reduce", m.hidden_size * 4, L.tp, L.tp > c.devices_per_node)
+
+
+def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params: int, micro: int,
+             last_backward: float, cores_shared: bool, bucket_bytes: float = 25 * 2**20) -> float:
+    """Exposed data-parallel time: fp32 gradients reduced in buckets (ZeRO-3: per layer, every
+    micro-batch), 16-bit (or fp32) parameters gathered; overlapped with the last backward on devices
+    that compute and communicate at once, not on a CPU host whose cores are all computing."""
+    dp_ranks = L.dp * L.cp  # gradients reduce over dp x cp (same weights)
+    if dp_ranks <= 1:
+        return 0.0
+    spans = L.tp * L.cp * L.dp > c.devices_per_node
+    grads, wbytes = params * 4.0, params * BYTES[w.precision]
+
+    def coll(kind: str, total: float, pieces: int) -> float:
+        return pieces * _collective(c, kind, total / pieces, dp_ranks, spans)
+
+    # Buckets run back to back on one stream: each pays the latency. That matters on a CPU host, where
+    # a collective's latency is milliseconds; on GPUs (NCCL, buckets of tens of MB) it is left out.
+    buckets = max(1, math.ceil(grads / bucket_bytes)) if cores_shared else 1
+    if L.zero == 0:
+        dp = coll("all_reduce", grads, buckets)
+    elif L.zero in (1, 2):
+        dp = coll("reduce_scatter", grads, buckets) + coll("all_gather", wbytes, buckets)
+        if L.zero == 2:
+            dp += (micro - 1) * coll("reduce_scatter", grads, buckets)
+    else:
+        units = m.num_layers // L.pp + 1  # each layer, and the embedding + head unit
+        dp = micro * (coll("reduce_scatter", grads, units) + 2 * coll("all_gather", wbytes, units))
+    if cores_shared:
+        return dp
+    overlap = last_backward * (micro if L.zero == 3 else 1)  # backward the reduction hides behind
+    return max(dp - 0.8 * overlap, 0.05 * dp)

@@ -1,14 +1,28 @@
-"""Calibration on the machine at hand: matmul rate by shape, collective bandwidth and latency.
+"""Calibration on the machine at hand: kernel rates, the cost of sharing cores, collectives.
 
-    python -m mpformer.autoconfig.profile --out configs/cluster/local-cpu-profile.json [--ranks 2 4]
+    python -m mpformer.autoconfig.profile [--out configs/cluster/local-cpu-profile.json] [--ranks 2 3 4]
+    python -m mpformer.autoconfig.profile --device cuda --out configs/cluster/NAME-profile.json
 
-Under a minute on a 2-core machine. Matmul: fp32 (and bf16) GEMMs of transformer-like shapes with
-the thread count one rank gets; the result is FLOP/s per shape, so the cost model interpolates an
-efficiency by shape instead of assuming one constant. Collectives: all-reduce, all-gather and
-reduce-scatter over gloo for group sizes ``--ranks`` and message sizes from 4 KiB to 16 MiB; per
-op and group size a least-squares fit of ``t = alpha + bus_bytes / beta`` (bus bytes: the ring-
-adjusted bytes each rank moves, as the CommLedger counts them). The JSON's ``cluster`` section
-overrides the preset's peak rate and link numbers.
+Under a minute on a 2-core machine, one process per rank and one thread each (as pretrain runs):
+
+* matmul: FLOP/s of fp32 (and bf16) GEMMs of transformer shapes, attention's per-head products
+  included, so the cost model takes an efficiency by shape instead of one constant;
+* attention: causal scaled-dot-product attention, forward + backward, seconds per head by shape;
+* memory: an elementwise add's bytes/s (norms, activations, the optimizer step);
+* reference: the forward + backward time of a small Llama (``REFERENCE``) alone; the cost model's
+  prediction for it against this calibrates what the kernel terms miss (framework overhead);
+* sharing: the same reference run by k processes at once (each ``--ranks`` count): per-rank time
+  over time alone. A CPU host runs more ranks than cores; this is how much slower each computes
+  while k compute, which the cost model applies to every stretch of a pipeline's timeline;
+* collectives: all-reduce, all-gather and reduce-scatter over gloo, message sizes 4 KiB - 16 MiB,
+  in concurrent groups of each size dividing max(--ranks) with every process running and computing
+  between collectives, as in training (on shared cores the latency is mostly the wait for the other
+  ranks to be scheduled, which an idle benchmark does not see); per op and group size a fit of
+  ``t = alpha + bus_bytes / beta`` in relative error (bus bytes: the ring-adjusted bytes each rank
+  moves, as the CommLedger counts them), used by the cost model per op and group size.
+
+The JSON's ``cluster`` section overrides the preset's peak rate, memory bandwidth and link numbers.
+``--device cuda`` measures one GPU's matmul, attention and memory rates (no collectives).
 """
 
 from __future__ import annotations
@@ -19,82 +33,217 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+# Transformer-like GEMMs (tokens x out x in), and attention's per-head products (s x s x d, s x d x s).
 SHAPES = [(256, 256, 256), (512, 512, 512), (256, 1024, 256), (1024, 1024, 1024), (128, 2048, 512),
-          (2048, 512, 2048), (512, 4096, 512), (1024, 4096, 1024)]
+          (2048, 512, 2048), (512, 4096, 512), (1024, 4096, 1024), (256, 256, 32), (256, 32, 256),
+          (512, 512, 64), (512, 64, 512), (1024, 1024, 128), (1024, 128, 1024)]
 SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 4 * 2**20, 16 * 2**20]
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares of t = alpha + x / beta over (bus_bytes x, seconds t); alpha >= 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    mt = sum(t for _, t in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (t - mt) for x, t in points) / var if var > 0 else 0.0
+    """Least squares of t = alpha + x / beta over (bus_bytes x, seconds t) in relative error (weights
+    1/t^2): the small messages that fix alpha count as much as the large ones that fix beta; alpha >= 0."""
+    w = [1.0 / max(t, 1e-12) ** 2 for _, t in points]
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+    mt = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
+    var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+    slope = sum(wi * (x - mx) * (t - mt) for wi, (x, t) in zip(w, points)) / var if var > 0 else 0.0
     alpha = max(mt - slope * mx, 0.0)
     return alpha, (1.0 / slope if slope > 0 else float("inf"))
 
 
-def _time(fn, min_time: float) -> float:
+def _time(fn, min_time: float, sync=None) -> float:
+    """Seconds per call: doubling batches of calls until one batch lasts ``min_time``; ``sync`` waits
+    for an accelerator's queue (once per batch, so that short kernels are not timed as launches)."""
     fn()
-    reps, t0 = 0, time.perf_counter()
+    if sync is not None:
+        sync()
+    reps = 1
     while True:
-        fn()
-        reps += 1
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if sync is not None:
+            sync()
         dt = time.perf_counter() - t0
         if dt >= min_time:
             return dt / reps
+        reps *= 2
 
 
 def profile_matmul(dtypes: Sequence[str] = ("fp32", "bf16"), threads: int = 1,
-                   min_time: float = 0.15) -> list[dict]:
+                   min_time: float = 0.1, sync=None, device: str = "cpu") -> list[dict]:
+    """FLOP/s by shape; ``sync`` (a barrier) lines up concurrent ranks so that they share the cores."""
     import torch
+
+    torch.set_num_threads(threads)
+    out = []
+    wait = torch.cuda.synchronize if device == "cuda" else None
+    for dt in dtypes:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
+        shapes = GPU_SHAPES if device != "cpu" else SHAPES if dt == "fp32" else [
+            (m, n, k) for m, n, k in SHAPES if 2 * m * n * k <= 3e8]  # CPU bf16 is slow: its small GEMMs only
+        for m, n, k in shapes:
+            a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
+            if sync is not None:
+                sync()
+            sec = _time(lambda a=a, b=b: a @ b.t(), min_time, wait)  # the forward's x W^T layout
+            out.append({"dtype": dt, "m": m, "n": n, "k": k, "flops_per_s": 2 * m * n * k / sec})
+    return out
+
+
+ATTENTION = [(256, 32), (512, 64), (1024, 64), (1024, 128)]  # (sequence, head dim), causal
+GPU_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (2048, 8192, 2048),
+              (4096, 14336, 4096), (4096, 4096, 14336), (16384, 4096, 4096), (8192, 1024, 8192), (4096, 128256, 4096),
+              (2048, 2048, 128), (2048, 128, 2048), (4096, 4096, 128), (8192, 8192, 128), (1024, 1024, 64)]
+GPU_ATTENTION = [(1024, 64), (2048, 128), (4096, 128), (8192, 128)]
+
+
+def profile_attention(dtypes: Sequence[str] = ("fp32", "bf16"), threads: int = 1, min_time: float = 0.1,
+                      sync=None, heads: int = 2, device: str = "cpu") -> list[dict]:
+    """Seconds per head of causal scaled-dot-product attention, forward + backward, by shape: the fused
+    kernel's efficiency differs from a GEMM's (masking, online softmax, the backward's recompute)."""
+    import torch
+    import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     out = []
     for dt in dtypes:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
-        for m, n, k in SHAPES:
-            a, b = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-            sec = _time(lambda a=a, b=b: a @ b.t(), min_time)  # the forward's x W^T layout
-            out.append({"dtype": dt, "m": m, "n": n, "k": k, "flops_per_s": 2 * m * n * k / sec})
+        shapes = GPU_ATTENTION if device != "cpu" else ATTENTION[:2] if dt == "bf16" else ATTENTION  # CPU bf16: slow
+        for seq, d in shapes:
+            q, k, v = (torch.randn(1, heads, seq, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+            grad = torch.randn(1, heads, seq, d, dtype=dtype, device=device)
+
+            def step(q=q, k=k, v=v, grad=grad) -> None:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+            if sync is not None:
+                sync()
+            sec = _time(step, min_time, torch.cuda.synchronize if device == "cuda" else None)
+            out.append({"dtype": dt, "seq": seq, "head_dim": d, "seconds_per_head": sec / heads})
     return out
 
 
-def _collectives_worker(sizes: Sequence[int]) -> list[dict]:
+def profile_memory_bandwidth(threads: int = 1, min_time: float = 0.2, device: str = "cpu") -> float:
+    """Bytes/s of an elementwise kernel (read two, write one) on tensors far larger than the caches:
+    the rate norms, activations and the optimizer step run at."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = 8 * 2**20 if device == "cpu" else 256 * 2**20
+    x, y, z = (torch.randn(n, device=device) for _ in range(3))
+    sec = _time(lambda: torch.add(x, y, out=z), min_time, torch.cuda.synchronize if device == "cuda" else None)
+    return 3 * x.numel() * 4 / sec
+
+
+def _loaded_worker(sizes: Sequence[int], group_sizes: Sequence[int], compute_n: int) -> dict:
+    """With every rank of the host busy: the reference model's time, then the collectives."""
+    import torch.distributed as dist
+
+    return {"reference_s": profile_reference(sync=dist.barrier)["seconds"],
+            "collectives": _collectives_worker(sizes, group_sizes, compute_n)}
+
+
+def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], compute_n: int) -> list[dict]:
+    """Every rank of the world runs ``compute_n``-sized GEMMs between collectives, in concurrent groups
+    of n, as training does: on a host whose ranks share cores, a collective's latency is mostly the
+    wait for the other ranks to be scheduled, which an idle benchmark does not see. The time of the
+    same loop without the collective is subtracted."""
     import torch
     import torch.distributed as dist
 
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    n, out = dist.get_world_size(), []
-    for size in sizes:
-        elems = size // 4
-        elems -= elems % n
-        x, part, full = torch.ones(elems), torch.empty(elems // n), torch.empty(elems)
-        ops = {"all_reduce": lambda x=x: dist.all_reduce(x),
-               "all_gather": lambda full=full, part=part: dist.all_gather_into_tensor(full, part),
-               "reduce_scatter": lambda part=part, x=x: reduce_scatter(part, x)}
-        reps = 20 if size <= 64 * 2**10 else 10 if size <= 2**20 else 4  # the same on every rank
-        for name, fn in ops.items():
+    world, rank, out = dist.get_world_size(), dist.get_rank(), []
+    a = torch.randn(compute_n, compute_n)
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ a
             fn()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            sec = (time.perf_counter() - t0) / reps
-            out.append({"op": name, "ranks": n, "bytes": elems * 4,
-                        "bus_bytes": RING_FACTOR[name] * elems * 4 * (n - 1) / n, "seconds": sec})
+        return (time.perf_counter() - t0) / reps
+
+    for n in group_sizes:
+        groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # every rank creates each
+        g = groups[rank // n]
+        base = timed(lambda: None, 40)
+        for size in sizes:
+            elems = size // 4
+            elems -= elems % n
+            x, part, full = torch.ones(elems), torch.empty(elems // n), torch.empty(elems)
+            ops = {"all_reduce": lambda x=x, g=g: dist.all_reduce(x, group=g),
+                   "all_gather": lambda full=full, part=part, g=g: dist.all_gather_into_tensor(full, part, group=g),
+                   "reduce_scatter": lambda part=part, x=x, g=g: reduce_scatter(part, x, group=g)}
+            reps = 20 if size <= 64 * 2**10 else 10 if size <= 2**20 else 4  # the same on every rank
+            for name, fn in ops.items():
+                sec = max(timed(fn, reps) - base, 1e-6)
+                out.append({"op": name, "ranks": n, "world": world, "bytes": elems * 4,
+                            "bus_bytes": RING_FACTOR[name] * elems * 4 * (n - 1) / n, "seconds": sec})
     return out
 
 
-def profile_collectives(ranks: Sequence[int] = (2, 4)) -> list[dict]:
+# The reference model timed end to end (forward + backward of one micro-batch, fp32, one thread): the
+# cost model's prediction for it against this measurement calibrates what its per-kernel terms miss
+# (framework and autograd overhead, the ops it does not list). Not a model the benchmarks train.
+REFERENCE = {"arch": "llama", "num_layers": 4, "hidden_size": 384, "num_attention_heads": 6, "num_kv_heads": 2,
+             "ffn_hidden_size": 1024, "vocab_size": 4096, "max_position_embeddings": 512}
+REFERENCE_SEQ = 512
+
+
+def profile_reference(threads: int = 1, duration: float = 1.5, sync=None) -> dict:
+    """Seconds per forward + backward of the reference model: steps run back to back for ``duration``
+    (after one untimed), so that ranks timed at once overlap for the whole window (``sync``: a barrier
+    that starts them together)."""
+    import torch
+
+    from mpformer.models.config import ModelConfig
+    from mpformer.models.parallelize import build_model
+
+    torch.set_num_threads(threads)
+    model = build_model(ModelConfig(**REFERENCE), tp=None, device=torch.device("cpu"), seed=0)
+    tokens = torch.randint(0, REFERENCE["vocab_size"], (1, REFERENCE_SEQ + 1))
+
+    def step() -> None:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+
+    step()
+    if sync is not None:
+        sync()
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < duration:
+        step()
+        steps += 1
+    return {"model": REFERENCE, "seq_length": REFERENCE_SEQ, "micro_batch_size": 1, "precision": "fp32",
+            "seconds": (time.perf_counter() - t0) / steps}
+
+
+def _reference_worker() -> float:
+    import torch.distributed as dist
+
+    return profile_reference(sync=dist.barrier)["seconds"]
+
+
+def profile_loaded(alone: float, ranks: Sequence[int] = (2, 3, 4),
+                   compute_n: int = 384) -> tuple[dict[str, dict], list[dict]]:
+    """Sharing the cores, keyed by the number of processes computing at once: the reference model's
+    forward + backward time per rank over its time alone (the slowdown), and with max(ranks) processes
+    the collectives of every group size that divides it."""
     from mpformer.testing.spawn import run_distributed
 
-    out = []
-    for n in ranks:
-        out += run_distributed(_collectives_worker, n, args=(SIZES,), timeout=120)[0]
-    return out
+    world = max(ranks)
+    sizes = [n for n in ranks if world % n == 0 and n > 1]
+    loaded: dict[str, dict] = {}
+    for n in sorted({n for n in ranks if 1 < n < world}):
+        per_rank = run_distributed(_reference_worker, n, timeout=300)
+        loaded[str(n)] = {"ranks": n, "slowdown": sum(per_rank) / n / alone}
+    per_rank = run_distributed(_loaded_worker, world, args=(SIZES, sizes, compute_n), timeout=300)
+    loaded[str(world)] = {"ranks": world, "slowdown": sum(r["reference_s"] for r in per_rank) / world / alone}
+    return loaded, per_rank[0]["collectives"]
 
 
 def summarise(matmul: list[dict], collectives: list[dict]) -> dict:
@@ -119,16 +268,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure this machine for the auto-configurator's local-cpu cluster.")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "configs" / "cluster" /
                                           "local-cpu-profile.json"))
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4],
+                    help="process counts whose shared-core rates are measured; the largest also runs the "
+                         "collectives, in groups of each count that divides it")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (as pretrain gives each rank)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: this GPU's matmul, attention and memory rates (no collectives: one device)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    result = summarise(profile_matmul(threads=args.threads), profile_collectives(args.ranks))
+    if args.device == "cuda":
+        return _profile_gpu(Path(args.out), t0)
+    reference = profile_reference(args.threads)
+    loaded, collectives = profile_loaded(reference["seconds"], args.ranks)
+    result = summarise(profile_matmul(threads=args.threads), collectives)
+    result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(args.threads)
+    result["attention"] = profile_attention(threads=args.threads)
+    result["reference"] = reference
+    result["loaded"] = loaded
     result["seconds"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"profile written to {args.out} in {result['seconds']:.0f} s: peak "
           + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in result["cluster"]["peak_flops"].items())
-          + f"; all-reduce {result['cluster'].get('intra_bandwidth', 0) / 1e9:.2f} GB/s")
+          + f"; all-reduce {result['cluster'].get('intra_bandwidth', 0) / 1e9:.2f} GB/s; memory "
+          f"{result['cluster']['memory_bandwidth'] / 1e9:.1f} GB/s")
+    return 0
+
+
+def _profile_gpu(out: Path, t0: float) -> int:
+    import torch
+
+    matmul = profile_matmul(("bf16", "fp32"), device="cuda")
+    result = summarise(matmul, [])
+    result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(device="cuda")
+    result["attention"] = profile_attention(("bf16",), heads=16, device="cuda")
+    result["device"] = torch.cuda.get_device_name()
+    result["seconds"] = time.perf_counter() - t0
+    out.write_text(json.dumps(result, indent=1))
+    print(f"profile of {result['device']} written to {out} in {result['seconds']:.0f} s: peak "
+          + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in result["cluster"]["peak_flops"].items())
+          + f"; memory {result['cluster']['memory_bandwidth'] / 1e12:.2f} TB/s")
     return 0
 
 

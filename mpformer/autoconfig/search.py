@@ -38,6 +38,15 @@ class Candidate:
                 "micro_batch_size": self.micro_batch_size, "zero": L.zero, "recompute": L.recompute,
                 "schedule": L.schedule, "sequence_parallel": L.sequence_parallel}
 
+    def overrides(self) -> str:
+        """The plan as pretrain's command-line overrides."""
+        p = self.plan()
+        parts = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in p.items()
+                 if k != "micro_batch_size"]
+        if self.layout.pp_partition != "uniform":
+            parts.append(f"parallel.pp_partition={self.layout.pp_partition}")
+        return " ".join([*parts, f"train.micro_batch_size={p['micro_batch_size']}"])
+
 
 @dataclass
 class SearchResult:
@@ -112,7 +121,8 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
         for vpp in options("vpp", vpps):
             for mbs in options("micro_batch_size", [b for b in (1, 2, 4, 8) if per_dp % b == 0]):
                 for sp in options("sequence_parallel", [tp > 1]):
-                    for zero in options("zero", [0, 1, 2, 3] if pp == 1 else [0, 1]):
+                    stages = [0] if dp * cp == 1 else [0, 1, 2, 3] if pp == 1 else [0, 1]  # dp=1: all alike
+                    for zero in options("zero", stages):
                         # Layers that do not split evenly go to stages balanced by compute (partition.py).
                         part = "uniform" if model.num_layers % (pp * vpp) == 0 else "balanced"
                         _recompute_choice(model, cluster, w, result, fixed, options, device,
@@ -147,6 +157,29 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
         b.extra["params"] = params
         result.feasible.append(Candidate(L, mbs, need, b))
         return
+
+
+def no_plan_error(res: SearchResult, cluster: Cluster) -> ConfigError:
+    """The one-line reason nothing was returned: the smallest memory need and its plan, or why every
+    layout was invalid."""
+    if res.smallest is not None:
+        s = res.smallest
+        return ConfigError(f"no layout fits {cluster.name} x {cluster.nodes} node(s) ({cluster.memory_bytes / 1e9:.3g} "
+                           f"GB per device): the smallest need is {s.memory_bytes / 1e9:.1f} GB per device, with "
+                           f"{s.overrides()}")
+    why = "; ".join(f"{k}: {v['count']} (e.g. {v['example']})" for k, v in res.rejected.items())
+    return ConfigError(f"no valid layout for {cluster.world_size} devices: {why}")
+
+
+def evaluate_plan(model: ModelConfig, layout: ParallelLayout, w: Workload, cluster: Cluster,
+                  device: str = "cuda") -> Candidate:
+    """One given layout (dp resolved) timed and sized as the search would: memory, and the iteration
+    time with the pipeline simulated on its schedule."""
+    stages = plan_memory(model, layout, w, device=device)
+    params = max(s.params for s in stages)
+    b = iteration_time(model, layout, w, cluster, params_per_rank=params, simulate_pipeline=True)
+    b.extra["params"] = params
+    return Candidate(layout, w.micro_batch_size, max(s.total for s in stages), b)
 
 
 def _short(L: ParallelLayout, mbs: int) -> str:

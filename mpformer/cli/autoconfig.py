@@ -4,8 +4,9 @@
         train.seq_length=4096 [train.precision=bf16] [autoconfig.fixed.tp=8 ...] [autoconfig.top_k=5] \\
         [autoconfig.output=plan.json] [autoconfig.plot=plans.png]
 
-``model=`` and ``train.*`` are the pretraining config's own keys (composed and checked the same way);
-``cluster=`` names a preset in configs/cluster/; ``autoconfig.*`` are this tool's. The output JSON
+Every key is the pretraining config's own (composed and checked the same way): ``model=``, ``train.*``,
+``cluster=`` (a preset in configs/cluster/, short for ``autoconfig.cluster=``; default local-cpu) and
+``autoconfig.*``. The output JSON
 (``autoconfig.output``) has ``plan``, ``predicted``, ``top``, ``candidates_evaluated`` and
 ``search_time_s``; next to it ``<stem>.parallel.yaml`` holds the plan as a Hydra parallel config and
 the overrides line to pass to pretrain is printed.
@@ -20,42 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from mpformer.cli import user_errors_to_exit
-from mpformer.errors import ConfigError
-
-KEYS = ("nodes", "output", "top_k", "plot")
-
-
-def _parse(argv: Sequence[str]) -> tuple[list[str], str, dict[str, Any], dict[str, Any]]:
-    passthrough, cluster, opts, fixed = [], "local-cpu", {}, {}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise ConfigError(f"argument {arg!r} is not key=value")
-        if key == "cluster":
-            cluster = value
-        elif key.startswith("autoconfig.fixed."):
-            fixed[key[len("autoconfig.fixed."):]] = _value(value)
-        elif key.startswith("autoconfig."):
-            name = key[len("autoconfig."):]
-            if name not in KEYS:
-                raise ConfigError(f"unknown key {key}; valid: {', '.join('autoconfig.' + k for k in KEYS)}, "
-                                  "autoconfig.fixed.<plan field>")
-            opts[name] = _value(value)
-        else:
-            passthrough.append(arg)
-    return passthrough, cluster, opts, fixed
-
-
-def _value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def model_flops_per_step(model, global_batch: int, seq: int) -> float:
@@ -78,25 +43,18 @@ def _predicted(c, model, world: int, w) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.memory import Workload
-    from mpformer.autoconfig.search import search
+    from mpformer.autoconfig.search import no_plan_error, search
     from mpformer.cli.compose import compose_config
 
-    passthrough, cluster_name, opts, fixed = _parse(sys.argv[1:] if argv is None else argv)
-    cfg = compose_config(passthrough).cfg
+    cfg = compose_config(list(sys.argv[1:] if argv is None else argv)).cfg
     cfg.model.validate()
-    t = cfg.train
-    cluster = load_cluster(cluster_name, opts.get("nodes"))
+    t, ac = cfg.train, cfg.autoconfig
+    cluster = load_cluster(ac.cluster or "local-cpu", ac.nodes)
     w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision)
-    device = "cpu" if cluster.name == "local-cpu" else "cuda"
-    res = search(cfg.model, cluster, w, fixed=fixed, top_k=int(opts.get("top_k", 5)), device=device)
+    device = "cpu" if cluster.cores else "cuda"
+    res = search(cfg.model, cluster, w, fixed=ac.fixed.pinned(), top_k=ac.top_k, device=device)
     if not res.top:
-        if res.smallest is not None:
-            s = res.smallest
-            raise ConfigError(f"no layout fits {cluster.name} x {cluster.nodes} node(s) ({cluster.memory_gb:g} GB per "
-                              f"device): the smallest need is {s.memory_bytes / 1e9:.1f} GB per device, with "
-                              f"{_overrides(s)}")
-        why = "; ".join(f"{k}: {v['count']} (e.g. {v['example']})" for k, v in res.rejected.items())
-        raise ConfigError(f"no valid layout for {cluster.world_size} devices: {why}")
+        raise no_plan_error(res, cluster)
     _print(res, cfg.model, cluster, w)
     best = res.top[0]
     payload = {"plan": best.plan(), "predicted": _predicted(best, cfg.model, cluster.world_size, w),
@@ -104,26 +62,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                        for c in res.top],
                "candidates_evaluated": res.evaluated, "search_time_s": res.seconds,
                "rejected": res.rejected, "cluster": cluster.name, "nodes": cluster.nodes}
-    print(f"pretrain with: {_overrides(best)}")
-    if opts.get("output"):
-        out = Path(str(opts["output"]))
+    print(f"pretrain with: {best.overrides()}")
+    if ac.output:
+        out = Path(ac.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=1))
         yaml = out.with_suffix("").with_suffix(".parallel.yaml") if out.suffix else Path(f"{out}.parallel.yaml")
         plan = {k: v for k, v in best.plan().items() if k != "micro_batch_size"}
+        plan["pp_partition"] = best.layout.pp_partition
         yaml.write_text("# written by tools/autoconfig.py; train.micro_batch_size=" f"{best.micro_batch_size}\n"
                         + "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in plan.items()))
         print(f"wrote {out} and {yaml}")
-    if opts.get("plot"):
-        _plot(res, Path(str(opts["plot"])))
+    if ac.plot:
+        _plot(res, Path(ac.plot))
     return 0
-
-
-def _overrides(c) -> str:
-    p = c.plan()
-    parts = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in p.items()
-             if k != "micro_batch_size"]
-    return " ".join([*parts, f"train.micro_batch_size={p['micro_batch_size']}"])
 
 
 def _print(res, model, cluster, w) -> None:

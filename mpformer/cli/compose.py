@@ -107,18 +107,30 @@ def _precheck(overrides: list[str]) -> None:
                 raise ConfigError(f"config group '{key}' is not used by this command; valid groups: "
                                   f"{format_choices(GROUPS)}")
             options = _group_options(key)
-            if key == "parallel" and value == "auto":
-                raise ConfigError("parallel=auto: the auto-configurator is not implemented yet; valid: "
-                                  f"{format_choices(options)}")
             if value not in options:
                 raise ConfigError(f"{key}={value}: no such preset in configs/{key}; valid: {format_choices(options)}")
             continue
         _check_key(key.split("."))
 
 
+def _cluster_alias(overrides: list[str]) -> list[str]:
+    """``cluster=NAME`` (DESIGN's spelling) is ``autoconfig.cluster=NAME``, checked against the presets."""
+    out = []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and key in ("cluster", "autoconfig.cluster") and value not in ("null", ""):
+            names = _group_options("cluster")
+            if value not in names and not Path(value).is_file():
+                raise ConfigError(f"unknown cluster {value!r}; valid: {format_choices(names)} (or a path to a cluster "
+                                  "YAML)")
+            o = f"autoconfig.cluster={value}"
+        out.append(o)
+    return out
+
+
 def compose_config(overrides: list[str], config_name: str = "config") -> Composed:
     """Compose and type-check; raises ConfigError with one line on any mistake."""
-    overrides = list(overrides)
+    overrides = _cluster_alias(list(overrides))
     _precheck(overrides)
     _register_schema()
     GlobalHydra.instance().clear()

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from mpformer.training.preflight import preflight_train
 def run_pretraining(composed: Composed) -> list[float]:
     """Validate, start (or join) the process group, train; returns the losses of the steps run."""
     cfg = composed.cfg
-    layout = preflight_train(composed, world_size_from_env())
+    layout, prediction = preflight_train(composed, world_size_from_env())
     # torch and friends load only once the config is known to be good: bad input exits in ~1 s.
     import torch
     import torch.distributed as dist
@@ -44,8 +45,12 @@ def run_pretraining(composed: Composed) -> list[float]:
         if groups.is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            if prediction is not None:
+                (run_dir / "autoconfig.json").write_text(json.dumps(prediction.to_dict(), indent=1))
+                print(prediction.summary(), flush=True)
         t0 = time.perf_counter()
-        trainer = Trainer(cfg, layout, groups, run_dir, resolved)
+        trainer = Trainer(cfg, layout, groups, run_dir, resolved,
+                          predicted_step_time_s=prediction.step_time_s if prediction is not None else None)
         losses = trainer.fit()
         if groups.is_logging_rank and losses:
             k = max(1, len(losses) // 10)

@@ -33,6 +33,9 @@ class ParallelConfig:
     recompute: str = "none"
     pp_split: list[int] | None = None  # transformer layers per global stage (pp*vpp entries)
     pp_partition: str = "uniform"  # uniform | balanced (by compute: fewer layers next to the LM head)
+    # parallel=auto: the auto-configurator picks the layout (and train.micro_batch_size) for the world
+    # size; the fields above that are set on the command line stay as given (pinned).
+    auto: bool = False
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, vpp=self.vpp,
@@ -118,6 +121,39 @@ class EvalConfig:
 
 
 @dataclass
+class FixedPlan:
+    """Plan fields the auto-configurator keeps as given (None: searched)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    cp_kind: str | None = None
+    vpp: int | None = None
+    micro_batch_size: int | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    schedule: str | None = None
+    sequence_parallel: bool | None = None
+
+    def pinned(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class AutoconfigConfig:
+    # A preset of configs/cluster (`cluster=NAME` on the command line). In pretrain it makes the trainer
+    # log the cost model's predicted step time next to the measured one; parallel=auto searches on it
+    # (default there: local-cpu on a CPU run).
+    cluster: str | None = None
+    nodes: int | None = None  # tools/autoconfig.py: nodes of the cluster (None: the preset's)
+    fixed: FixedPlan = field(default_factory=FixedPlan)
+    top_k: int = 5
+    output: str | None = None  # tools/autoconfig.py: the plan JSON (and <stem>.parallel.yaml next to it)
+    plot: str | None = None  # tools/autoconfig.py: predicted time against memory of every feasible plan (PNG)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -127,6 +163,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    autoconfig: AutoconfigConfig = field(default_factory=AutoconfigConfig)
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:

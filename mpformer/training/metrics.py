@@ -74,7 +74,10 @@ class MetricsLogger:
             eta = metrics.get("eta_s", float("nan"))
             print(f"step {step}/{self.total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3g} | "
                   f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:.0f} tok/s | "
-                  f"{metrics['step_time_s'] * 1000:.0f} ms/step | ETA {_fmt_eta(eta)}"
+                  f"{metrics['step_time_s'] * 1000:.0f} ms/step"
+                  + (f" (predicted {metrics['predicted_step_time_s'] * 1000:.0f})"
+                     if "predicted_step_time_s" in metrics else "")
+                  + f" | ETA {_fmt_eta(eta)}"
                   + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""), flush=True)
 
     def message(self, text: str) -> None:

@@ -10,7 +10,7 @@ import importlib.util
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpformer.checkpoint.manifest import check_files, check_model_matches, read_manifest
 from mpformer.cli.compose import Composed
@@ -21,6 +21,9 @@ from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout, validate
 from mpformer.training.config import check_training_config
 from mpformer.training.evaluation import check_pipeline_eval, load_eval_tokens_for
+
+if TYPE_CHECKING:
+    from mpformer.autoconfig.plan import Prediction
 
 
 def adopt_checkpoint_model(composed: Composed) -> dict[str, Any] | None:
@@ -94,11 +97,17 @@ def check_data(cfg_data_paths: list[str], tokenizer: str | None) -> None:
         raise ConfigError(f"data.tokenizer={tokenizer}: no such directory (a Hugging Face tokenizer folder)")
 
 
-def preflight_train(composed: Composed, world_size: int) -> ParallelLayout:
-    """Validate everything pretrain needs; return the resolved layout."""
+def preflight_train(composed: Composed, world_size: int) -> tuple[ParallelLayout, Prediction | None]:
+    """Validate everything pretrain needs; return the resolved layout and, when a cluster is named or
+    parallel=auto chose the layout, the cost model's prediction for it."""
     cfg = composed.cfg
     manifest = adopt_checkpoint_model(composed)
     check_training_config(cfg)
+    prediction = None
+    if cfg.parallel.auto:  # fills in cfg.parallel and train.micro_batch_size
+        from mpformer.autoconfig.plan import choose_layout
+
+        prediction = choose_layout(composed, world_size)
     t = cfg.train
     layout = validate(cfg.parallel.layout(), cfg.model, world_size, global_batch_size=t.global_batch_size,
                       micro_batch_size=t.micro_batch_size, seq_length=t.seq_length)
@@ -120,4 +129,8 @@ def preflight_train(composed: Composed, world_size: int) -> ParallelLayout:
         if layout.sequence_parallel and (rows.shape[1] - 1) % layout.tp:
             raise ConfigError(f"eval.tokens={cfg.eval.tokens}: rows of {rows.shape[1] - 1} inputs do not split over "
                               f"parallel.tp={layout.tp} under sequence parallelism; valid: multiples of {layout.tp}")
-    return layout
+    if prediction is None and cfg.autoconfig.cluster is not None:
+        from mpformer.autoconfig.plan import predict
+
+        prediction = predict(cfg, layout, world_size)
+    return layout, prediction

@@ -39,8 +39,9 @@ from mpformer.training.metrics import MetricsLogger, StepTimer
 
 class Trainer:
     def __init__(self, cfg: Config, layout: ParallelLayout, groups: ProcessGroups, run_dir: Path,
-                 resolved_config: dict[str, Any]) -> None:
+                 resolved_config: dict[str, Any], predicted_step_time_s: float | None = None) -> None:
         self.cfg, self.layout, self.groups = cfg, layout, groups
+        self.predicted_step_time_s = predicted_step_time_s  # the auto-configurator's, logged beside the measured
         self.run_dir = run_dir
         self.resolved_config = resolved_config
         self.device = groups.device
@@ -198,6 +199,8 @@ class Trainer:
                       "comm_bytes": sum(v for k, v in comm.items() if not k.startswith("metrics.")),
                       "comm_bytes_by_kind": comm,
                       "consumed_samples": self.consumed_samples, "eta_s": timer.eta(end - self.step)})
+            if self.predicted_step_time_s is not None:
+                m["predicted_step_time_s"] = self.predicted_step_time_s
             if self.eval_tokens is not None and (self.step % self.cfg.eval.interval == 0 or self.step == end):
                 m["val_loss"] = self.validate()
                 self.groups.ledger.take()

@@ -92,6 +92,13 @@ BAD_INPUTS = {
                                     "valid with zero > 0 or 16-bit: adamw, adam, sgd"]),
     "fp16": (["train.precision=fp16", "train.initial_loss_scale=0"], ["fp16 loss scaling needs"]),
     "unknown preset": (["model=llama-9000"], ["valid: gpt2"]),
+    "unknown cluster": (["cluster=dgx-z"], ["unknown cluster 'dgx-z'", "valid: dgx-a100-80gb"]),
+    "auto with a layer split": (["parallel=auto", "parallel.pp_split=[4,4]"],
+                                ["parallel.pp_split cannot be combined with parallel=auto"]),
+    "auto pin unknown": (["parallel=auto", "autoconfig.fixed.tq=2"], ["autoconfig.fixed.tq", "valid keys"]),
+    "auto fits nowhere": (["parallel=auto", "model.hidden_size=16384", "model.ffn_hidden_size=65536",
+                           "model.num_attention_heads=128", "model.num_kv_heads=8"],
+                          ["no layout fits local-cpu x 1 node(s)", "the smallest need is", "parallel.dp=1"]),
 }
 
 

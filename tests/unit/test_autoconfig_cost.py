@@ -70,3 +70,66 @@ def test_pipeline_time_extrapolation_equals_the_full_timeline(name, vpp):
         for m in (4 * p, 7 * p):
             full = simulate(build_schedule(name, p, m, vpp), costs).step_time
             assert pipeline_time(name, p, m, vpp, costs) == pytest.approx(full, rel=1e-9), (name, p, m)
+
+
+@pytest.mark.parametrize("name,pp,m", [("gpipe", 2, 2), ("1f1b", 4, 8), ("zb-h1", 4, 8)])
+def test_shared_step_time_is_processor_sharing(name, pp, m):
+    """Ranks sharing cores, against what processor sharing must give: a core each (dilation 1) is the
+    simulator's timeline; one core for all (dilation k) keeps it busy, so the step is the total work
+    (the fixed point within 2%); two cores lie between max(timeline, work / 2) and twice the timeline."""
+    from mpformer.autoconfig.cost import shared_step_time
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.simulate import Costs, simulate
+
+    s = build_schedule(name, pp, m, 1)
+    c = Costs(f=1.0, b=2.0, w=1.0, p2p=0.0)
+    work = sum(c.duration(a, pp) for row in s.actions for a in row)
+    alone = simulate(s, c).step_time
+    assert shared_step_time(s, c, lambda k: 1.0) == pytest.approx(alone)
+    assert shared_step_time(s, c, lambda k: float(k)) == pytest.approx(work, rel=0.02)
+    two = shared_step_time(s, c, lambda k: max(1.0, k / 2))
+    assert max(alone, work / 2) * 0.99 <= two <= 2 * alone
+
+
+def test_ranks_sharing_cores_slow_compute_and_fill_the_bubbles():
+    """local-cpu with 4 ranks on 2 cores and no profile: compute runs at half the rate when every rank
+    computes; a pipeline's bubbles are mostly absorbed (idle ranks lend their cores)."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cost import slowdowns
+
+    c = replace(load_cluster("local-cpu"), measured={})  # the preset's numbers, not this machine's profile
+    assert slowdowns(c) == {1: 1.0, 2: 1.0, 4: 2.0} and slowdowns(load_cluster("dgx-h100")) is None
+    m = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
+                    ffn_hidden_size=768, vocab_size=512)
+    w = Workload(global_batch_size=16, micro_batch_size=1, seq_length=256, precision="fp32")
+    n = m.num_params()
+    alone = iteration_time(m, ParallelLayout(dp=4), w, replace(c, cores=4), params_per_rank=n)
+    shared = iteration_time(m, ParallelLayout(dp=4), w, c, params_per_rank=n)
+    assert shared.compute_s == pytest.approx(2 * alone.compute_s, rel=1e-6)
+    pp_alone = iteration_time(m, ParallelLayout(dp=1, pp=4), w, replace(c, cores=4), params_per_rank=n // 4)
+    pp = iteration_time(m, ParallelLayout(dp=1, pp=4), w, c, params_per_rank=n // 4)
+    assert pp_alone.pp_bubble_s > 0.1 * pp_alone.iteration_s  # (p-1)/(m+p-1) = 3/19 on cores of their own
+    assert pp.iteration_s < 2 * pp_alone.iteration_s * (1 - 0.1)  # sharing the cores absorbs most of it
+    assert pp.iteration_s >= pp.compute_s * 0.9
+
+
+def test_reference_model_calibrates_compute():
+    """A profile's reference measurement scales every compute term by measured / modelled time."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cost import compute_factor
+
+    c = replace(load_cluster("local-cpu"), measured={})
+    ref = {"model": {"arch": "llama", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+                     "num_kv_heads": 2, "ffn_hidden_size": 256, "vocab_size": 512},
+           "seq_length": 128, "micro_batch_size": 1, "precision": "fp32", "seconds": 1.0}
+    k = compute_factor(replace(c, measured={"reference": ref}))
+    doubled = compute_factor(replace(c, measured={"reference": {**ref, "seconds": 2.0}}))
+    assert compute_factor(c) == 1.0 and doubled == pytest.approx(2 * k)
+    w = Workload(global_batch_size=4, micro_batch_size=1, seq_length=128, precision="fp32")
+    m = ModelConfig(**ref["model"])
+    base = iteration_time(m, ParallelLayout(dp=1), w, replace(c, cores=4), params_per_rank=m.num_params())
+    cal = iteration_time(m, ParallelLayout(dp=1), w, replace(c, cores=4, measured={"reference": ref}),
+                         params_per_rank=m.num_params())
+    assert cal.compute_s == pytest.approx(k * base.compute_s, rel=1e-6)

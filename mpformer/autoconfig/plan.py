@@ -1,0 +1,130 @@
+"""The auto-configurator inside pretrain: ``parallel=auto`` and the predicted step time of a run.
+
+    torchrun --nproc_per_node=4 pretrain/pretrain_gpt.py parallel=auto [cluster=local-cpu] [parallel.tp=2]
+
+The cluster is the preset (``cluster=NAME``; local-cpu by default on a CPU run) cut to the run's own
+world: ``LOCAL_WORLD_SIZE`` devices per node (torchrun sets it; else the preset's, capped by the
+world) and world / that many nodes. Every rank runs the same deterministic search, so the ranks agree
+on the plan without a process group. Layout keys given on the command line (``parallel.tp=2``,
+``train.micro_batch_size=4``) and ``autoconfig.fixed.*`` are pinned; the rest is searched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mpformer.autoconfig.cluster import Cluster, load_cluster
+from mpformer.autoconfig.memory import Workload
+from mpformer.autoconfig.search import PLAN_FIELDS, Candidate, SearchResult, evaluate_plan, no_plan_error, search
+from mpformer.cli.compose import Composed
+from mpformer.errors import ConfigError
+from mpformer.parallel.layout import ParallelLayout
+from mpformer.training.config import Config
+
+
+@dataclass
+class Prediction:
+    """What the cost model expects of the run, logged next to what it measures."""
+
+    candidate: Candidate
+    cluster: Cluster
+    search: SearchResult | None = None  # set when parallel=auto chose the layout
+
+    @property
+    def step_time_s(self) -> float:
+        return self.candidate.time.iteration_s
+
+    def summary(self) -> str:
+        c, how = self.candidate, "chose" if self.search is not None else "predicts for"
+        line = (f"auto-configurator {how} {c.overrides()}: {self.step_time_s:.3g} s/step, "
+                f"{c.memory_bytes / 1e9:.2f} GB per device on {self.cluster.name} "
+                f"({self.cluster.nodes} x {self.cluster.devices_per_node})")
+        if self.search is not None:
+            line += f"; {self.search.evaluated} candidates in {self.search.seconds:.1f} s"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "cluster": self.cluster.name, "devices_per_node": self.cluster.devices_per_node,
+            "nodes": self.cluster.nodes, "plan": self.candidate.plan(),
+            "pp_partition": self.candidate.layout.pp_partition,
+            "predicted": {"iteration_time_s": self.step_time_s,
+                          "memory_gb_per_device": self.candidate.memory_bytes / 1e9,
+                          "breakdown": {k: v for k, v in self.candidate.time.to_dict().items() if k != "params"}}}
+        if self.search is not None:
+            out |= {"candidates_evaluated": self.search.evaluated, "search_time_s": self.search.seconds,
+                    "top": [{"plan": c.plan(), "iteration_time_s": c.time.iteration_s} for c in self.search.top],
+                    "rejected": self.search.rejected}
+        return out
+
+
+def _device_kind(cfg: Config) -> str:
+    if cfg.train.device != "auto":
+        return cfg.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_cluster(name: str | None, world_size: int, device: str) -> Cluster:
+    """The preset cut to this run: devices per node from torchrun's LOCAL_WORLD_SIZE."""
+    if name is None:
+        if device != "cpu":
+            raise ConfigError("parallel=auto on GPUs needs the hardware to plan for: cluster=NAME (a preset in "
+                              "configs/cluster, e.g. cluster=dgx-h100)")
+        name = "local-cpu"
+    c = load_cluster(name)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, c.devices_per_node)))
+    if per_node < 1 or world_size % per_node:
+        raise ConfigError(f"world size {world_size} is not a whole number of nodes of {per_node} devices")
+    return replace(c, devices_per_node=per_node, nodes=world_size // per_node)
+
+
+def workload(cfg: Config) -> Workload:
+    t = cfg.train
+    return Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision)
+
+
+def pinned_fields(composed: Composed) -> dict[str, Any]:
+    """autoconfig.fixed.* plus the layout keys (and micro-batch size) the command line sets."""
+    cfg = composed.cfg
+    pinned = cfg.autoconfig.fixed.pinned()
+    for key in composed.overridden_keys("parallel"):
+        if key in ("pp_split",):
+            raise ConfigError(f"parallel.{key} cannot be combined with parallel=auto (the search splits the layers); "
+                              f"pin parallel.pp or parallel.pp_partition instead, or drop parallel=auto")
+        if key in PLAN_FIELDS and not (key == "dp" and cfg.parallel.dp == -1):
+            pinned.setdefault(key, getattr(cfg.parallel, key))
+    if "micro_batch_size" in composed.overridden_keys("train"):
+        pinned.setdefault("micro_batch_size", cfg.train.micro_batch_size)
+    return pinned
+
+
+def choose_layout(composed: Composed, world_size: int) -> Prediction:
+    """parallel=auto: search, then write the best plan into the config (parallel.*, train.micro_batch_size)."""
+    cfg = composed.cfg
+    device = _device_kind(cfg)
+    cluster = run_cluster(cfg.autoconfig.cluster, world_size, device)
+    pinned = {k: v for k, v in pinned_fields(composed).items()}
+    partition_pinned = "pp_partition" in composed.overridden_keys("parallel")
+    res = search(cfg.model, cluster, workload(cfg), fixed=pinned, top_k=cfg.autoconfig.top_k, device=device)
+    if not res.top:
+        raise no_plan_error(res, cluster)
+    best = res.top[0]
+    L = best.layout
+    p = cfg.parallel
+    p.dp, p.tp, p.pp, p.cp, p.cp_kind, p.vpp = L.dp, L.tp, L.pp, L.cp, L.cp_kind, L.vpp
+    p.sequence_parallel, p.zero, p.schedule, p.recompute = L.sequence_parallel, L.zero, L.schedule, L.recompute
+    if not partition_pinned:
+        p.pp_partition = L.pp_partition
+    cfg.train.micro_batch_size = best.micro_batch_size
+    return Prediction(best, cluster, res)
+
+
+def predict(cfg: Config, layout: ParallelLayout, world_size: int) -> Prediction:
+    """The cost model's step time for the layout the run uses (cfg.autoconfig.cluster names the hardware)."""
+    device = _device_kind(cfg)
+    cluster = run_cluster(cfg.autoconfig.cluster, world_size, device)
+    return Prediction(evaluate_plan(cfg.model, layout, workload(cfg), cluster, device), cluster)
