@@ -223,47 +223,47 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
 
 def shared_step_time(schedule: Schedule, costs: Costs, dilation: Callable[[int], float],
                      iterations: int = 12) -> float:
-    """Step time when the pipeline's ranks share cores: each compute action takes its cost alone times
-    the mean dilation(k) over its run, k the ranks computing meanwhile (itself included), and the
-    timeline is re-run with those durations until it settles (damped fixed-point iteration). A rank
-    idle in a bubble lends its core to the busy ones; one slowed down stays busy longer, and slows the
-    others in turn, which a one-pass stretch of the alone timeline would miss."""
+    """Step time when the pipeline's ranks share cores (processor sharing): while k ranks compute,
+    each progresses at 1 / dilation(k) of its speed alone, so a compute action lasts until its work
+    alone is done at the rates of the ranks busy around it. The rates come from the previous timeline;
+    the timeline is re-run with the new durations until it settles (a damped fixed-point iteration).
+    A rank idle in a bubble lends its core to the busy ones; one slowed down stays busy longer and
+    slows the others in turn, which a one-pass stretch of the alone timeline would miss."""
     from mpformer.pipeline.verify import execute
 
     alone = {a: costs.duration(a, schedule.pp) for row in schedule.actions for a in row}
     dur = dict(alone)
     timeline = execute(schedule, dur.__getitem__, costs.p2p, blocking=False)
     for _ in range(iterations):
-        integral = _dilation_integral(timeline, dilation)
-        new = {}
-        for row in timeline:
-            for t in row:
-                if not t.action.op.is_comm and t.end > t.start:
-                    new[t.action] = alone[t.action] * (integral(t.end) - integral(t.start)) / (t.end - t.start)
+        progress, until = _progress(timeline, dilation)
+        new = {t.action: until(progress(t.start) + alone[t.action]) - t.start
+               for row in timeline for t in row if not t.action.op.is_comm and t.end > t.start}
         dur = {a: 0.5 * (d + new.get(a, d)) for a, d in dur.items()}
         timeline = execute(schedule, dur.__getitem__, costs.p2p, blocking=False)
     return max((t.end for row in timeline for t in row), default=0.0)
 
 
-def _dilation_integral(timeline: list, dilation: Callable[[int], float]) -> Callable[[float], float]:
-    """t -> integral of dilation(k(s)) ds from 0, k(s) the ranks computing at s (1 where none)."""
+def _progress(timeline: list, dilation: Callable[[int], float]
+              ) -> tuple[Callable[[float], float], Callable[[float], float]]:
+    """G(t) = integral from 0 of 1 / dilation(k(s)) ds, k(s) the ranks computing at s (at least one:
+    the rank whose progress is asked), and its inverse; past the timeline, speed alone."""
     edges = sorted((t.start, 1) if i == 0 else (t.end, -1) for row in timeline for t in row
                    if not t.action.op.is_comm and t.end > t.start for i in (0, 1))
     times, values, busy, total, last = [0.0], [0.0], 0, 0.0, 0.0
     for time, delta in edges:
-        total += (time - last) * dilation(max(busy, 1))
-        times.append(time)
-        values.append(total)
+        if time > last:
+            total += (time - last) / dilation(max(busy, 1))
+            times.append(time)
+            values.append(total)
         busy, last = busy + delta, time
 
-    def integral(t: float) -> float:
-        i = bisect.bisect_right(times, t) - 1
-        if i >= len(times) - 1:
-            return values[-1] + (t - times[-1]) * dilation(1)
-        rate = (values[i + 1] - values[i]) / (times[i + 1] - times[i]) if times[i + 1] > times[i] else 0.0
-        return values[i] + (t - times[i]) * rate
+    def interp(xs: list[float], ys: list[float], x: float) -> float:
+        i = bisect.bisect_right(xs, x) - 1
+        if i >= len(xs) - 1:
+            return ys[-1] + (x - xs[-1])  # beyond the timeline: alone, rate 1 both ways
+        return ys[i] + (x - xs[i]) * (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
 
-    return integral
+    return (lambda t: interp(times, values, t)), (lambda g: interp(values, times, g))
 
 
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
@@ -341,6 +341,19 @@ def compute_factor(c: Cluster) -> float:
 _FACTORS: dict[tuple, float] = {}
 
 
+def split_backward_factor(c: Cluster, m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
+    """How much longer the backward takes split into input and weight gradients (zero-bubble
+    schedules: the weight GEMMs deferred and run apart) than in one pass: from the profile's reference
+    model timed both ways (the extra over its modelled backward), else 1."""
+    ref = c.measured.get("reference", {})
+    if "seconds_split_backward" not in ref:
+        return 1.0
+    rm = ModelConfig(**ref["model"])
+    rw = Workload(ref["micro_batch_size"], ref["micro_batch_size"], ref["seq_length"], ref["precision"])
+    _, bc, _, _ = _stage_costs(rm, ParallelLayout(dp=1), rw, c, stage_counts(rm, ParallelLayout(dp=1), rw.seq_length))
+    return 1.0 + max(ref["seconds_split_backward"] - ref["seconds"], 0.0) / sum(bc)
+
+
 def _stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
                  counts: list[int]) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per (chunk) stage and micro-batch: forward, backward (input), weight-gradient compute (the last
@@ -349,6 +362,9 @@ def _stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
     k = compute_factor(c)
     f, bi, bw_ = k * f, k * bi, k * bw_
     split = L.schedule in ("zb-h1", "zb-h2")
+    if split:
+        s_ = split_backward_factor(c, m, L, w)
+        bi, bw_ = s_ * bi, s_ * bw_
     fc = [n * f for n in counts]
     bc = [n * (bi + (0 if split else bw_)) for n in counts]
     wc = [n * bw_ if split else 0.0 for n in counts]

@@ -195,21 +195,33 @@ REFERENCE = {"arch": "llama", "num_layers": 4, "hidden_size": 384, "num_attentio
 REFERENCE_SEQ = 512
 
 
-def profile_reference(threads: int = 1, duration: float = 1.5, sync=None) -> dict:
+def profile_reference(threads: int = 1, duration: float = 1.5, sync=None, split: bool = False) -> dict:
     """Seconds per forward + backward of the reference model: steps run back to back for ``duration``
     (after one untimed), so that ranks timed at once overlap for the whole window (``sync``: a barrier
-    that starts them together)."""
+    that starts them together). ``split``: the backward as the zero-bubble schedules run it, input
+    gradients first and the deferred weight-gradient GEMMs after (layers/linear.py's store)."""
     import torch
 
+    from mpformer.layers.linear import WeightGradStore
     from mpformer.models.config import ModelConfig
     from mpformer.models.parallelize import build_model
 
     torch.set_num_threads(threads)
     model = build_model(ModelConfig(**REFERENCE), tp=None, device=torch.device("cpu"), seed=0)
     tokens = torch.randint(0, REFERENCE["vocab_size"], (1, REFERENCE_SEQ + 1))
+    store = WeightGradStore() if split else None
+    for m in model.modules():
+        if store is not None and hasattr(m, "weight_grad_store"):
+            m.weight_grad_store = store
 
     def step() -> None:
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        if store is None:
+            loss.backward()
+            return
+        with store.capture(0):
+            loss.backward()
+        store.run(0)
 
     step()
     if sync is not None:
@@ -279,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda":
         return _profile_gpu(Path(args.out), t0)
     reference = profile_reference(args.threads)
+    reference["seconds_split_backward"] = profile_reference(args.threads, split=True)["seconds"]
     loaded, collectives = profile_loaded(reference["seconds"], args.ranks)
     result = summarise(profile_matmul(threads=args.threads), collectives)
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(args.threads)
