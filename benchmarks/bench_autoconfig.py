@@ -6,14 +6,17 @@ A small Llama (h=256, 8 layers, 8/4 heads, ffn 768, vocab 8192; 10.5M parameters
 ranks through pretrain's own entry point, fp32, 16 x 256 tokens per step, once per layout: mixes of
 dp, tp (with sequence parallelism), pp and ZeRO, plus the layout ``parallel=auto`` picks. Each run
 names ``cluster=local-cpu``, so the trainer logs the cost model's prediction (from the measured
-profile, configs/cluster/local-cpu-profile.json; ``--profile`` re-measures it first, as it does when
-the file is missing) next to the measured step time in metrics.jsonl; the benchmark reads both back.
+profile, configs/cluster/local-cpu-profile.json; ``--profile`` re-measures it before every round, as
+it does when the file is missing) next to the measured step time in metrics.jsonl; the benchmark
+reads both back. The machine's speed drifts by tens of percent within minutes, hence the profile per
+round and several rounds in alternating order.
 
-Columns: predicted and measured seconds per step (median over the steps after the first, over the
-rounds), the range of the rounds' medians (the machine's noise), the error of the prediction, and
-the measured time as a ratio to the fastest measured layout. Below the
-table: Spearman's rank correlation of predicted and measured times, the median absolute error, and
-the regret of the search: the measured time of the layout it picked over the fastest measured.
+Columns: predicted seconds per step (median over the rounds' predictions), measured seconds per
+step (median over the steps after the first, over the rounds), the range of the rounds' medians
+(the machine's noise), the error of the prediction, and the measured time as a ratio to the fastest
+measured layout. Below the table: Spearman's rank correlation of predicted and measured times, the
+median absolute error, and the regret of the search: the measured time of the layout it picked over
+the fastest measured.
 """
 
 from __future__ import annotations
@@ -90,13 +93,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=1, help="runs per layout, in alternating order")
-    ap.add_argument("--profile", action="store_true", help="re-measure the local-cpu profile first")
+    ap.add_argument("--profile", action="store_true", help="re-measure the local-cpu profile before each round")
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    if args.profile or not PROFILE.exists():
-        subprocess.run([sys.executable, "-m", "mpformer.autoconfig.profile", "--out", str(PROFILE)], check=True)
+    if not PROFILE.exists():
+        args.profile = True
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = _make_data(Path(tmp), 8192)
@@ -108,6 +111,8 @@ def main() -> None:
         # parallel=auto as a user runs it: the search picks the layout and the micro-batch size.
         cases["auto"] = {k: v for k, v in base.items() if k != "train.micro_batch_size"} | {"parallel": "auto"}
         for r in range(args.rounds):
+            if args.profile:  # this machine's speed drifts: each round is predicted from its own profile
+                subprocess.run([sys.executable, "-m", "mpformer.autoconfig.profile", "--out", str(PROFILE)], check=True)
             for name in names if r % 2 == 0 else names[::-1]:
                 over = [f"{k}={v}" for k, v in cases[name].items()]
                 out = run_distributed(_worker, 4, args=(over, f"{tmp}/{name.replace(' ', '_')}_{r}"), timeout=1800)[0]
@@ -118,7 +123,7 @@ def main() -> None:
     rows, payload, pred, meas = [], [], [], []
     for name in names:
         m = statistics.median([t for run in runs[name] for t in run["times"][1:]])
-        p = runs[name][0]["predicted"]
+        p = statistics.median(run["predicted"] for run in runs[name])
         pred.append(p)
         meas.append(m)
         payload.append({"layout": name, "plan": runs[name][0]["plan"]["plan"], "predicted_s": p, "measured_s": m,

@@ -240,11 +240,10 @@ def _reference_worker() -> float:
     return profile_reference(sync=dist.barrier)["seconds"]
 
 
-def profile_loaded(alone: float, ranks: Sequence[int] = (2, 3, 4),
-                   compute_n: int = 384) -> tuple[dict[str, dict], list[dict]]:
+def profile_loaded(ranks: Sequence[int] = (2, 3, 4), compute_n: int = 384) -> tuple[dict[str, dict], list[dict]]:
     """Sharing the cores, keyed by the number of processes computing at once: the reference model's
-    forward + backward time per rank over its time alone (the slowdown), and with max(ranks) processes
-    the collectives of every group size that divides it."""
+    forward + backward seconds per rank (``seconds``; main() divides by the time alone for the
+    slowdown), and with max(ranks) processes the collectives of every group size that divides it."""
     from mpformer.testing.spawn import run_distributed
 
     world = max(ranks)
@@ -252,9 +251,9 @@ def profile_loaded(alone: float, ranks: Sequence[int] = (2, 3, 4),
     loaded: dict[str, dict] = {}
     for n in sorted({n for n in ranks if 1 < n < world}):
         per_rank = run_distributed(_reference_worker, n, timeout=300)
-        loaded[str(n)] = {"ranks": n, "slowdown": sum(per_rank) / n / alone}
+        loaded[str(n)] = {"ranks": n, "seconds": sum(per_rank) / n}
     per_rank = run_distributed(_loaded_worker, world, args=(SIZES, sizes, compute_n), timeout=300)
-    loaded[str(world)] = {"ranks": world, "slowdown": sum(r["reference_s"] for r in per_rank) / world / alone}
+    loaded[str(world)] = {"ranks": world, "seconds": sum(r["reference_s"] for r in per_rank) / world}
     return loaded, per_rank[0]["collectives"]
 
 
@@ -290,10 +289,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.device == "cuda":
         return _profile_gpu(Path(args.out), t0)
-    reference = profile_reference(args.threads)
-    reference["seconds_split_backward"] = profile_reference(args.threads, split=True)["seconds"]
-    loaded, collectives = profile_loaded(reference["seconds"], args.ranks)
+    # The machine's speed drifts by tens of percent from minute to minute: the reference alone is
+    # timed before, between and after the other measurements, and its median taken.
+    alone = [profile_reference(args.threads, duration=1.0)["seconds"]]
+    loaded, collectives = profile_loaded(args.ranks)
+    alone.append(profile_reference(args.threads, duration=1.0)["seconds"])
     result = summarise(profile_matmul(threads=args.threads), collectives)
+    alone.append(profile_reference(args.threads, duration=1.0)["seconds"])
+    reference = {**profile_reference(args.threads, duration=1.0, split=True), "seconds_alone_runs": alone}
+    reference["seconds_split_backward"], reference["seconds"] = reference["seconds"], sorted(alone)[1]
+    for row in loaded.values():
+        row["slowdown"] = row["seconds"] / reference["seconds"]
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(args.threads)
     result["attention"] = profile_attention(threads=args.threads)
     result["reference"] = reference
@@ -310,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _profile_gpu(out: Path, t0: float) -> int:
     import torch
 
+    from mpformer.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this torch sees no CUDA device; valid here: --device cpu")
+
     matmul = profile_matmul(("bf16", "fp32"), device="cuda")
     result = summarise(matmul, [])
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(device="cuda")
@@ -324,4 +335,6 @@ def _profile_gpu(out: Path, t0: float) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from mpformer.cli import user_errors_to_exit
+
+    raise SystemExit(user_errors_to_exit(main)())
