@@ -20,16 +20,15 @@ runs at the inter-node link's rate.
 A CPU host (a cluster with ``cores``, local-cpu) runs several ranks on shared cores. Its measured
 profile (profile.py) gives kernel rates by shape, attention's fused kernel, the ratio of a reference
 model's measured time to this model's prediction for it (``compute_factor``: framework overhead),
-the slowdown of each rank while k ranks compute at once (``slowdowns``), and collective alpha-beta
-fits taken with every rank busy. Compute while all ranks are busy runs slowdown(all) times slower;
-a pipeline's timeline is the processor-sharing fixed point of ``shared_step_time`` (an idle rank
-lends its core); gradient reduction does not overlap compute there (no core is free to run it).
+the slowdown of each rank while k ranks compute at once (sharing.py's ``slowdowns``), and collective
+alpha-beta fits taken with every rank busy. Compute while all ranks are busy runs slowdown(all) times
+slower; a pipeline's timeline is the processor-sharing fixed point of sharing.py's
+``shared_step_time`` (an idle rank lends its core); gradient reduction does not overlap compute there
+(no core is free to run it).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import json
 import math
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from functools import lru_cache
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
+from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout
 from mpformer.pipeline.actions import Schedule
@@ -118,34 +118,6 @@ def _p2p(c: Cluster, nbytes: float, spans_nodes: bool) -> float:
     return lat + nbytes / bw
 
 
-def slowdowns(c: Cluster) -> dict[int, float] | None:
-    """On a CPU host (``cores`` set): how much slower a rank computes while k ranks of the host compute
-    at once, for k = 1 (1.0), every count the profile measured (its reference model run by k processes
-    at once, against one alone), and all the host's ranks (measured, else ranks per core); linear in k
-    between. None on accelerators (a device per rank)."""
-    if not c.cores:
-        return None
-    out = {1: 1.0}
-    for key, row in c.measured.get("loaded", {}).items():
-        if 1 < int(key) <= c.devices_per_node and "slowdown" in row:
-            out[int(key)] = row["slowdown"]
-    if c.devices_per_node not in out:
-        if c.devices_per_node > c.cores:
-            out.setdefault(c.cores, 1.0)
-        out[c.devices_per_node] = max(1.0, c.devices_per_node / c.cores)
-    return out
-
-
-def _interpolate(points: dict[int, float], k: float) -> float:
-    xs = sorted(points)
-    if k <= xs[0]:
-        return points[xs[0]]
-    for lo, hi in itertools.pairwise(xs):
-        if k <= hi:
-            return points[lo] + (points[hi] - points[lo]) * (k - lo) / (hi - lo)
-    return points[xs[-1]]
-
-
 def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float, float]:
     """(F, BI, BW, TP communication) seconds of one layer for one micro-batch on one rank."""
     dt = w.precision if w.precision != "fp32" else "fp32"
@@ -221,51 +193,6 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
     return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
 
 
-def shared_step_time(schedule: Schedule, costs: Costs, dilation: Callable[[int], float],
-                     iterations: int = 12) -> float:
-    """Step time when the pipeline's ranks share cores (processor sharing): while k ranks compute,
-    each progresses at 1 / dilation(k) of its speed alone, so a compute action lasts until its work
-    alone is done at the rates of the ranks busy around it. The rates come from the previous timeline;
-    the timeline is re-run with the new durations until it settles (a damped fixed-point iteration).
-    A rank idle in a bubble lends its core to the busy ones; one slowed down stays busy longer and
-    slows the others in turn, which a one-pass stretch of the alone timeline would miss."""
-    from mpformer.pipeline.verify import execute
-
-    alone = {a: costs.duration(a, schedule.pp) for row in schedule.actions for a in row}
-    dur = dict(alone)
-    timeline = execute(schedule, dur.__getitem__, costs.p2p, blocking=False)
-    for _ in range(iterations):
-        progress, until = _progress(timeline, dilation)
-        new = {t.action: until(progress(t.start) + alone[t.action]) - t.start
-               for row in timeline for t in row if not t.action.op.is_comm and t.end > t.start}
-        dur = {a: 0.5 * (d + new.get(a, d)) for a, d in dur.items()}
-        timeline = execute(schedule, dur.__getitem__, costs.p2p, blocking=False)
-    return max((t.end for row in timeline for t in row), default=0.0)
-
-
-def _progress(timeline: list, dilation: Callable[[int], float]
-              ) -> tuple[Callable[[float], float], Callable[[float], float]]:
-    """G(t) = integral from 0 of 1 / dilation(k(s)) ds, k(s) the ranks computing at s (at least one:
-    the rank whose progress is asked), and its inverse; past the timeline, speed alone."""
-    edges = sorted((t.start, 1) if i == 0 else (t.end, -1) for row in timeline for t in row
-                   if not t.action.op.is_comm and t.end > t.start for i in (0, 1))
-    times, values, busy, total, last = [0.0], [0.0], 0, 0.0, 0.0
-    for time, delta in edges:
-        if time > last:
-            total += (time - last) / dilation(max(busy, 1))
-            times.append(time)
-            values.append(total)
-        busy, last = busy + delta, time
-
-    def interp(xs: list[float], ys: list[float], x: float) -> float:
-        i = bisect.bisect_right(xs, x) - 1
-        if i >= len(xs) - 1:
-            return ys[-1] + (x - xs[-1])  # beyond the timeline: alone, rate 1 both ways
-        return ys[i] + (x - xs[i]) * (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
-
-    return (lambda t: interp(times, values, t)), (lambda g: interp(values, times, g))
-
-
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
                    params_per_rank: int, simulate_pipeline: bool = True) -> Breakdown:
     from mpformer.pipeline.simulate import Costs
@@ -287,12 +214,12 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         # its compute-only costs; while k ranks of the host compute, each runs slow[k] times slower (a
         # rank idle in a bubble or in a collective lends its core to the others). Tensor-parallel
         # waits are added on top.
-        compute_per_micro *= _interpolate(slow, c.devices_per_node)
+        compute_per_micro *= interpolate(slow, c.devices_per_node)
         per_rank = max(1, c.devices_per_node // L.pp)
 
         def dilation(k: int) -> float:
             assert slow is not None
-            return _interpolate(slow, k * per_rank)  # every pipeline on the host is in step
+            return interpolate(slow, k * per_rank)  # every pipeline on the host is in step
 
         fs, bs = fc, bc
     if L.pp > 1 and simulate_pipeline:
@@ -313,7 +240,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     shard = params_per_rank / (L.dp if L.zero >= 1 else 1)
     out.optimizer_s = shard * (2 * (4 + 4 + 8) + 4 + BYTES[w.precision]) / c.memory_bandwidth
     if slow is not None:
-        out.optimizer_s *= _interpolate(slow, c.devices_per_node)
+        out.optimizer_s *= interpolate(slow, c.devices_per_node)
     out.p2p_s = p2p
     out.iteration_s = pipe + out.dp_comm_exposed_s + out.optimizer_s
     out.extra["microbatches"] = micro

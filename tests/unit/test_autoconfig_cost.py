@@ -77,7 +77,7 @@ def test_shared_step_time_is_processor_sharing(name, pp, m):
     """Ranks sharing cores, against what processor sharing must give: a core each (dilation 1) is the
     simulator's timeline; one core for all (dilation k) keeps it busy, so the step is the total work
     (the fixed point within 2%); two cores lie between max(timeline, work / 2) and twice the timeline."""
-    from mpformer.autoconfig.cost import shared_step_time
+    from mpformer.autoconfig.sharing import shared_step_time
     from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.simulate import Costs, simulate
 
@@ -96,7 +96,7 @@ def test_ranks_sharing_cores_slow_compute_and_fill_the_bubbles():
     computes; a pipeline's bubbles are mostly absorbed (idle ranks lend their cores)."""
     from dataclasses import replace
 
-    from mpformer.autoconfig.cost import slowdowns
+    from mpformer.autoconfig.sharing import slowdowns
 
     c = replace(load_cluster("local-cpu"), measured={})  # the preset's numbers, not this machine's profile
     assert slowdowns(c) == {1: 1.0, 2: 1.0, 4: 2.0} and slowdowns(load_cluster("dgx-h100")) is None
