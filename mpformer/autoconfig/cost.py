@@ -19,7 +19,7 @@ runs at the inter-node link's rate.
 
 A CPU host (a cluster with ``cores``, local-cpu) runs several ranks on shared cores. Its measured
 profile (profile.py) gives kernel rates by shape, attention's fused kernel, the ratio of a reference
-model's measured time to this model's prediction for it (``compute_factor``: framework overhead),
+model's measured time to this model's prediction for it (``calibration``: framework overhead),
 the slowdown of each rank while k ranks compute at once (sharing.py's ``slowdowns``), and collective
 alpha-beta fits taken with every rank busy. Compute while all ranks are busy runs slowdown(all) times
 slower; a pipeline's timeline is the processor-sharing fixed point of sharing.py's
@@ -29,7 +29,6 @@ slower; a pipeline's timeline is the processor-sharing fixed point of sharing.py
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -177,7 +176,7 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
     so a 64-stage pipeline of 512 micro-batches costs two small simulations.
 
     ``dilation(k)``: how much slower compute runs while k ranks of the pipeline compute at once (ranks
-    sharing cores); the timeline is then the processor-sharing fixed point of ``shared_timeline``."""
+    sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``."""
     from mpformer.pipeline.schedules import min_microbatches
     from mpformer.pipeline.simulate import simulate
 
@@ -215,11 +214,10 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         # rank idle in a bubble or in a collective lends its core to the others). Tensor-parallel
         # waits are added on top.
         compute_per_micro *= interpolate(slow, c.devices_per_node)
-        per_rank = max(1, c.devices_per_node // L.pp)
+        per_rank = max(1, c.devices_per_node // L.pp)  # every pipeline on the host is in step
 
-        def dilation(k: int) -> float:
-            assert slow is not None
-            return interpolate(slow, k * per_rank)  # every pipeline on the host is in step
+        def dilation(k: int, slow: dict[int, float] = slow) -> float:
+            return interpolate(slow, k * per_rank)
 
         fs, bs = fc, bc
     if L.pp > 1 and simulate_pipeline:
@@ -247,38 +245,31 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     return out
 
 
-def compute_factor(c: Cluster) -> float:
-    """Measured / modelled forward + backward time of the profile's reference model on one rank alone
-    (1 without a reference measurement): what the kernel-level terms miss on this machine, such as
-    framework and autograd overhead and the small ops they do not list."""
+def calibration(c: Cluster) -> tuple[float, float]:
+    """(compute, split backward) factors from the profile's reference model, (1, 1) without one.
+
+    compute: measured / modelled forward + backward time of the reference model on one rank alone:
+    what the kernel-level terms miss on this machine (framework and autograd overhead, the small ops
+    they do not list). split backward: how much longer the backward takes split into input and weight
+    gradients, as the zero-bubble schedules run it, than in one pass (the extra measured over the
+    modelled backward). Worked out once per measured reference, not per candidate."""
     ref = c.measured.get("reference")
     if not ref:
-        return 1.0
-    key = (c.name, ref["seconds"], json.dumps(c.measured.get("matmul", []), sort_keys=True)[:64])
-    if key not in _FACTORS:
+        return 1.0, 1.0
+    cached = _CALIBRATION.get(id(ref))
+    if cached is None or cached[0] is not ref:
         m = ModelConfig(**ref["model"])
         w = Workload(ref["micro_batch_size"], ref["micro_batch_size"], ref["seq_length"], ref["precision"])
         bare = replace(c, measured={k: v for k, v in c.measured.items() if k != "reference"})
         L = ParallelLayout(dp=1)
-        modelled = sum(sum(x) for x in _stage_costs(m, L, w, bare, stage_counts(m, L, w.seq_length))[:3])
-        _FACTORS[key] = ref["seconds"] / modelled
-    return _FACTORS[key]
+        fc, bc, wc, _ = _stage_costs(m, L, w, bare, stage_counts(m, L, w.seq_length))
+        compute = ref["seconds"] / (sum(fc) + sum(bc) + sum(wc))
+        extra = max(ref.get("seconds_split_backward", ref["seconds"]) - ref["seconds"], 0.0)
+        cached = _CALIBRATION[id(ref)] = (ref, compute, 1.0 + extra / (compute * sum(bc)))
+    return cached[1], cached[2]
 
 
-_FACTORS: dict[tuple, float] = {}
-
-
-def split_backward_factor(c: Cluster, m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
-    """How much longer the backward takes split into input and weight gradients (zero-bubble
-    schedules: the weight GEMMs deferred and run apart) than in one pass: from the profile's reference
-    model timed both ways (the extra over its modelled backward), else 1."""
-    ref = c.measured.get("reference", {})
-    if "seconds_split_backward" not in ref:
-        return 1.0
-    rm = ModelConfig(**ref["model"])
-    rw = Workload(ref["micro_batch_size"], ref["micro_batch_size"], ref["seq_length"], ref["precision"])
-    _, bc, _, _ = _stage_costs(rm, ParallelLayout(dp=1), rw, c, stage_counts(rm, ParallelLayout(dp=1), rw.seq_length))
-    return 1.0 + max(ref["seconds_split_backward"] - ref["seconds"], 0.0) / sum(bc)
+_CALIBRATION: dict[int, tuple[dict, float, float]] = {}  # id(reference) -> (reference, compute, split)
 
 
 def _stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
@@ -286,12 +277,9 @@ def _stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
     """Per (chunk) stage and micro-batch: forward, backward (input), weight-gradient compute (the last
     two merged unless the schedule splits them), and the tensor-parallel collectives waited in."""
     f, bi, bw_, tp_comm = layer_times(m, L, w, c)
-    k = compute_factor(c)
-    f, bi, bw_ = k * f, k * bi, k * bw_
+    k, split_factor = calibration(c)
     split = L.schedule in ("zb-h1", "zb-h2")
-    if split:
-        s_ = split_backward_factor(c, m, L, w)
-        bi, bw_ = s_ * bi, s_ * bw_
+    f, bi, bw_ = k * f, k * bi * (split_factor if split else 1), k * bw_ * (split_factor if split else 1)
     fc = [n * f for n in counts]
     bc = [n * (bi + (0 if split else bw_)) for n in counts]
     wc = [n * bw_ if split else 0.0 for n in counts]

@@ -61,11 +61,9 @@ class Prediction:
 
 
 def _device_kind(cfg: Config) -> str:
-    if cfg.train.device != "auto":
-        return cfg.train.device
-    import torch
+    from mpformer.parallel.device import resolve_device
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(cfg.train.device).kind
 
 
 def run_cluster(name: str | None, world_size: int, device: str) -> Cluster:
@@ -107,7 +105,7 @@ def choose_layout(composed: Composed, world_size: int) -> Prediction:
     cfg = composed.cfg
     device = _device_kind(cfg)
     cluster = run_cluster(cfg.autoconfig.cluster, world_size, device)
-    pinned = {k: v for k, v in pinned_fields(composed).items()}
+    pinned = pinned_fields(composed)
     partition_pinned = "pp_partition" in composed.overridden_keys("parallel")
     res = search(cfg.model, cluster, workload(cfg), fixed=pinned, top_k=cfg.autoconfig.top_k, device=device)
     if not res.top:

@@ -33,12 +33,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from mpformer.autoconfig.cost import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
+
 # Transformer-like GEMMs (tokens x out x in), and attention's per-head products (s x s x d, s x d x s).
 SHAPES = [(256, 256, 256), (512, 512, 512), (256, 1024, 256), (1024, 1024, 1024), (128, 2048, 512),
           (2048, 512, 2048), (512, 4096, 512), (1024, 4096, 1024), (256, 256, 32), (256, 32, 256),
           (512, 512, 64), (512, 64, 512), (1024, 1024, 128), (1024, 128, 1024)]
 SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 4 * 2**20, 16 * 2**20]
-RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -52,6 +53,13 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
     slope = sum(wi * (x - mx) * (t - mt) for wi, (x, t) in zip(w, points)) / var if var > 0 else 0.0
     alpha = max(mt - slope * mx, 0.0)
     return alpha, (1.0 / slope if slope > 0 else float("inf"))
+
+
+def _device_wait(device: str):
+    """What waits for the device's queue before a clock is read (None on CPU)."""
+    from mpformer.parallel.device import Device
+
+    return Device(device).synchronize if device != "cpu" else None
 
 
 def _time(fn, min_time: float, sync=None) -> float:
@@ -80,7 +88,7 @@ def profile_matmul(dtypes: Sequence[str] = ("fp32", "bf16"), threads: int = 1,
 
     torch.set_num_threads(threads)
     out = []
-    wait = torch.cuda.synchronize if device == "cuda" else None
+    wait = _device_wait(device)
     for dt in dtypes:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
         shapes = GPU_SHAPES if device != "cpu" else SHAPES if dt == "fp32" else [
@@ -122,7 +130,7 @@ def profile_attention(dtypes: Sequence[str] = ("fp32", "bf16"), threads: int = 1
 
             if sync is not None:
                 sync()
-            sec = _time(step, min_time, torch.cuda.synchronize if device == "cuda" else None)
+            sec = _time(step, min_time, _device_wait(device))
             out.append({"dtype": dt, "seq": seq, "head_dim": d, "seconds_per_head": sec / heads})
     return out
 
@@ -135,7 +143,7 @@ def profile_memory_bandwidth(threads: int = 1, min_time: float = 0.2, device: st
     torch.set_num_threads(threads)
     n = 8 * 2**20 if device == "cpu" else 256 * 2**20
     x, y, z = (torch.randn(n, device=device) for _ in range(3))
-    sec = _time(lambda: torch.add(x, y, out=z), min_time, torch.cuda.synchronize if device == "cuda" else None)
+    sec = _time(lambda: torch.add(x, y, out=z), min_time, _device_wait(device))
     return 3 * x.numel() * 4 / sec
 
 
@@ -314,18 +322,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _profile_gpu(out: Path, t0: float) -> int:
-    import torch
-
     from mpformer.errors import ConfigError
+    from mpformer.parallel.device import resolve_device
 
-    if not torch.cuda.is_available():
-        raise ConfigError("--device cuda: this torch sees no CUDA device; valid here: --device cpu")
+    try:
+        device = resolve_device("cuda", 0)
+    except ConfigError:
+        raise ConfigError("--device cuda: this torch sees no CUDA device; valid here: --device cpu") from None
 
     matmul = profile_matmul(("bf16", "fp32"), device="cuda")
     result = summarise(matmul, [])
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(device="cuda")
     result["attention"] = profile_attention(("bf16",), heads=16, device="cuda")
-    result["device"] = torch.cuda.get_device_name()
+    result["device"] = device.name()
     result["seconds"] = time.perf_counter() - t0
     out.write_text(json.dumps(result, indent=1))
     print(f"profile of {result['device']} written to {out} in {result['seconds']:.0f} s: peak "

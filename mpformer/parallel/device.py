@@ -56,6 +56,12 @@ class Device:
         if self.kind == "cuda" and "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"], self.local_rank)
 
+    def name(self) -> str:
+        """What the device is, for reports ("NVIDIA H200", or the CPU's vector ISA)."""
+        if self.kind == "cuda":
+            return torch.cuda.get_device_name(self.local_rank)
+        return f"cpu ({torch.backends.cpu.get_cpu_capability()})"
+
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         if self.kind == "cuda" and dtype == torch.bfloat16:
             return torch.cuda.is_bf16_supported()

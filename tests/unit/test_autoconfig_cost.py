@@ -118,7 +118,10 @@ def test_reference_model_calibrates_compute():
     """A profile's reference measurement scales every compute term by measured / modelled time."""
     from dataclasses import replace
 
-    from mpformer.autoconfig.cost import compute_factor
+    from mpformer.autoconfig.cost import calibration
+
+    def compute_factor(cluster):
+        return calibration(cluster)[0]
 
     c = replace(load_cluster("local-cpu"), measured={})
     ref = {"model": {"arch": "llama", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
