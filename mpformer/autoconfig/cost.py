@@ -18,13 +18,14 @@ Rank order (topology.py): tp fastest, then cp, dp, pp; a group whose ranks span 
 runs at the inter-node link's rate.
 
 A CPU host (a cluster with ``cores``, local-cpu) runs several ranks on shared cores. Its measured
-profile (profile.py) gives kernel rates by shape, attention's fused kernel, the ratio of a reference
-model's measured time to this model's prediction for it (``calibration``: framework overhead),
-the slowdown of each rank while k ranks compute at once (sharing.py's ``slowdowns``), and collective
-alpha-beta fits taken with every rank busy. Compute while all ranks are busy runs slowdown(all) times
-slower; a pipeline's timeline is the processor-sharing fixed point of sharing.py's
-``shared_step_time`` (an idle rank lends its core); gradient reduction does not overlap compute there
-(no core is free to run it).
+profile (profile.py) gives kernel rates by shape, attention's fused kernel, the slowdown of each rank
+while k ranks compute at once (sharing.py's ``slowdowns``), collective alpha-beta fits taken with
+every rank busy, and a reference model's measurements from which calibration.py takes its
+corrections: framework overhead on compute, the split backward, what a pipeline of each depth and
+the tensor-parallel waits cost beyond this model. Compute while all ranks are busy runs
+slowdown(all) times slower; a pipeline's timeline is the processor-sharing fixed point of
+sharing.py's ``shared_step_time`` (an idle rank lends its core) times the depth's correction;
+gradient reduction does not overlap compute there (no core is free to run it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from mpformer.autoconfig.calibration import calibration
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
 from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
@@ -199,7 +201,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     out = Breakdown()
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     counts = stage_counts(m, L, w.seq_length)
-    fc, bc, wc, tps = _stage_costs(m, L, w, c, counts)
+    fc, bc, wc, tps = stage_costs(m, L, w, c, counts)
     boundary = w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
     boundary /= L.tp if L.sequence_parallel else 1
     p2p = _p2p(c, boundary, L.tp * L.cp * L.dp >= c.devices_per_node) if L.pp > 1 else 0.0
@@ -228,6 +230,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
     if dilation is not None:
+        pipe *= calibration(c).pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
         pipe += micro * max(sum(tps[c_ * L.pp + r] for c_ in range(L.vpp)) for r in range(L.pp))
     out.compute_s = micro * compute_per_micro / L.pp
     tp_step = _tp_step_time(m, L, c)
@@ -245,39 +248,14 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     return out
 
 
-def calibration(c: Cluster) -> tuple[float, float]:
-    """(compute, split backward) factors from the profile's reference model, (1, 1) without one.
-
-    compute: measured / modelled forward + backward time of the reference model on one rank alone:
-    what the kernel-level terms miss on this machine (framework and autograd overhead, the small ops
-    they do not list). split backward: how much longer the backward takes split into input and weight
-    gradients, as the zero-bubble schedules run it, than in one pass (the extra measured over the
-    modelled backward). Worked out once per measured reference, not per candidate."""
-    ref = c.measured.get("reference")
-    if not ref:
-        return 1.0, 1.0
-    cached = _CALIBRATION.get(id(ref))
-    if cached is None or cached[0] is not ref:
-        m = ModelConfig(**ref["model"])
-        w = Workload(ref["micro_batch_size"], ref["micro_batch_size"], ref["seq_length"], ref["precision"])
-        bare = replace(c, measured={k: v for k, v in c.measured.items() if k != "reference"})
-        L = ParallelLayout(dp=1)
-        fc, bc, wc, _ = _stage_costs(m, L, w, bare, stage_counts(m, L, w.seq_length))
-        compute = ref["seconds"] / (sum(fc) + sum(bc) + sum(wc))
-        extra = max(ref.get("seconds_split_backward", ref["seconds"]) - ref["seconds"], 0.0)
-        cached = _CALIBRATION[id(ref)] = (ref, compute, 1.0 + extra / (compute * sum(bc)))
-    return cached[1], cached[2]
-
-
-_CALIBRATION: dict[int, tuple[dict, float, float]] = {}  # id(reference) -> (reference, compute, split)
-
-
-def _stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
-                 counts: list[int]) -> tuple[list[float], list[float], list[float], list[float]]:
+def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
+                counts: list[int] | None = None) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per (chunk) stage and micro-batch: forward, backward (input), weight-gradient compute (the last
     two merged unless the schedule splits them), and the tensor-parallel collectives waited in."""
+    counts = stage_counts(m, L, w.seq_length) if counts is None else counts
     f, bi, bw_, tp_comm = layer_times(m, L, w, c)
-    k, split_factor = calibration(c)
+    cal = calibration(c)
+    k, split_factor = cal.compute, cal.split
     split = L.schedule in ("zb-h1", "zb-h2")
     f, bi, bw_ = k * f, k * bi * (split_factor if split else 1), k * bw_ * (split_factor if split else 1)
     fc = [n * f for n in counts]
@@ -294,7 +272,7 @@ def _stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
         edge = sum(_collective(c, k, act, L.tp, L.tp > c.devices_per_node) for k in kinds)
         tps[0] += edge
         tps[-1] += edge + 3 * _collective(c, "all_reduce", tokens * 4, L.tp, L.tp > c.devices_per_node)
-    return fc, bc, wc, tps
+    return fc, bc, wc, [cal.tp_factor(L.tp) * t for t in tps]
 
 
 def _tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster) -> float:
@@ -303,7 +281,8 @@ def _tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster) -> float:
     if L.tp == 1 or not L.sequence_parallel:
         return 0.0
     tensors = 2 * -(-m.num_layers // L.pp) + 1
-    return tensors * _collective(c, "all_reduce", m.hidden_size * 4, L.tp, L.tp > c.devices_per_node)
+    one = _collective(c, "all_reduce", m.hidden_size * 4, L.tp, L.tp > c.devices_per_node)
+    return calibration(c).tp_factor(L.tp) * tensors * one
 
 
 def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params: int, micro: int,

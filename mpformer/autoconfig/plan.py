@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mpformer.autoconfig.calibration import calibration
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.memory import Workload
 from mpformer.autoconfig.search import PLAN_FIELDS, Candidate, SearchResult, evaluate_plan, no_plan_error, search
@@ -52,7 +53,8 @@ class Prediction:
             "pp_partition": self.candidate.layout.pp_partition,
             "predicted": {"iteration_time_s": self.step_time_s,
                           "memory_gb_per_device": self.candidate.memory_bytes / 1e9,
-                          "breakdown": {k: v for k, v in self.candidate.time.to_dict().items() if k != "params"}}}
+                          "breakdown": {k: v for k, v in self.candidate.time.to_dict().items() if k != "params"}},
+            "calibration": calibration(self.cluster).to_dict()}
         if self.search is not None:
             out |= {"candidates_evaluated": self.search.evaluated, "search_time_s": self.search.seconds,
                     "top": [{"plan": c.plan(), "iteration_time_s": c.time.iteration_s} for c in self.search.top],

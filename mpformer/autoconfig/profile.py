@@ -9,17 +9,25 @@ Under a minute on a 2-core machine, one process per rank and one thread each (as
   included, so the cost model takes an efficiency by shape instead of one constant;
 * attention: causal scaled-dot-product attention, forward + backward, seconds per head by shape;
 * memory: an elementwise add's bytes/s (norms, activations, the optimizer step);
-* reference: the forward + backward time of a small Llama (``REFERENCE``) alone; the cost model's
-  prediction for it against this calibrates what the kernel terms miss (framework overhead);
-* sharing: the same reference run by k processes at once (each ``--ranks`` count): per-rank time
-  over time alone. A CPU host runs more ranks than cores; this is how much slower each computes
-  while k compute, which the cost model applies to every stretch of a pipeline's timeline;
-* collectives: all-reduce, all-gather and reduce-scatter over gloo, message sizes 4 KiB - 16 MiB,
-  in concurrent groups of each size dividing max(--ranks) with every process running and computing
-  between collectives, as in training (on shared cores the latency is mostly the wait for the other
-  ranks to be scheduled, which an idle benchmark does not see); per op and group size a fit of
-  ``t = alpha + bus_bytes / beta`` in relative error (bus bytes: the ring-adjusted bytes each rank
-  moves, as the CommLedger counts them), used by the cost model per op and group size.
+* one run of max(--ranks) processes, in rounds (the machine's speed drifts by tens of percent within
+  minutes, not within a round, so every figure is a ratio within a round, the median over rounds):
+  - reference: the forward + backward time of a small Llama (``REFERENCE``, not a model the
+    benchmarks train) alone; the cost model's prediction for it against this calibrates what the
+    kernel terms miss (framework overhead);
+  - sharing: the same run by k processes at once (k = 1 and each of --ranks): per-rank time over time
+    alone. A CPU host runs more ranks than cores; this is how much slower each computes while k
+    compute, which the cost model applies to every stretch of a pipeline's timeline;
+  - layouts: the reference model trained one step in a few layouts of all the ranks (pipelines 1F1B
+    and zero-bubble, tensor parallel; ``reference_layouts``) as the trainer runs them, against a step
+    of the same micro-batches with every rank computing without a break: what the processor-sharing
+    timeline and the collectives' fits miss (calibration.py);
+  - collectives: all-reduce, all-gather and reduce-scatter over gloo, message sizes 4 KiB - 16 MiB, in
+    concurrent groups of each size dividing max(--ranks) with every process running and computing
+    between collectives, as in training (on shared cores the latency is mostly the wait for the other
+    ranks to be scheduled, which an idle benchmark does not see); per op and group size a fit of
+    ``t = alpha + bus_bytes / beta`` in relative error (bus bytes: the ring-adjusted bytes each rank
+    moves, as the CommLedger counts them), used by the cost model per op and group size;
+* the split backward of the zero-bubble schedules against one pass, the reference alone.
 
 The JSON's ``cluster`` section overrides the preset's peak rate, memory bandwidth and link numbers.
 ``--device cuda`` measures one GPU's matmul, attention and memory rates (no collectives).
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +48,7 @@ from mpformer.autoconfig.cost import RING_FACTOR  # bus bytes per buffer byte, a
 SHAPES = [(256, 256, 256), (512, 512, 512), (256, 1024, 256), (1024, 1024, 1024), (128, 2048, 512),
           (2048, 512, 2048), (512, 4096, 512), (1024, 4096, 1024), (256, 256, 32), (256, 32, 256),
           (512, 512, 64), (512, 64, 512), (1024, 1024, 128), (1024, 128, 1024)]
-SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 4 * 2**20, 16 * 2**20]
+SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 16 * 2**20]
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -82,7 +91,7 @@ def _time(fn, min_time: float, sync=None) -> float:
 
 
 def profile_matmul(dtypes: Sequence[str] = ("fp32", "bf16"), threads: int = 1,
-                   min_time: float = 0.1, sync=None, device: str = "cpu") -> list[dict]:
+                   min_time: float = 0.06, sync=None, device: str = "cpu") -> list[dict]:
     """FLOP/s by shape; ``sync`` (a barrier) lines up concurrent ranks so that they share the cores."""
     import torch
 
@@ -109,7 +118,7 @@ GPU_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192,
 GPU_ATTENTION = [(1024, 64), (2048, 128), (4096, 128), (8192, 128)]
 
 
-def profile_attention(dtypes: Sequence[str] = ("fp32", "bf16"), threads: int = 1, min_time: float = 0.1,
+def profile_attention(dtypes: Sequence[str] = ("fp32", "bf16"), threads: int = 1, min_time: float = 0.06,
                       sync=None, heads: int = 2, device: str = "cpu") -> list[dict]:
     """Seconds per head of causal scaled-dot-product attention, forward + backward, by shape: the fused
     kernel's efficiency differs from a GEMM's (masking, online softmax, the backward's recompute)."""
@@ -147,14 +156,6 @@ def profile_memory_bandwidth(threads: int = 1, min_time: float = 0.2, device: st
     return 3 * x.numel() * 4 / sec
 
 
-def _loaded_worker(sizes: Sequence[int], group_sizes: Sequence[int], compute_n: int) -> dict:
-    """With every rank of the host busy: the reference model's time, then the collectives."""
-    import torch.distributed as dist
-
-    return {"reference_s": profile_reference(sync=dist.barrier)["seconds"],
-            "collectives": _collectives_worker(sizes, group_sizes, compute_n)}
-
-
 def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], compute_n: int) -> list[dict]:
     """Every rank of the world runs ``compute_n``-sized GEMMs between collectives, in concurrent groups
     of n, as training does: on a host whose ranks share cores, a collective's latency is mostly the
@@ -187,7 +188,7 @@ def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], comput
             ops = {"all_reduce": lambda x=x, g=g: dist.all_reduce(x, group=g),
                    "all_gather": lambda full=full, part=part, g=g: dist.all_gather_into_tensor(full, part, group=g),
                    "reduce_scatter": lambda part=part, x=x, g=g: reduce_scatter(part, x, group=g)}
-            reps = 20 if size <= 64 * 2**10 else 10 if size <= 2**20 else 4  # the same on every rank
+            reps = 12 if size <= 64 * 2**10 else 6 if size <= 2**20 else 3  # the same on every rank
             for name, fn in ops.items():
                 sec = max(timed(fn, reps) - base, 1e-6)
                 out.append({"op": name, "ranks": n, "world": world, "bytes": elems * 4,
@@ -195,45 +196,56 @@ def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], comput
     return out
 
 
-# The reference model timed end to end (forward + backward of one micro-batch, fp32, one thread): the
-# cost model's prediction for it against this measurement calibrates what its per-kernel terms miss
-# (framework and autograd overhead, the ops it does not list). Not a model the benchmarks train.
+# The reference model (not one the benchmarks train): timed alone, its forward + backward against the
+# cost model's prediction calibrates what the per-kernel terms miss (framework and autograd overhead,
+# the ops they do not list); timed by k processes at once, the slowdown of sharing the cores; and run
+# end to end in a few layouts, the pipeline's and tensor parallelism's deviations from the model.
 REFERENCE = {"arch": "llama", "num_layers": 4, "hidden_size": 384, "num_attention_heads": 6, "num_kv_heads": 2,
              "ffn_hidden_size": 1024, "vocab_size": 4096, "max_position_embeddings": 512}
-REFERENCE_SEQ = 512
+REFERENCE_SEQ = 256
 
 
-def profile_reference(threads: int = 1, duration: float = 1.5, sync=None, split: bool = False) -> dict:
-    """Seconds per forward + backward of the reference model: steps run back to back for ``duration``
-    (after one untimed), so that ranks timed at once overlap for the whole window (``sync``: a barrier
-    that starts them together). ``split``: the backward as the zero-bubble schedules run it, input
-    gradients first and the deferred weight-gradient GEMMs after (layers/linear.py's store)."""
+def _reference(seed: int = 0, tp=None, stage=None):
     import torch
 
-    from mpformer.layers.linear import WeightGradStore
     from mpformer.models.config import ModelConfig
     from mpformer.models.parallelize import build_model
 
+    return build_model(ModelConfig(**REFERENCE), tp=tp, device=torch.device("cpu"), seed=seed, stage=stage)
+
+
+def _reference_tokens():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, REFERENCE["vocab_size"], (1, REFERENCE_SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def profile_reference(threads: int = 1, duration: float = 1.0, split: bool = False) -> dict:
+    """Seconds per forward + backward of the reference model alone: steps back to back for
+    ``duration`` (after one untimed). ``split``: the backward as the zero-bubble schedules run it,
+    input gradients first and the deferred weight-gradient GEMMs after (layers/linear.py's store)."""
+    import torch
+
+    from mpformer.layers.linear import WeightGradStore
+
     torch.set_num_threads(threads)
-    model = build_model(ModelConfig(**REFERENCE), tp=None, device=torch.device("cpu"), seed=0)
-    tokens = torch.randint(0, REFERENCE["vocab_size"], (1, REFERENCE_SEQ + 1))
+    model, (x, y) = _reference(), _reference_tokens()
     store = WeightGradStore() if split else None
     for m in model.modules():
         if store is not None and hasattr(m, "weight_grad_store"):
             m.weight_grad_store = store
 
     def step() -> None:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
         if store is None:
-            loss.backward()
+            model(x, y).backward()
             return
         with store.capture(0):
-            loss.backward()
+            model(x, y).backward()
         store.run(0)
 
     step()
-    if sync is not None:
-        sync()
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < duration:
         step()
@@ -242,27 +254,107 @@ def profile_reference(threads: int = 1, duration: float = 1.5, sync=None, split:
             "seconds": (time.perf_counter() - t0) / steps}
 
 
-def _reference_worker() -> float:
+def reference_layouts(world: int) -> dict[str, dict]:
+    """The layouts of ``world`` ranks the profile runs the reference model in: the deepest pipeline
+    (1F1B, and zero-bubble H1 with its split backward), two pipelines of half the depth, and
+    tensor-parallel pairs (sequence parallel)."""
+    out = {f"pp{world}": {"dp": 1, "pp": world}, f"pp{world} zb-h1": {"dp": 1, "pp": world, "schedule": "zb-h1"}}
+    if world % 2 == 0 and world > 2:
+        out[f"dp2 pp{world // 2}"] = {"dp": 2, "pp": world // 2}
+    if world % 2 == 0:
+        out[f"dp{world // 2} tp2"] = {"dp": world // 2, "tp": 2, "sequence_parallel": True}
+    return out
+
+
+def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_sizes: Sequence[int],
+                   compute_n: int) -> dict:
+    """On every rank of the host: rounds of (the reference on the first k ranks at once, for each k,
+    the others waiting; then each of ``reference_layouts`` for one step of 2 x world micro-batches,
+    pipeline and tensor parallelism as the trainer runs them, without the gradient reduction). The
+    machine drifts by tens of percent within minutes; within a round it does not, so every figure is
+    taken as a ratio to a measurement of the same round (profile_shared). Then the collectives."""
+    import torch
     import torch.distributed as dist
 
-    return profile_reference(sync=dist.barrier)["seconds"]
+    from mpformer.models.config import ModelConfig
+    from mpformer.parallel.device import Device
+    from mpformer.parallel.groups import ProcessGroups
+    from mpformer.parallel.layout import ParallelLayout
+    from mpformer.pipeline.engine import PipelineEngine
+    from mpformer.pipeline.p2p import P2P
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.stage import stage_plan
+
+    world, rank, device, t_build = dist.get_world_size(), dist.get_rank(), Device("cpu"), time.perf_counter()
+    cfg, (x, y) = ModelConfig(**REFERENCE), _reference_tokens()
+    alone_model = _reference()
+    runs = {}
+    for name, fields in reference_layouts(world).items():
+        layout = ParallelLayout(**fields)
+        groups = ProcessGroups.build(layout, device)
+        plan = stage_plan(cfg, layout, groups.coords["pp"], REFERENCE_SEQ)
+        model = _reference(1, groups.tp_context(), plan)
+        boundary = (REFERENCE_SEQ // (layout.tp if layout.sequence_parallel else 1), 1, cfg.hidden_size)
+        p2p = P2P(groups.pp, groups.ledger, boundary, torch.float32, device.torch_device) if layout.pp > 1 else None
+        micro = 2 * world // layout.dp
+        schedule = build_schedule(layout.schedule, layout.pp, micro, 1)
+        split = layout.schedule in ("zb-h1", "zb-h2")
+        runs[name] = (model, PipelineEngine(model, plan, schedule, p2p, split_backward=split), [(x, y)] * micro)
+    shared: dict[int, list[float]] = {k: [] for k in ks}
+    layouts: dict[str, list[float]] = {name: [] for name in runs}
+    t_rounds = time.perf_counter()
+    for _ in range(rounds + 1):  # the first round warms up
+        for k in ks:
+            dist.barrier()
+            t0 = time.perf_counter()
+            reps = 2 if k == world else 1  # all busy: the layouts' 2 x world micro-batches, for their ratio
+            for _ in range(reps if rank < k else 0):
+                alone_model(x, y).backward()
+            shared[k].append((time.perf_counter() - t0) / reps)
+        for name, (model, engine, batches) in runs.items():
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.run(batches)
+            dist.barrier()
+            layouts[name].append(time.perf_counter() - t0)
+    t_collectives = time.perf_counter()
+    collectives = _collectives_worker(sizes, group_sizes, compute_n)
+    seconds = {"build": t_rounds - t_build, "rounds": t_collectives - t_rounds,
+               "collectives": time.perf_counter() - t_collectives}
+    return {"shared": {k: v[1:] for k, v in shared.items()}, "layouts": {k: v[1:] for k, v in layouts.items()},
+            "collectives": collectives, "seconds": seconds}
 
 
-def profile_loaded(ranks: Sequence[int] = (2, 3, 4), compute_n: int = 384) -> tuple[dict[str, dict], list[dict]]:
-    """Sharing the cores, keyed by the number of processes computing at once: the reference model's
-    forward + backward seconds per rank (``seconds``; main() divides by the time alone for the
-    slowdown), and with max(ranks) processes the collectives of every group size that divides it."""
+def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n: int = 384,
+                   sizes: Sequence[int] = SIZES) -> tuple[dict, dict[str, dict], dict[str, dict], list[dict], dict]:
+    """One run of max(ranks) processes (``_shared_worker``): the reference alone (``seconds``, the
+    median over rounds), the slowdown with k computing (median over rounds of the time over the same
+    round's alone), each reference layout's step time relative to alone and to the same round's
+    step with every rank busy (``relative_to_busy``: both about a second, back to back, what
+    calibration.py uses), and the collectives of every group size that divides the world."""
     from mpformer.testing.spawn import run_distributed
 
     world = max(ranks)
-    sizes = [n for n in ranks if world % n == 0 and n > 1]
-    loaded: dict[str, dict] = {}
-    for n in sorted({n for n in ranks if 1 < n < world}):
-        per_rank = run_distributed(_reference_worker, n, timeout=300)
-        loaded[str(n)] = {"ranks": n, "seconds": sum(per_rank) / n}
-    per_rank = run_distributed(_loaded_worker, world, args=(SIZES, sizes, compute_n), timeout=300)
-    loaded[str(world)] = {"ranks": world, "seconds": sum(r["reference_s"] for r in per_rank) / world}
-    return loaded, per_rank[0]["collectives"]
+    ks = sorted({1, *ranks})
+    groups = [n for n in ranks if world % n == 0 and n > 1]
+    per_rank = run_distributed(_shared_worker, world, args=(ks, rounds, sizes, groups, compute_n), timeout=300)
+
+    def at(k: int, r: int) -> float:  # mean over the k computing ranks of round r
+        return sum(per_rank[i]["shared"][k][r] for i in range(k)) / k
+
+    alone = [at(1, r) for r in range(rounds)]
+    loaded = {str(k): {"ranks": k, "seconds": statistics.median(at(k, r) for r in range(rounds)),
+                       "slowdown": statistics.median(at(k, r) / alone[r] for r in range(rounds))}
+              for k in ks if k > 1}
+    fields = reference_layouts(world)
+    layouts = {name: {"layout": fields[name], "world": world, "microbatches": 2 * world,
+                      "seconds": statistics.median(times),
+                      "relative": statistics.median(t / a for t, a in zip(times, alone)),
+                      "relative_to_busy": statistics.median(t / (2 * at(world, r)) for r, t in enumerate(times))}
+               for name, times in per_rank[0]["layouts"].items()}
+    reference = {"seconds": statistics.median(alone), "seconds_alone_runs": alone}
+    return reference, loaded, layouts, per_rank[0]["collectives"], per_rank[0]["seconds"]
 
 
 def summarise(matmul: list[dict], collectives: list[dict]) -> dict:
@@ -297,21 +389,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.device == "cuda":
         return _profile_gpu(Path(args.out), t0)
-    # The machine's speed drifts by tens of percent from minute to minute: the reference alone is
-    # timed before, between and after the other measurements, and its median taken.
-    alone = [profile_reference(args.threads, duration=1.0)["seconds"]]
-    loaded, collectives = profile_loaded(args.ranks)
-    alone.append(profile_reference(args.threads, duration=1.0)["seconds"])
+    phases, t = {}, time.perf_counter()
+    reference, loaded, layouts, collectives, phases["ranks"] = profile_shared(args.ranks)
+    phases["ranks"]["total"], t = time.perf_counter() - t, time.perf_counter()
     result = summarise(profile_matmul(threads=args.threads), collectives)
-    alone.append(profile_reference(args.threads, duration=1.0)["seconds"])
-    reference = {**profile_reference(args.threads, duration=1.0, split=True), "seconds_alone_runs": alone}
-    reference["seconds_split_backward"], reference["seconds"] = reference["seconds"], sorted(alone)[1]
-    for row in loaded.values():
-        row["slowdown"] = row["seconds"] / reference["seconds"]
+    phases["matmul"], t = time.perf_counter() - t, time.perf_counter()
+    split = profile_reference(args.threads, duration=0.5, split=True)
+    # The split backward against one pass, both alone and back to back (the machine drifts).
+    one_pass = profile_reference(args.threads, duration=0.5)
+    reference = {**split, **reference, "split_backward_ratio": split["seconds"] / one_pass["seconds"]}
+    phases["split_backward"], t = time.perf_counter() - t, time.perf_counter()
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(args.threads)
     result["attention"] = profile_attention(threads=args.threads)
+    phases["memory_attention"] = time.perf_counter() - t
+    result["phase_seconds"] = phases
     result["reference"] = reference
     result["loaded"] = loaded
+    result["layouts"] = layouts
     result["seconds"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"profile written to {args.out} in {result['seconds']:.0f} s: peak "

@@ -121,7 +121,7 @@ def test_reference_model_calibrates_compute():
     from mpformer.autoconfig.cost import calibration
 
     def compute_factor(cluster):
-        return calibration(cluster)[0]
+        return calibration(cluster).compute
 
     c = replace(load_cluster("local-cpu"), measured={})
     ref = {"model": {"arch": "llama", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
@@ -136,3 +136,62 @@ def test_reference_model_calibrates_compute():
     cal = iteration_time(m, ParallelLayout(dp=1), w, replace(c, cores=4, measured={"reference": ref}),
                          params_per_rank=m.num_params())
     assert cal.compute_s == pytest.approx(k * base.compute_s, rel=1e-6)
+
+
+def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
+    """A local-cpu profile whose reference layouts ran ``factors`` times the model's prediction
+    (pipelines) and whose tensor-parallel step waited ``tp_factor`` times its modelled collectives."""
+    from dataclasses import replace
+
+    c = replace(load_cluster("local-cpu"), measured={})
+    ref = {"model": {"arch": "llama", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+                     "num_kv_heads": 2, "ffn_hidden_size": 256, "vocab_size": 512},
+           "seq_length": 128, "micro_batch_size": 1, "precision": "fp32", "seconds": 0.1, "split_backward_ratio": 1.0}
+    loaded = {"2": {"slowdown": 1.1}, "3": {"slowdown": 1.6}, "4": {"slowdown": 2.2}}
+    base = replace(c, measured={"reference": ref, "loaded": loaded})
+    m, busy = ModelConfig(**ref["model"]), 2 * 0.1 * 2.2  # 2 micro-batches per rank at slowdown(4)
+    layouts = {}
+    for name, fields in {"pp4": {"dp": 1, "pp": 4}, "pp4 zb-h1": {"dp": 1, "pp": 4, "schedule": "zb-h1"},
+                         "dp2 pp2": {"dp": 2, "pp": 2},
+                         "dp2 tp2": {"dp": 2, "tp": 2, "sequence_parallel": True}}.items():
+        b = iteration_time(m, ParallelLayout(**fields), Workload(8, 1, 128, "fp32"), base, params_per_rank=0)
+        pred = b.iteration_s - b.dp_comm_exposed_s - b.optimizer_s
+        measured = pred + (tp_factor - 1) * b.tp_comm_s if "tp" in fields else factors[name] * pred
+        layouts[name] = {"layout": fields, "world": 4, "microbatches": 8, "relative_to_busy": measured / busy}
+    return base, replace(base, measured={**base.measured, "layouts": layouts})
+
+
+def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
+    """calibration.py recovers the factors a profile's reference layouts ran at against the model's
+    prediction (pipelines by depth, zero-bubble over 1F1B, the tensor-parallel waits), interpolates
+    depths between, clamps absurd ones, and scales other models' candidates by them."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.calibration import LIMITS, calibration
+
+    base, c = _layout_profile({"pp4": 1.3, "pp4 zb-h1": 1.3 * 1.1, "dp2 pp2": 1.1}, tp_factor=2.0)
+    cal = calibration(c)
+    assert cal.pipeline == pytest.approx({4: 1.3, 2: 1.1}, rel=1e-9)
+    assert cal.zero_bubble == pytest.approx(1.1, rel=1e-9) and cal.tp == pytest.approx({2: 2.0}, rel=1e-9)
+    assert cal.pipeline_factor(3) == pytest.approx(1.2) and cal.pipeline_factor(8) == pytest.approx(1.3)
+    assert cal.pipeline_factor(1) == 1.0 and cal.pipeline_factor(4, "zb-h2") == pytest.approx(1.43)
+    assert calibration(base).pipeline == {} and calibration(base).tp == {} and cal.tp_factor(4) == 1.0
+    absurd = _layout_profile({"pp4": 50.0, "pp4 zb-h1": 50.0, "dp2 pp2": 0.01}, tp_factor=1.0)[1]
+    assert calibration(absurd).pipeline == {4: LIMITS[1], 2: LIMITS[0]}
+
+    m = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
+                    ffn_hidden_size=768, vocab_size=512)
+    w = Workload(global_batch_size=16, micro_batch_size=1, seq_length=256, precision="fp32")
+
+    def parts(cluster, **fields):
+        b = iteration_time(m, ParallelLayout(**fields), w, cluster, params_per_rank=m.num_params() // 4)
+        return b.iteration_s - b.dp_comm_exposed_s - b.optimizer_s, b.tp_comm_s
+
+    assert parts(c, dp=1, pp=4)[0] == pytest.approx(1.3 * parts(base, dp=1, pp=4)[0], rel=1e-9)
+    assert parts(c, dp=4)[0] == pytest.approx(parts(base, dp=4)[0], rel=1e-9)  # no pipeline, no TP: as before
+    tp_c, tp_base = parts(c, dp=2, tp=2, sequence_parallel=True), parts(base, dp=2, tp=2, sequence_parallel=True)
+    assert tp_c[1] == pytest.approx(2.0 * tp_base[1], rel=1e-9)
+    assert tp_c[0] - tp_c[1] == pytest.approx(tp_base[0] - tp_base[1], rel=1e-9)
+    tp4 = {"dp": 1, "tp": 4, "sequence_parallel": True}  # a degree the profile did not run: its own fits
+    assert parts(c, **tp4) == pytest.approx(parts(base, **tp4), rel=1e-9)
+    assert calibration(replace(c, measured={})).pipeline == {}

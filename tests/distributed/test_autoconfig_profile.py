@@ -1,0 +1,39 @@
+"""The profile's multi-process part on 2 gloo ranks, one round: what calibration.py is built from.
+
+The full profile (``python -m mpformer.autoconfig.profile``, under a minute) is too slow for the
+suite; its multi-process run is checked here on the smallest host: the reference model alone and by
+both ranks at once, trained one step in each reference layout of 2 ranks (a 2-stage pipeline, 1F1B
+and ZB-H1 with the split backward, and a tensor-parallel pair with sequence parallelism), and the
+collectives; then the cost model takes its calibration from the result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from mpformer.autoconfig.calibration import LIMITS, calibration
+from mpformer.autoconfig.cluster import load_cluster
+from mpformer.autoconfig.profile import REFERENCE, REFERENCE_SEQ, profile_shared, reference_layouts, summarise
+
+
+def test_shared_run_measures_sharing_layouts_and_collectives():
+    reference, loaded, layouts, collectives, seconds = profile_shared(ranks=(2,), rounds=1, sizes=[4096, 65536])
+    assert set(seconds) == {"build", "rounds", "collectives"} and min(seconds.values()) > 0
+    assert reference["seconds"] > 0 and len(reference["seconds_alone_runs"]) == 1
+    assert set(loaded) == {"2"} and 0.3 < loaded["2"]["slowdown"] < 5
+    assert set(layouts) == set(reference_layouts(2)) == {"pp2", "pp2 zb-h1", "dp1 tp2"}
+    for row in layouts.values():
+        assert row["world"] == 2 and row["microbatches"] == 4
+        assert row["seconds"] > 0 and row["relative"] > 0 and row["relative_to_busy"] > 0
+    assert {(c["op"], c["ranks"]) for c in collectives} == {(op, 2) for op in ("all_reduce", "all_gather",
+                                                                               "reduce_scatter")}
+    fits = summarise([{"dtype": "fp32", "m": 8, "n": 8, "k": 8, "flops_per_s": 1e10}], collectives)["fits"]
+    ref = {"model": REFERENCE, "seq_length": REFERENCE_SEQ, "micro_batch_size": 1, "precision": "fp32",
+           **reference, "split_backward_ratio": 1.0}
+    host = replace(load_cluster("local-cpu"), devices_per_node=2,
+                   measured={"reference": ref, "loaded": loaded, "layouts": layouts, "fits": fits})
+    cal = calibration(host)
+    assert set(cal.pipeline) == {2} and set(cal.tp) == {2}
+    assert all(LIMITS[0] <= f <= LIMITS[1] for f in (*cal.pipeline.values(), *cal.tp.values()))
+    assert math.isfinite(cal.compute) and cal.compute > 0 and LIMITS[0] <= cal.zero_bubble <= LIMITS[1]
