@@ -7,7 +7,9 @@
                zero-bubble schedules run it, than in one pass; scales their backward
     pipeline   by pipeline depth: the reference model's measured step in that pipeline (1F1B, ranks
                sharing the host's cores) over the processor-sharing timeline's prediction for it,
-               both relative to the same round's time alone. What the timeline misses: ranks that
+               both relative to a step of as many micro-batches with every rank busy without a break
+               (measured in the same round, modelled as the time alone x slowdown(ranks), so that the
+               machine's drift and the slowdowns' own error cancel). What the timeline misses: ranks that
                compute in bursts and wait in between are scheduled worse than ranks that compute
                without a break (wake-ups, a core shared while the other idles), and the hand-offs.
                Scales the pipeline's timeline on that host; linear in the depth between measured ones.
@@ -20,7 +22,8 @@
 
 Each is a ratio of the same reference model measured and modelled, never a fit to the runs it is
 checked against (benchmarks/bench_autoconfig.py trains a different model). Worked out once per
-profile, not per candidate.
+profile, not per candidate. Not corrected: data-parallel and ZeRO collectives (their alpha-beta fits
+stand), the optimizer step, anything on accelerators (their presets have no reference).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def calibration(c: Cluster) -> Calibration:
     ref = c.measured.get("reference")
     if not ref:
         return Calibration()
-    layouts = c.measured.get("layouts") or {}
+    layouts = c.measured.get("layouts") or _NO_LAYOUTS
     key = (id(ref), id(layouts))
     cached = _CACHE.get(key)
     if cached is not None and cached[0] is ref and cached[1] is layouts:
@@ -80,7 +83,8 @@ def calibration(c: Cluster) -> Calibration:
     return out
 
 
-_CACHE: dict[tuple[int, int], tuple[dict, dict, Calibration]] = {}
+_CACHE: dict[tuple[int, int], tuple[dict, dict, Calibration]] = {}  # (id(reference), id(layouts)) -> ...
+_NO_LAYOUTS: dict = {}  # one object, so that a profile without layouts hits the cache
 
 
 def _alone(c: Cluster, ref: dict) -> Calibration:

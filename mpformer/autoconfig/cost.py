@@ -286,10 +286,11 @@ def _tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster) -> float:
 
 
 def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params: int, micro: int,
-             last_backward: float, cores_shared: bool, bucket_bytes: float = 25 * 2**20) -> float:
+             last_backward: float, cores_shared: bool) -> float:
     """Exposed data-parallel time: fp32 gradients reduced in buckets (ZeRO-3: per layer, every
     micro-batch), 16-bit (or fp32) parameters gathered; overlapped with the last backward on devices
-    that compute and communicate at once, not on a CPU host whose cores are all computing."""
+    that compute and communicate at once; on a CPU host whose cores are all computing only the
+    latency of all but the first collective of a kind is hidden (``coll``)."""
     dp_ranks = L.dp * L.cp  # gradients reduce over dp x cp (same weights)
     if dp_ranks <= 1:
         return 0.0
@@ -297,17 +298,21 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
     grads, wbytes = params * 4.0, params * BYTES[w.precision]
 
     def coll(kind: str, total: float, pieces: int) -> float:
+        """``pieces`` collectives of ``total`` bytes in all, issued back to back. On a CPU host whose
+        ranks share the cores, the runtime issues them ahead of need (buckets asynchronously as the
+        backward fills them, ZeRO-3's gather of the next layer while this one computes): their
+        latency, mostly the wait for the partners to be scheduled, overlaps compute but for the
+        first one's; their bandwidth part does not (copies and reductions need the same cores)."""
+        if cores_shared:
+            return _collective(c, kind, total, dp_ranks, spans)
         return pieces * _collective(c, kind, total / pieces, dp_ranks, spans)
 
-    # Buckets run back to back on one stream: each pays the latency. That matters on a CPU host, where
-    # a collective's latency is milliseconds; on GPUs (NCCL, buckets of tens of MB) it is left out.
-    buckets = max(1, math.ceil(grads / bucket_bytes)) if cores_shared else 1
     if L.zero == 0:
-        dp = coll("all_reduce", grads, buckets)
+        dp = coll("all_reduce", grads, 1)
     elif L.zero in (1, 2):
-        dp = coll("reduce_scatter", grads, buckets) + coll("all_gather", wbytes, buckets)
+        dp = coll("reduce_scatter", grads, 1) + coll("all_gather", wbytes, 1)
         if L.zero == 2:
-            dp += (micro - 1) * coll("reduce_scatter", grads, buckets)
+            dp += (micro - 1) * coll("reduce_scatter", grads, 1)
     else:
         units = m.num_layers // L.pp + 1  # each layer, and the embedding + head unit
         dp = micro * (coll("reduce_scatter", grads, units) + 2 * coll("all_gather", wbytes, units))

@@ -14,7 +14,8 @@ from dataclasses import replace
 
 from mpformer.autoconfig.calibration import LIMITS, calibration
 from mpformer.autoconfig.cluster import load_cluster
-from mpformer.autoconfig.profile import REFERENCE, REFERENCE_SEQ, profile_shared, reference_layouts, summarise
+from mpformer.autoconfig.profile import summarise
+from mpformer.autoconfig.profile_ranks import REFERENCE, REFERENCE_SEQ, profile_shared, reference_layouts
 
 
 def test_shared_run_measures_sharing_layouts_and_collectives():
