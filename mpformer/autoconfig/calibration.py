@@ -71,20 +71,21 @@ def calibration(c: Cluster) -> Calibration:
     ref = c.measured.get("reference")
     if not ref:
         return Calibration()
-    layouts = c.measured.get("layouts") or _NO_LAYOUTS
-    key = (id(ref), id(layouts))
+    layouts = c.measured.get("layouts") or {}
+    # Keyed by the profile (held, so that its id is not reused) and the cluster's other fields: the
+    # factors depend on both (cores, rates), not on the candidate.
+    key = (id(c.measured), repr(replace(c, measured={})))
     cached = _CACHE.get(key)
-    if cached is not None and cached[0] is ref and cached[1] is layouts:
-        return cached[2]
+    if cached is not None and cached[0] is c.measured:
+        return cached[1]
     base = _alone(c, ref)
     out = _from_layouts(replace(c, measured={k: v for k, v in c.measured.items() if k != "layouts"}),
-                        ref, layouts, base) if layouts else base
-    _CACHE[key] = (ref, layouts, out)
+                        ref, layouts, base) if layouts and slowdowns(c) is not None else base
+    _CACHE[key] = (c.measured, out)
     return out
 
 
-_CACHE: dict[tuple[int, int], tuple[dict, dict, Calibration]] = {}  # (id(reference), id(layouts)) -> ...
-_NO_LAYOUTS: dict = {}  # one object, so that a profile without layouts hits the cache
+_CACHE: dict[tuple[int, str], tuple[dict, Calibration]] = {}
 
 
 def _alone(c: Cluster, ref: dict) -> Calibration:
@@ -108,7 +109,7 @@ def _alone(c: Cluster, ref: dict) -> Calibration:
 def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Calibration:
     """Predict each reference layout as it ran (no gradient reduction, no optimizer step) on a host of
     its world with only the compute and split corrections (``c`` has no layouts), and compare."""
-    from mpformer.autoconfig.cost import iteration_time
+    from mpformer.autoconfig.cost import iteration_time, tp_step_time
     from mpformer.autoconfig.memory import Workload
     from mpformer.models.config import ModelConfig
     from mpformer.parallel.layout import ParallelLayout
@@ -130,8 +131,12 @@ def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Ca
             split_pipeline[L.pp] = measured / predicted
         elif L.pp > 1 and L.tp == 1:
             pipeline[L.pp] = _clamp(measured / predicted)
-        elif L.tp > 1 and L.pp == 1 and b.tp_comm_s > 0:
-            tp[L.tp] = _clamp((measured - (predicted - b.tp_comm_s)) / b.tp_comm_s)
+        elif L.tp > 1 and L.pp == 1:
+            # The step the profile ran has no once-per-step all-reduce of the replicated gradients
+            # (the trainer's, after the pipeline): out of the prediction and of the waits scaled.
+            waits = b.tp_comm_s - tp_step_time(m, L, host)
+            if waits > 0:
+                tp[L.tp] = _clamp((measured - (predicted - b.tp_comm_s)) / waits)
     # A zero-bubble schedule against 1F1B at the same depth: its extra over 1F1B's correction.
     zb = [split_pipeline[p] / pipeline[p] for p in split_pipeline if p in pipeline]
     return replace(base, pipeline=pipeline, tp=tp, zero_bubble=_clamp(zb[0]) if zb else 1.0)

@@ -233,7 +233,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         pipe *= calibration(c).pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
         pipe += micro * max(sum(tps[c_ * L.pp + r] for c_ in range(L.vpp)) for r in range(L.pp))
     out.compute_s = micro * compute_per_micro / L.pp
-    tp_step = _tp_step_time(m, L, c)
+    tp_step = tp_step_time(m, L, c)
     pipe += tp_step
     out.tp_comm_s = micro * max(sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)) + tp_step
     out.pp_bubble_s = max(pipe - out.compute_s - out.tp_comm_s, 0.0)
@@ -275,7 +275,7 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
     return fc, bc, wc, [cal.tp_factor(L.tp) * t for t in tps]
 
 
-def _tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster) -> float:
+def tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster) -> float:
     """Once a step under sequence parallelism: the gradients of the weights tp replicates (the norms'
     gains) are all-reduced over tp, one tensor at a time as the runtime does."""
     if L.tp == 1 or not L.sequence_parallel:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from mpformer.autoconfig.calibration import LIMITS, calibration
+from mpformer.autoconfig.calibration import calibration
 from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.profile import summarise
 from mpformer.autoconfig.profile_ranks import REFERENCE, REFERENCE_SEQ, profile_shared, reference_layouts
@@ -26,7 +26,9 @@ def test_shared_run_measures_sharing_layouts_and_collectives():
     assert set(layouts) == set(reference_layouts(2)) == {"pp2", "pp2 zb-h1", "dp1 tp2"}
     for row in layouts.values():
         assert row["world"] == 2 and row["microbatches"] == 4
-        assert row["seconds"] > 0 and row["relative"] > 0 and row["relative_to_busy"] > 0
+        # A layout's step over the busy step of the same micro-batches: near 1 (a pipeline's bubbles,
+        # tensor parallelism's waits make it longer), far from it only if the two measured different work.
+        assert row["seconds"] > 0 and row["relative"] > 0 and 0.5 < row["relative_to_busy"] < 4
     assert {(c["op"], c["ranks"]) for c in collectives} == {(op, 2) for op in ("all_reduce", "all_gather",
                                                                                "reduce_scatter")}
     fits = summarise([{"dtype": "fp32", "m": 8, "n": 8, "k": 8, "flops_per_s": 1e10}], collectives)["fits"]
@@ -35,6 +37,5 @@ def test_shared_run_measures_sharing_layouts_and_collectives():
     host = replace(load_cluster("local-cpu"), devices_per_node=2,
                    measured={"reference": ref, "loaded": loaded, "layouts": layouts, "fits": fits})
     cal = calibration(host)
-    assert set(cal.pipeline) == {2} and set(cal.tp) == {2}
-    assert all(LIMITS[0] <= f <= LIMITS[1] for f in (*cal.pipeline.values(), *cal.tp.values()))
-    assert math.isfinite(cal.compute) and cal.compute > 0 and LIMITS[0] <= cal.zero_bubble <= LIMITS[1]
+    assert set(cal.pipeline) == {2} and set(cal.tp) == {2}  # the zero-bubble factor needs both 1F1B and ZB-H1
+    assert math.isfinite(cal.compute) and cal.compute > 0 and cal.zero_bubble != 1.0

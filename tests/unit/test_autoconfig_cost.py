@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mpformer.autoconfig.cluster import load_cluster
-from mpformer.autoconfig.cost import _collective, gemm_efficiency, iteration_time, layer_times
+from mpformer.autoconfig.cost import _collective, gemm_efficiency, iteration_time, layer_times, tp_step_time
 from mpformer.autoconfig.memory import Workload
 from mpformer.models.config import ModelConfig
 from mpformer.parallel.layout import ParallelLayout
@@ -156,7 +156,11 @@ def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
                          "dp2 tp2": {"dp": 2, "tp": 2, "sequence_parallel": True}}.items():
         b = iteration_time(m, ParallelLayout(**fields), Workload(8, 1, 128, "fp32"), base, params_per_rank=0)
         pred = b.iteration_s - b.dp_comm_exposed_s - b.optimizer_s
-        measured = pred + (tp_factor - 1) * b.tp_comm_s if "tp" in fields else factors[name] * pred
+        if "tp" in fields:  # the profile's step has no once-per-step all-reduce of replicated gradients
+            step = tp_step_time(m, ParallelLayout(**fields), base)
+            measured = pred - step + (tp_factor - 1) * (b.tp_comm_s - step)
+        else:
+            measured = factors[name] * pred
         layouts[name] = {"layout": fields, "world": 4, "microbatches": 8, "relative_to_busy": measured / busy}
     return base, replace(base, measured={**base.measured, "layouts": layouts})
 
@@ -195,3 +199,5 @@ def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     tp4 = {"dp": 1, "tp": 4, "sequence_parallel": True}  # a degree the profile did not run: its own fits
     assert parts(c, **tp4) == pytest.approx(parts(base, **tp4), rel=1e-9)
     assert calibration(replace(c, measured={})).pipeline == {}
+    no_cores = calibration(replace(c, cores=None))  # a CPU profile on a host of its own cores: compute only
+    assert no_cores.pipeline == {} and no_cores.compute == pytest.approx(cal.compute)
