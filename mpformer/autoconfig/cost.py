@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from mpformer.autoconfig.calibration import calibration
+from mpformer.autoconfig.calibration import Calibration, calibration
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
 from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
@@ -201,7 +201,8 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     out = Breakdown()
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     counts = stage_counts(m, L, w.seq_length)
-    fc, bc, wc, tps = stage_costs(m, L, w, c, counts)
+    cal = calibration(c)  # once per candidate: its cache key is not free
+    fc, bc, wc, tps = stage_costs(m, L, w, c, counts, cal)
     boundary = w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
     boundary /= L.tp if L.sequence_parallel else 1
     p2p = _p2p(c, boundary, L.tp * L.cp * L.dp >= c.devices_per_node) if L.pp > 1 else 0.0
@@ -230,10 +231,10 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
     if dilation is not None:
-        pipe *= calibration(c).pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
+        pipe *= cal.pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
         pipe += micro * max(sum(tps[c_ * L.pp + r] for c_ in range(L.vpp)) for r in range(L.pp))
     out.compute_s = micro * compute_per_micro / L.pp
-    tp_step = tp_step_time(m, L, c)
+    tp_step = tp_step_time(m, L, c, cal)
     pipe += tp_step
     out.tp_comm_s = micro * max(sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)) + tp_step
     out.pp_bubble_s = max(pipe - out.compute_s - out.tp_comm_s, 0.0)
@@ -249,12 +250,13 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
 
 
 def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
-                counts: list[int] | None = None) -> tuple[list[float], list[float], list[float], list[float]]:
+                counts: list[int] | None = None, cal: Calibration | None = None
+                ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per (chunk) stage and micro-batch: forward, backward (input), weight-gradient compute (the last
     two merged unless the schedule splits them), and the tensor-parallel collectives waited in."""
     counts = stage_counts(m, L, w.seq_length) if counts is None else counts
     f, bi, bw_, tp_comm = layer_times(m, L, w, c)
-    cal = calibration(c)
+    cal = calibration(c) if cal is None else cal
     k, split_factor = cal.compute, cal.split
     split = L.schedule in ("zb-h1", "zb-h2")
     f, bi, bw_ = k * f, k * bi * (split_factor if split else 1), k * bw_ * (split_factor if split else 1)
@@ -275,14 +277,14 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
     return fc, bc, wc, [cal.tp_factor(L.tp) * t for t in tps]
 
 
-def tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster) -> float:
+def tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster, cal: Calibration | None = None) -> float:
     """Once a step under sequence parallelism: the gradients of the weights tp replicates (the norms'
     gains) are all-reduced over tp, one tensor at a time as the runtime does."""
     if L.tp == 1 or not L.sequence_parallel:
         return 0.0
     tensors = 2 * -(-m.num_layers // L.pp) + 1
     one = _collective(c, "all_reduce", m.hidden_size * 4, L.tp, L.tp > c.devices_per_node)
-    return calibration(c).tp_factor(L.tp) * tensors * one
+    return (calibration(c) if cal is None else cal).tp_factor(L.tp) * tensors * one
 
 
 def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params: int, micro: int,
