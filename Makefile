@@ -42,6 +42,7 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/hadolint docker/Dockerfile
 
 clean:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zero import _make_data
 from common import environment, format_table, write_json
 
-from mpformer.testing.spawn import run_distributed
+from mpformer.parallel.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "configs" / "cluster" / "local-cpu-profile.json"

@@ -34,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, format_table, write_json
 
-from mpformer.models.config import ModelConfig
+from mpformer.core.model_config import ModelConfig
+from mpformer.parallel.spawn import run_distributed
 from mpformer.pipeline.simulate import simulate
-from mpformer.testing.spawn import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)]
 
@@ -69,14 +69,14 @@ def _ping_pong(p2p, rank: int, shape: tuple[int, ...], rounds: int = 20) -> floa
 def _worker(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
+    from mpformer.core.layout import ParallelLayout
+    from mpformer.core.pipeline_plan import stage_plan
     from mpformer.models.parallelize import build_model
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.parallel.layout import ParallelLayout
     from mpformer.pipeline.engine import PipelineEngine
     from mpformer.pipeline.p2p import P2P
     from mpformer.pipeline.schedules import build_schedule
-    from mpformer.pipeline.stage import stage_plan
     from mpformer.pipeline.trace import gather_events
 
     torch.set_num_threads(args.threads)

@@ -3,7 +3,7 @@
     python benchmarks/bench_tensor_parallel.py [--json F] [--layers 4] [--seq 256] [--batch 2]
 
 1. Bytes each rank moves in one training step (forward + backward + gradient sync) of a 4-layer
-   GPT-2-style model, counted by the CommLedger, next to mpformer.parallel.volumes (formulas.md):
+   GPT-2-style model, counted by the CommLedger, next to mpformer.parallel.volumes (docs/formulas.md):
    tp 2 and 4, with and without sequence parallelism. Ratio 1.00 means every collective the
    formula predicts, and no other, was issued.
 2. Activation bytes per rank: the bytes of every distinct tensor autograd saves for backward
@@ -17,7 +17,7 @@
    replace. Under SP the formula assumes Megatron's trick of keeping a column-parallel layer's
    input sharded and all-gathering it again in backward; mpformer keeps the gathered input
    instead (2 x sbh (1 - 1/t) more elements per layer) so that its traffic is exactly the
-   all-gather + reduce-scatter volume of formulas.md, which the test suite checks.
+   all-gather + reduce-scatter volume of docs/formulas.md, which the test suite checks.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, write_json
 
-from mpformer.models.config import ModelConfig
+from mpformer.core.model_config import ModelConfig
+from mpformer.parallel.spawn import run_distributed
 from mpformer.parallel.volumes import tp_step_bytes
-from mpformer.testing.spawn import run_distributed
 
 
 def model_config(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelConfig:
@@ -66,10 +66,10 @@ def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tup
 
 
 def _worker(cfg_dict: dict, seq: int, batch: int, tp: int, sp: bool) -> dict:
+    from mpformer.core.layout import ParallelLayout
     from mpformer.models.parallelize import build_model, grad_specs
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.parallel.layout import ParallelLayout
     from mpformer.parallel.tensor_parallel import kv_replicas, sync_tp_grads
 
     cfg = ModelConfig(**cfg_dict)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             out["comm"].append({"tp": tp, "sp": sp, "kind": kind, "measured": got, "analytic": w})
     print(f"model: gpt2-style L={a.layers} h={a.hidden} heads={a.heads} vocab={a.vocab}; micro-batch {a.batch} x "
           f"seq {a.seq}; one forward + backward + tp gradient sync, fp32\n")
-    print(format_table(["layout", "collective", "measured bytes/rank", "analytic (formulas.md)", "ratio"], comm_rows))
+    print(format_table(["layout", "collective", "measured bytes/rank", "analytic (formulas)", "ratio"], comm_rows))
 
     sbh, L = a.seq * a.batch * a.hidden, a.layers
     base = res[(1, False)]["layer_bytes"]

@@ -46,12 +46,13 @@ from common import (
 )
 
 from mpformer.convert import adapter_for_arch
-from mpformer.models import ModelConfig, Transformer
+from mpformer.core.config import OptimConfig
+from mpformer.core.model_config import ModelConfig
+from mpformer.models import Transformer
 from mpformer.models.parallelize import grad_specs
 from mpformer.optim.builder import build_optimizer, param_groups
 from mpformer.optim.clip import clip_grad_norm
 from mpformer.parallel.data_parallel import DataParallel
-from mpformer.training.config import OptimConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # --quick: a model small enough that fp32 and bf16 together finish in well under a minute.

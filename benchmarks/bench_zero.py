@@ -7,7 +7,7 @@ ranks (dp=4) through the real trainer, fp32, once per ZeRO stage 0-3, the stages
 0 1 2 3 3 2 1 0 (two rounds, so that machine drift hits every stage alike). Per stage and rank:
 
 * model-state bytes counted from the tensors the optimizer holds (memory.json), next to
-  formulas.md's ZeRO table for fp32 (w = g = 4, no separate masters, k = 8 for Adam's m and v);
+  docs/formulas.md's ZeRO table for fp32 (w = g = 4, no separate masters, k = 8 for Adam's m and v);
 * resident memory of each rank's (fresh) process above what it held before the model was built:
   when training starts (the model state, plus allocator slack), at its peak during the training
   steps (adds activations and the transient full-size gradient/parameter buffers; VmHWM reset after
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, format_table, write_json
 
-from mpformer.testing.spawn import run_distributed
+from mpformer.parallel.spawn import run_distributed
 
 STAGES = [0, 1, 2, 3]
 
@@ -104,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.hidden, args.layers, args.ffn = 384, 4, 1024
-    from mpformer.models.config import ModelConfig
+    from mpformer.core.model_config import ModelConfig
     from mpformer.optim.memory import zero_formula_bytes
 
     psi = ModelConfig(arch="llama", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=12,

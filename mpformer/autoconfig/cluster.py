@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from mpformer.errors import ConfigError, format_choices
+from mpformer.core.errors import ConfigError, format_choices
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Cluster:
 
 
 def cluster_dir() -> Path:
-    from mpformer.cli.compose import config_dir
+    from mpformer.core.composed import config_dir
 
     return config_dir() / "cluster"
 

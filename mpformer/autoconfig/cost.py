@@ -35,15 +35,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from mpformer.autoconfig.calibration import Calibration, calibration
+from mpformer.autoconfig.calibration import SPLIT, Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
 from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
-from mpformer.models.config import ModelConfig
-from mpformer.parallel.layout import ParallelLayout
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
+from mpformer.core.pipeline_plan import stage_counts
 from mpformer.pipeline.actions import Schedule
 from mpformer.pipeline.simulate import Costs
-from mpformer.pipeline.stage import stage_counts
 
 # Fraction of the data-sheet peak a large, well-shaped 16-bit GEMM reaches (cuBLAS on A100/H100
 # class parts), and the GEMM size (FLOPs) at which half of that is reached: small GEMMs are
@@ -179,7 +179,7 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
 
     ``dilation(k)``: how much slower compute runs while k ranks of the pipeline compute at once (ranks
     sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``."""
-    from mpformer.pipeline.schedules import min_microbatches
+    from mpformer.core.layout import min_microbatches
     from mpformer.pipeline.simulate import simulate
 
     def run(mb: int) -> float:
@@ -322,3 +322,70 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
         return dp
     overlap = last_backward * (micro if L.zero == 3 else 1)  # backward the reduction hides behind
     return max(dp - 0.8 * overlap, 0.05 * dp)
+
+
+# ---- the profile's corrections, worked out with the model above (calibration.py) ----------------
+def calibration(c: Cluster) -> Calibration:
+    """The cluster's corrections from its profile (all 1 without one)."""
+    ref = c.measured.get("reference")
+    if not ref:
+        return Calibration()
+    layouts = c.measured.get("layouts") or {}
+    # Keyed by the profile (held, so that its id is not reused) and the cluster's other fields: the
+    # factors depend on both (cores, rates), not on the candidate.
+    key = (id(c.measured), repr(replace(c, measured={})))
+    cached = _CACHE.get(key)
+    if cached is not None and cached[0] is c.measured:
+        return cached[1]
+    base = _alone(c, ref)
+    out = _from_layouts(replace(c, measured={k: v for k, v in c.measured.items() if k != "layouts"}),
+                        ref, layouts, base) if layouts and slowdowns(c) is not None else base
+    _CACHE[key] = (c.measured, out)
+    return out
+
+
+_CACHE: dict[tuple[int, str], tuple[dict, Calibration]] = {}
+
+
+def _alone(c: Cluster, ref: dict) -> Calibration:
+    m = ModelConfig(**ref["model"])
+    w = Workload(ref["micro_batch_size"], ref["micro_batch_size"], ref["seq_length"], ref["precision"])
+    bare = replace(c, measured={k: v for k, v in c.measured.items() if k not in ("reference", "layouts")})
+    fc, bc, wc, _ = stage_costs(m, ParallelLayout(dp=1), w, bare)
+    compute = ref["seconds"] / (sum(fc) + sum(bc) + sum(wc))
+    if "split_backward_ratio" in ref:  # measured back to back with a one-pass backward
+        extra = (ref["split_backward_ratio"] - 1.0) * ref["seconds"]
+    else:
+        extra = ref.get("seconds_split_backward", ref["seconds"]) - ref["seconds"]
+    return Calibration(compute, 1.0 + max(extra, 0.0) / (compute * sum(bc)))
+
+
+def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Calibration:
+    """Predict each reference layout as it ran (no gradient reduction, no optimizer step) on a host of
+    its world with only the compute and split corrections (``c`` has no layouts), and compare."""
+    m = ModelConfig(**ref["model"])
+    pipeline, split_pipeline, tp = {}, {}, {}
+    for row in layouts.values():
+        L = ParallelLayout(**row["layout"])
+        host = replace(c, devices_per_node=row["world"], nodes=1)
+        w = Workload(row["microbatches"], 1, ref["seq_length"], ref["precision"])
+        b = iteration_time(m, L, w, host, params_per_rank=0)
+        predicted = b.iteration_s - b.dp_comm_exposed_s - b.optimizer_s
+        # Measured as a ratio to the same round's step with every rank computing the same number of
+        # micro-batches without a break (a second or so each, back to back: the machine's drift
+        # cancels), whose model is the time alone x slowdown(world).
+        busy = 2 * ref["seconds"] * interpolate(slowdowns(host), row["world"])
+        measured = row["relative_to_busy"] * busy
+        if L.pp > 1 and L.tp == 1 and L.schedule in SPLIT:
+            split_pipeline[L.pp] = measured / predicted
+        elif L.pp > 1 and L.tp == 1:
+            pipeline[L.pp] = clamp(measured / predicted)
+        elif L.tp > 1 and L.pp == 1:
+            # The step the profile ran has no once-per-step all-reduce of the replicated gradients
+            # (the trainer's, after the pipeline): out of the prediction and of the waits scaled.
+            waits = b.tp_comm_s - tp_step_time(m, L, host)
+            if waits > 0:
+                tp[L.tp] = clamp((measured - (predicted - b.tp_comm_s)) / waits)
+    # A zero-bubble schedule against 1F1B at the same depth: its extra over 1F1B's correction.
+    zb = [split_pipeline[p] / pipeline[p] for p in split_pipeline if p in pipeline]
+    return replace(base, pipeline=pipeline, tp=tp, zero_bubble=clamp(zb[0]) if zb else 1.0)

@@ -1,6 +1,6 @@
 """Memory per device of a plan, per pipeline stage: model state, activations, transients, overhead.
 
-    model state   the ZeRO table (formulas.md) for the parameters this rank holds: its stage's layers
+    model state   the ZeRO table (docs/formulas.md) for the parameters this rank holds: its stage's layers
                   cut by tp (blocks tp replicates - norm gains, kv heads when tp > kv heads - counted
                   whole), the embedding on the first stage, the LM head (or the tied embedding's
                   copy) on the last; bytes per parameter from the precision (16-bit: fp32 main
@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from mpformer.models.config import ModelConfig
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
+from mpformer.core.pipeline_plan import stage_counts
 from mpformer.optim.memory import zero_formula_bytes
-from mpformer.parallel.layout import ParallelLayout
-from mpformer.pipeline.stage import stage_counts
 
 ALLOCATOR_FACTOR = 1.08  # caching-allocator fragmentation on top of the live tensors
 RUNTIME_BYTES = {"cuda": 1.5e9, "cpu": 0.4e9}  # CUDA context + cuBLAS/NCCL workspaces; torch on CPU

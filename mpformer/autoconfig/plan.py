@@ -15,14 +15,14 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mpformer.autoconfig.calibration import calibration
 from mpformer.autoconfig.cluster import Cluster, load_cluster
+from mpformer.autoconfig.cost import calibration
 from mpformer.autoconfig.memory import Workload
 from mpformer.autoconfig.search import PLAN_FIELDS, Candidate, SearchResult, evaluate_plan, no_plan_error, search
-from mpformer.cli.compose import Composed
-from mpformer.errors import ConfigError
-from mpformer.parallel.layout import ParallelLayout
-from mpformer.training.config import Config
+from mpformer.core.composed import Composed
+from mpformer.core.config import Config
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import ParallelLayout
 
 
 @dataclass

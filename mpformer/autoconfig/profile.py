@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _profile_gpu(out: Path, t0: float) -> int:
-    from mpformer.errors import ConfigError
+    from mpformer.core.errors import ConfigError
     from mpformer.parallel.device import resolve_device
 
     try:
@@ -236,6 +236,6 @@ def _profile_gpu(out: Path, t0: float) -> int:
 
 
 if __name__ == "__main__":
-    from mpformer.cli import user_errors_to_exit
+    from mpformer.core.errors import user_errors_to_exit
 
     raise SystemExit(user_errors_to_exit(main)())

@@ -68,7 +68,7 @@ REFERENCE_SEQ = 256
 def _reference(seed: int = 0, tp=None, stage=None):
     import torch
 
-    from mpformer.models.config import ModelConfig
+    from mpformer.core.model_config import ModelConfig
     from mpformer.models.parallelize import build_model
 
     return build_model(ModelConfig(**REFERENCE), tp=tp, device=torch.device("cpu"), seed=seed, stage=stage)
@@ -136,14 +136,14 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     import torch
     import torch.distributed as dist
 
-    from mpformer.models.config import ModelConfig
+    from mpformer.core.layout import ParallelLayout
+    from mpformer.core.model_config import ModelConfig
+    from mpformer.core.pipeline_plan import stage_plan
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.parallel.layout import ParallelLayout
     from mpformer.pipeline.engine import PipelineEngine
     from mpformer.pipeline.p2p import P2P
     from mpformer.pipeline.schedules import build_schedule
-    from mpformer.pipeline.stage import stage_plan
 
     world, rank, device, t_build = dist.get_world_size(), dist.get_rank(), Device("cpu"), time.perf_counter()
     cfg, (x, y) = ModelConfig(**REFERENCE), _reference_tokens()
@@ -193,7 +193,7 @@ def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n:
     round's alone), each reference layout's step time relative to alone and to the same round's
     step with every rank busy (``relative_to_busy``: both about a second, back to back, what
     calibration.py uses), and the collectives of every group size that divides the world."""
-    from mpformer.testing.spawn import run_distributed
+    from mpformer.parallel.spawn import run_distributed
 
     world = max(ranks)
     ks = sorted({1, *ranks})

@@ -1,4 +1,4 @@
-"""The published runs of shared/reference/published_runs.json as auto-configurator inputs.
+"""The published runs of published_runs.json (beside this module) as auto-configurator inputs.
 
 Korthikanti et al. 2022 (A100 80GB, GPT-3-style models, s=2048, V=51200, no FlashAttention yet) and
 the Llama 3 405B runs (H100, 126 layers, GQA). ``published_cases`` returns, per row, the model, the
@@ -15,9 +15,9 @@ from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.memory import Workload
-from mpformer.models.config import ModelConfig
+from mpformer.core.model_config import ModelConfig
 
-# A copy of the team's shared/reference/published_runs.json, so that checks run from any checkout.
+# The published large runs the cost model is checked against (sources in each row), kept in the package.
 REFERENCE = Path(__file__).resolve().parent / "published_runs.json"
 
 

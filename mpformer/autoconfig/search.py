@@ -17,9 +17,9 @@ from typing import Any
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.cost import Breakdown, iteration_time
 from mpformer.autoconfig.memory import Workload, plan_memory
-from mpformer.errors import ConfigError
-from mpformer.models.config import ModelConfig, divisors
-from mpformer.parallel.layout import ParallelLayout, validate
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import ParallelLayout, validate
+from mpformer.core.model_config import ModelConfig, divisors
 
 PLAN_FIELDS = ("dp", "tp", "pp", "cp", "cp_kind", "vpp", "micro_batch_size", "zero", "recompute", "schedule",
                "sequence_parallel")

@@ -30,8 +30,9 @@ from mpformer.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
-from mpformer.checkpoint.shards import Shard, ShardLoadPlanner, ShardSavePlanner, stored_name
-from mpformer.errors import ConfigError
+from mpformer.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
+from mpformer.core.errors import ConfigError
+from mpformer.core.shards import Shard, stored_name
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mpformer.errors import ConfigError
-from mpformer.models.config import ModelConfig
+from mpformer.core.errors import ConfigError
+from mpformer.core.model_config import ModelConfig
 
 FORMAT = "mpformer-checkpoint"
 VERSION = 1

@@ -14,8 +14,6 @@ padded to a multiple of tp whose padding must never reach the checkpoint).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -23,40 +21,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-
-@dataclass
-class Shard:
-    """``local`` is global[offsets[0]:offsets[0]+local.shape[0], ...] of a tensor of ``global_shape``."""
-
-    local: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    name: str | None = None  # the stored tensor's name when the dict key is not it (several chunks)
-
-    @classmethod
-    def full(cls, t: torch.Tensor) -> Shard:
-        return cls(t, tuple(t.shape), (0,) * t.dim())
-
-    @classmethod
-    def rows(cls, local: torch.Tensor, global_rows: int, start: int) -> Shard:
-        """A block of rows (dim 0) starting at ``start`` of a tensor with ``global_rows`` rows."""
-        return cls(local, (global_rows, *local.shape[1:]), (start,) + (0,) * (local.dim() - 1))
-
-    def like(self, t: torch.Tensor) -> Shard:
-        """The same block of another tensor with the local shape (e.g. Adam's exp_avg)."""
-        assert t.shape == self.local.shape
-        return Shard(t, self.global_shape, self.offsets, self.name)
-
-    @property
-    def is_full(self) -> bool:
-        return tuple(self.local.shape) == tuple(self.global_shape)
-
-    def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.local.shape)
+from mpformer.core.shards import Shard, stored_name
 
 
-def stored_name(key: str, sh: Shard) -> str:
-    return sh.name if sh.name is not None else key
+def _chunk(sh: Shard) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(sh.offsets), sizes=sh.local.shape)
 
 
 def _by_index(shards: dict[str, Shard]) -> dict[tuple[str, tuple[int, ...]], Shard]:
@@ -79,7 +48,7 @@ class ShardSavePlanner(DefaultSavePlanner):
                 continue  # a rank whose vocabulary block is all padding holds nothing to save
             items.append(WriteItem(
                 index=MetadataIndex(stored_name(key, sh), torch.Size(sh.offsets)), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=sh._chunk(), properties=TensorProperties.create_from_tensor(sh.local),
+                tensor_data=TensorWriteData(chunk=_chunk(sh), properties=TensorProperties.create_from_tensor(sh.local),
                                             size=torch.Size(sh.global_shape))))
         self.plan = SavePlan(items)
         return self.plan
@@ -103,7 +72,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             if sh.local.numel() == 0:
                 continue
             fqn = stored_name(key, sh)
-            requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [sh._chunk()])
+            requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [_chunk(sh)])
         return LoadPlan(requests)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mpformer.cli import user_errors_to_exit
+from mpformer.core.errors import user_errors_to_exit
 
 
 def model_flops_per_step(model, global_batch: int, seq: int) -> float:

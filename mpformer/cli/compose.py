@@ -9,10 +9,7 @@ each creating its own timestamped output directory; rank 0 decides the run direc
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -20,51 +17,20 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from mpformer.errors import ConfigError, format_choices
-from mpformer.training.config import Config
+from mpformer.core.composed import Composed, config_dir
+from mpformer.core.config import Config
+from mpformer.core.errors import ConfigError, format_choices
 
 SCHEMA_NAME = "mpformer_schema"
 # Groups picked in configs/config.yaml's defaults list; `cluster` belongs to the auto-configurator.
 GROUPS = ("model", "parallel", "train", "optim", "data", "checkpoint", "logging", "eval", "experiment")
 
 
-def config_dir() -> Path:
-    """$MPFORMER_CONFIG_DIR if set, else configs/ of this checkout (editable install), else the copy a
-    regular install puts under sys.prefix/share/mpformer/configs."""
-    env = os.environ.get("MPFORMER_CONFIG_DIR")
-    candidates = [Path(env)] if env else [Path(__file__).resolve().parents[2] / "configs",
-                                          Path(sys.prefix) / "share" / "mpformer" / "configs"]
-    for d in candidates:
-        if (d / "config.yaml").is_file():
-            return d
-    raise ConfigError(f"no config.yaml in {', '.join(map(str, candidates))}; set MPFORMER_CONFIG_DIR to mpformer's "
-                      "configs/")
-
-
 def _register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
-
-
-@dataclass
-class Composed:
-    cfg: Config
-    raw: DictConfig  # resolved, without the hydra node: what resolved_config.yaml holds
-    run_dir: str
-    overrides: list[str]
-
-    def _keys(self) -> list[str]:
-        return [o.split("=", 1)[0].lstrip("+~") for o in self.overrides]
-
-    def overridden_group(self, group: str) -> bool:
-        """Whether the user picked a preset for ``group`` (``model=gpt2``)."""
-        return group in self._keys()
-
-    def overridden_keys(self, group: str) -> list[str]:
-        """Top-level keys of ``group`` the user set (``model.hidden_dropout=0.1`` -> hidden_dropout)."""
-        return [k.split(".")[1] for k in self._keys() if k.startswith(group + ".")]
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:
@@ -114,7 +80,7 @@ def _precheck(overrides: list[str]) -> None:
 
 
 def _cluster_alias(overrides: list[str]) -> list[str]:
-    """``cluster=NAME`` (DESIGN's spelling) is ``autoconfig.cluster=NAME``, checked against the presets."""
+    """``cluster=NAME`` (the documented spelling) is ``autoconfig.cluster=NAME``, checked against the presets."""
     out = []
     for o in overrides:
         key, sep, value = o.partition("=")

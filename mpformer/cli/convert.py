@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mpformer.cli import user_errors_to_exit
+from mpformer.core.errors import user_errors_to_exit
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import sys
 
-from mpformer.cli import user_errors_to_exit
 from mpformer.cli.compose import compose_config
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError, user_errors_to_exit
+from mpformer.core.layout import validate
+from mpformer.core.pipeline_plan import stage_plan
 from mpformer.parallel.launch import init_distributed, shutdown, world_size_from_env
-from mpformer.parallel.layout import validate
-from mpformer.pipeline.stage import stage_plan
 from mpformer.training.evaluation import (
     check_pipeline_eval,
     evaluate_loss,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from mpformer.cli import user_errors_to_exit
+from mpformer.core.errors import user_errors_to_exit
 
 
 def build_parser() -> argparse.ArgumentParser:

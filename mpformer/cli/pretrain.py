@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from mpformer.cli import user_errors_to_exit
-from mpformer.cli.compose import Composed, compose_config
-from mpformer.errors import ConfigError
+from mpformer.cli.compose import compose_config
+from mpformer.core.composed import Composed
+from mpformer.core.errors import ConfigError, user_errors_to_exit
 from mpformer.parallel.launch import world_size_from_env
 from mpformer.training.preflight import preflight_train
 

@@ -16,8 +16,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from mpformer.cli import user_errors_to_exit
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError, user_errors_to_exit
 from mpformer.pipeline.actions import Op, load_schedule
 from mpformer.pipeline.schedules import SCHEDULES, build_schedule
 from mpformer.pipeline.simulate import Costs, SimResult, simulate, steady_state_bubble, write_chrome_trace

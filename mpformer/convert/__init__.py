@@ -14,7 +14,7 @@ from typing import Any
 from mpformer.convert.base import Rule, StateDictAdapter, Transform
 from mpformer.convert.gpt2 import GPT2Adapter
 from mpformer.convert.llama import LlamaFamilyAdapter
-from mpformer.errors import ConfigError, format_choices
+from mpformer.core.errors import ConfigError, format_choices
 
 # HF class name -> (model_type, mpformer arch). The adapters are cheap; built on request.
 SUPPORTED = {

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from mpformer.errors import ConfigError
-from mpformer.models.config import ModelConfig
+from mpformer.core.errors import ConfigError
+from mpformer.core.model_config import ModelConfig
 
 Tensors = list[torch.Tensor]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from mpformer.convert.base import TRANSPOSE, Rule, StateDictAdapter, fused, one, require
-from mpformer.errors import ConfigError, format_choices
-from mpformer.models.config import ModelConfig
+from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.model_config import ModelConfig
 
 L = "transformer.h.{i}."
 RULES = (

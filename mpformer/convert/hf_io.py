@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

@@ -35,9 +35,9 @@ from mpformer.convert.hf_io import (
     read_hf_state,
     write_hf_dir,
 )
+from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.model_config import ModelConfig
 from mpformer.data.tokenizer import TOKENIZER_FILES, copy_tokenizer
-from mpformer.errors import ConfigError, format_choices
-from mpformer.models.config import ModelConfig
 
 TOKENIZER_DIR = "tokenizer"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")

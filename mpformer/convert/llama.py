@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from mpformer.convert.base import StateDictAdapter, one, require
-from mpformer.errors import ConfigError, format_choices
-from mpformer.models.config import ModelConfig
+from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.model_config import ModelConfig
 
 L = "model.layers.{i}."
 RULES = (

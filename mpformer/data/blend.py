@@ -22,8 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
+from mpformer.core.errors import ConfigError
 from mpformer.data.gpt_dataset import mix64
-from mpformer.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 10_000
 _EXACT_TOL = 1e-9

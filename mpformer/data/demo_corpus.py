@@ -20,8 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mpformer.cli import user_errors_to_exit
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError, user_errors_to_exit
 
 # Path components that mark test suites (test/, tests/, idlelib/idle_test/) or installed packages.
 _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpformer.core.errors import ConfigError
 from mpformer.data.indexed import IndexedDataset
-from mpformer.errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
 FEISTEL_ROUNDS = 4  # Luby-Rackoff: 4 rounds of a pseudo-random function give a pseudo-random permutation

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from mpformer.errors import ConfigError, format_choices
+from mpformer.core.errors import ConfigError, format_choices
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mpformer.core.errors import ConfigError, format_choices
 from mpformer.data.indexed import IndexedDatasetBuilder, best_dtype
 from mpformer.data.tokenizer import eos_id, load_tokenizer
-from mpformer.errors import ConfigError, format_choices
 
 TXT_SPLITS = ("document", "line", "paragraph")
 # extension -> datasets builder; .json is read as JSON lines too, like Megatron's loose json inputs.

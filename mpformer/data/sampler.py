@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mpformer.core.errors import ConfigError
 from mpformer.data.blend import BlendedDataset, SampleSource
 from mpformer.data.gpt_dataset import GPTDataset, mix64
 from mpformer.data.indexed import IndexedDataset
-from mpformer.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the preprocessing CLI starts fast
     import torch

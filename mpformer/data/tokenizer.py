@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 
 if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import and most callers never need it
     from transformers import PreTrainedTokenizerFast

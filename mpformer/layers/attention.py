@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.core.model_config import ModelConfig
+from mpformer.core.shards import Shard
 from mpformer.layers.linear import Linear
-from mpformer.models.config import ModelConfig
+from mpformer.layers.parallel import fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike
 
 
@@ -124,16 +126,9 @@ class Attention(nn.Module):
         out_sbh = out_bnsd.permute(2, 0, 1, 3).reshape(s, b, self.q_size)
         return self.o(out_sbh)
 
-    def canonical_tensors(self) -> dict[str, torch.Tensor]:
-        """Layout-free views: q, k, v and o as separate tensors (no copies: row slices are contiguous)."""
-        out: dict[str, torch.Tensor] = {}
-        sizes = (self.q_size, self.kv_size, self.kv_size)
-        for name, w in zip(("q", "k", "v"), self.qkv.weight.split(sizes, dim=0)):
-            out[f"{name}.weight"] = w
-        if self.qkv.bias is not None:
-            for name, bias in zip(("q", "k", "v"), self.qkv.bias.split(sizes, dim=0)):
-                out[f"{name}.bias"] = bias
-        out["o.weight"] = self.o.weight
-        if self.o.bias is not None:
-            out["o.bias"] = self.o.bias
+    def canonical_shards(self, prefix: str) -> dict[str, Shard]:
+        """q, k, v and o under ``prefix`` as separate tensors (row slices of the fused qkv: views)."""
+        names = {n: f"{prefix}.{n}" for n in ("q", "k", "v")}
+        out = fused_shards(self.qkv, names, (self.q_size, self.kv_size, self.kv_size))
+        out.update(param_shards(f"{prefix}.o", self.o))
         return out

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.core.model_config import ModelConfig
+from mpformer.core.shards import Shard
 from mpformer.layers.linear import Linear, linear
-from mpformer.models.config import ModelConfig
+from mpformer.layers.parallel import fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike
 
 
@@ -44,21 +46,9 @@ class MLP(nn.Module):
             act_sbf = F.gelu(up_sbf, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.down(act_sbf)
 
-    def canonical_tensors(self) -> dict[str, torch.Tensor]:
-        """Layout-free views: gate and up stored apart so any tensor-parallel slice is contiguous."""
-        out: dict[str, torch.Tensor] = {}
-        if self.gated:
-            gate, up = self.up.weight.split(self.ffn, dim=0)
-            out["gate.weight"], out["up.weight"] = gate, up
-            if self.up.bias is not None:
-                gb, ub = self.up.bias.split(self.ffn, dim=0)
-                out["gate.bias"], out["up.bias"] = gb, ub
-        else:
-            out["up.weight"] = self.up.weight
-            if self.up.bias is not None:
-                out["up.bias"] = self.up.bias
-        out["down.weight"] = self.down.weight
-        if self.down.bias is not None:
-            out["down.bias"] = self.down.bias
+    def canonical_shards(self, prefix: str) -> dict[str, Shard]:
+        """gate and up stored apart (so any tensor-parallel slice is contiguous), and down."""
+        parts = ("gate", "up") if self.gated else ("up",)
+        out = fused_shards(self.up, {n: f"{prefix}.{n}" for n in parts}, (self.ffn,) * len(parts))
+        out.update(param_shards(f"{prefix}.down", self.down))
         return out
-

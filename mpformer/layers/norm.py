@@ -46,11 +46,3 @@ def build_norm(kind: str, dim: int, eps: float, *, use_apex: bool = False,
     if kind == "rmsnorm":
         return RMSNorm(dim, eps=eps, device=device, dtype=dtype)
     raise ValueError(f"unknown norm kind {kind!r}; valid: layernorm, rmsnorm")
-
-
-def canonical_norm(prefix: str, norm: nn.Module) -> dict[str, torch.Tensor]:
-    """Layout-free names of a norm's parameters: prefix.weight (and prefix.bias for LayerNorm)."""
-    out = {f"{prefix}.weight": norm.weight}
-    if getattr(norm, "bias", None) is not None:
-        out[f"{prefix}.bias"] = norm.bias
-    return out

@@ -8,17 +8,20 @@ Shape legend: s sequence (s/t under sequence parallelism), b micro-batch, h hidd
 
 Weights are built from the single-device module they replace (``from_module``), on whatever
 device that module lives on (``meta`` for a model that is materialised after parallelisation).
-Each layer reports its canonical shards (for checkpoints and initialisation) and its gradient
-specs (which rows are replicated over tp and which need a gradient all-reduce).
+Each layer reports its canonical shards (for checkpoints and initialisation; ``param_shards`` and
+``fused_shards`` give the same names for plain and parallel modules alike) and its gradient specs
+(which rows are replicated over tp and which need a gradient all-reduce).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpformer.checkpoint.shards import Shard
+from mpformer.core.shards import Shard
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.parallel.comm import all_gather_seq, copy_to_region, reduce_from_region, reduce_scatter_seq
 from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext, vocab_block
@@ -30,6 +33,30 @@ def gather_input(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     return all_gather_seq(x, tp.comm) if tp.sequence_parallel else copy_to_region(x, tp.comm)
+
+
+def param_shards(name: str, m: nn.Module) -> dict[str, Shard]:
+    """``name.weight`` (and ``name.bias``) of ``m``: a parallel layer's own blocks, or, for a plain
+    module (a norm, an embedding, a linear), its parameters as whole tensors."""
+    own = getattr(m, "canonical_shards", None)
+    if own is not None:
+        return own(name)
+    return {f"{name}.{k}": Shard.full(p) for k, p in m.named_parameters(recurse=False)}
+
+
+def fused_shards(m: nn.Module, names: dict[str, str], sizes: Sequence[int]) -> dict[str, Shard]:
+    """A fused projection (q|k|v, gate|up) as its parts: ``names`` maps a part to its canonical prefix
+    and ``sizes`` gives the parts' rows in the single-device weight. A column-parallel layer reports
+    this rank's block of each part; a plain one its row slices (views, whole tensors)."""
+    if isinstance(m, ColumnParallelLinear):
+        return m.canonical_shards(names)
+    out: dict[str, Shard] = {}
+    for prefix, w in zip(names.values(), m.weight.split(list(sizes), dim=0)):
+        out[f"{prefix}.weight"] = Shard.full(w)
+    if m.bias is not None:
+        for prefix, b in zip(names.values(), m.bias.split(list(sizes), dim=0)):
+            out[f"{prefix}.bias"] = Shard.full(b)
+    return out
 
 
 def reduce_output(y: torch.Tensor, tp: TPContext) -> torch.Tensor:

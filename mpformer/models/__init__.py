@@ -1,14 +1,6 @@
-from typing import Any
+"""The decoder-only model family (GPT-2, Llama, Mistral, Qwen2) and how it is cut for tensor and
+pipeline parallelism. Its configuration, ModelConfig, is in :mod:`mpformer.core.model_config`."""
 
-from mpformer.models.config import ModelConfig
+from mpformer.models.transformer import Transformer
 
-__all__ = ["ModelConfig", "Transformer"]
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: layers/ import models.config, and models.transformer imports layers/.
-    if name == "Transformer":
-        from mpformer.models.transformer import Transformer
-
-        return Transformer
-    raise AttributeError(name)
+__all__ = ["Transformer"]

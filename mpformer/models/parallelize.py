@@ -23,13 +23,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mpformer.checkpoint.shards import Shard
+from mpformer.core.model_config import ModelConfig
+from mpformer.core.pipeline_plan import StagePlan
 from mpformer.layers.attention import Attention
-from mpformer.layers.norm import canonical_norm
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
-from mpformer.models.config import ModelConfig
 from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
-from mpformer.pipeline.stage import StagePlan
 
 Style = Callable[[nn.Module, ModelConfig, TPContext], nn.Module | None]
 
@@ -113,26 +111,6 @@ def _check_applied(model: nn.Module, tp: TPContext) -> None:
                 assert mod.n_heads * tp.size == cfg.num_attention_heads, f"{name}: heads not localised"
             elif not isinstance(mod, EXPECTED[style]):
                 raise AssertionError(f"TP plan: {name} is still a {type(mod).__name__}, wanted {style}")
-
-
-def canonical_shards(model: nn.Module) -> dict[str, Shard]:
-    """Canonical name -> this rank's shard, for a tensor-parallel model."""
-    out: dict[str, Shard] = dict(model.embed.canonical_shards("embedding.word")) if model.embed is not None else {}
-    if model.pos_embed is not None:
-        out["embedding.position.weight"] = Shard.full(model.pos_embed.weight)
-    for i, layer in zip(model.layer_ids, model.layers):
-        p = f"layers.{i}"
-        out.update({k: Shard.full(v) for k, v in canonical_norm(f"{p}.attn_norm", layer.attn_norm).items()})
-        out.update(layer.attn.qkv.canonical_shards({n: f"{p}.attn.{n}" for n in ("q", "k", "v")}))
-        out.update(layer.attn.o.canonical_shards(f"{p}.attn.o"))
-        out.update({k: Shard.full(v) for k, v in canonical_norm(f"{p}.mlp_norm", layer.mlp_norm).items()})
-        out.update(layer.mlp.up.canonical_shards({n: f"{p}.mlp.{n}" for n in ("gate", "up")}))
-        out.update(layer.mlp.down.canonical_shards(f"{p}.mlp.down"))
-    if model.final_norm is not None:
-        out.update({k: Shard.full(v) for k, v in canonical_norm("final_norm", model.final_norm).items()})
-    if model.lm_head is not None:
-        out.update(model.lm_head.canonical_shards("lm_head"))
-    return out
 
 
 def grad_specs(model: nn.Module) -> list[GradSpec]:

@@ -23,17 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mpformer.checkpoint.shards import Shard
+from mpformer.core.layout import RECOMPUTE
+from mpformer.core.model_config import ModelConfig
+from mpformer.core.shards import Shard
 from mpformer.layers.attention import Attention, RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.mlp import MLP
-from mpformer.layers.norm import build_norm, canonical_norm
-from mpformer.layers.parallel import gather_input
-from mpformer.models.config import ModelConfig
+from mpformer.layers.norm import build_norm
+from mpformer.layers.parallel import gather_input, param_shards
 from mpformer.parallel.comm import gather_from_region
 from mpformer.parallel.device import DeviceLike
-from mpformer.parallel.layout import RECOMPUTE
 from mpformer.parallel.tensor_parallel import TPContext
 
 
@@ -66,11 +66,11 @@ class Block(nn.Module):
         with sp_rng(self.tp, self.dropout.p > 0 and self.training):
             return self.dropout(x_sbh)
 
-    def canonical_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        out = canonical_norm(f"{prefix}.attn_norm", self.attn_norm)
-        out.update({f"{prefix}.attn.{k}": t for k, t in self.attn.canonical_tensors().items()})
-        out.update(canonical_norm(f"{prefix}.mlp_norm", self.mlp_norm))
-        out.update({f"{prefix}.mlp.{k}": t for k, t in self.mlp.canonical_tensors().items()})
+    def canonical_shards(self, prefix: str) -> dict[str, Shard]:
+        out = param_shards(f"{prefix}.attn_norm", self.attn_norm)
+        out.update(self.attn.canonical_shards(f"{prefix}.attn"))
+        out.update(param_shards(f"{prefix}.mlp_norm", self.mlp_norm))
+        out.update(self.mlp.canonical_shards(f"{prefix}.mlp"))
         return out
 
 
@@ -177,26 +177,27 @@ class Transformer(nn.Module):
                                             head.start, head.valid)
 
     # ---- layout-free view and initialisation ---------------------------------------------
-    def canonical_tensors(self) -> dict[str, torch.Tensor]:
-        """Every parameter under its layout-free name, as views into the module's storage."""
-        out = {"embedding.word.weight": self.embed.weight} if self.embed is not None else {}
+    def canonical_shards(self) -> dict[str, Shard]:
+        """Canonical name -> this rank's block of it (the whole tensor without tensor parallelism).
+        Every module names its own parameters; this is the one tree of names that checkpoints,
+        initialisation, ZeRO's state rows and HF conversion use."""
+        out = param_shards("embedding.word", self.embed) if self.embed is not None else {}
         if self.pos_embed is not None:
-            out["embedding.position.weight"] = self.pos_embed.weight
+            out.update(param_shards("embedding.position", self.pos_embed))
         for i, layer in zip(self.layer_ids, self.layers):
-            out.update(layer.canonical_tensors(f"layers.{i}"))
+            out.update(layer.canonical_shards(f"layers.{i}"))
         if self.final_norm is not None:
-            out.update(canonical_norm("final_norm", self.final_norm))
+            out.update(param_shards("final_norm", self.final_norm))
         if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.weight
+            out.update(param_shards("lm_head", self.lm_head))
         return out
 
-    def canonical_shards(self) -> dict[str, Shard]:
-        """Canonical name -> this rank's block of it (the whole tensor without tensor parallelism)."""
-        if self.tp is None:
-            return {k: Shard.full(v) for k, v in self.canonical_tensors().items()}
-        from mpformer.models.parallelize import canonical_shards
-
-        return canonical_shards(self)
+    def canonical_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its layout-free name, as views into the module's storage (a model
+        that holds whole tensors: no tensor parallelism)."""
+        shards = self.canonical_shards()
+        assert all(sh.is_full for sh in shards.values()), "canonical_tensors of a tensor-parallel model"
+        return {k: sh.local for k, sh in shards.items()}
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

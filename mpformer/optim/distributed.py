@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from mpformer.checkpoint.io import OPTIM_PREFIX, load_tensors, model_state, optimizer_state, set_optimizer_step
-from mpformer.checkpoint.shards import Shard
+from mpformer.core.config import OptimConfig
+from mpformer.core.shards import Shard
 from mpformer.optim.builder import make_optimizer, param_groups
 from mpformer.optim.clip import clip_grad_norm
 from mpformer.optim.memory import model_state_bytes
@@ -29,7 +30,6 @@ from mpformer.optim.zero3 import Zero3Optimizer
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.data_parallel import DataParallel
 from mpformer.parallel.tensor_parallel import GradSpec, sync_tp_grads
-from mpformer.training.config import OptimConfig
 
 
 class DistributedOptimizer(Protocol):

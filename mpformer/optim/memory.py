@@ -2,7 +2,7 @@
 
 ``model_state_bytes`` walks the tensors a distributed optimizer keeps (parameter storage, gradient
 buffers, fp32 master copies, the wrapped optimizer's state) and sums each distinct storage once,
-so views into flat buffers are not double counted. ``zero_formula_bytes`` is formulas.md's table
+so views into flat buffers are not double counted. ``zero_formula_bytes`` is docs/formulas.md's table
 generalised to the dtypes in use: weights ``w`` bytes, gradients ``g``, master copies ``m`` (0 when
 the weights are already fp32 and serve as masters), optimizer state ``k`` bytes per parameter.
 
@@ -48,7 +48,7 @@ def model_state_bytes(weights: Iterable[torch.Tensor], grads: Iterable[torch.Ten
 
 
 def zero_formula_bytes(stage: int, psi: int, dp: int, *, w: int, g: int, m: int, k: int) -> float:
-    """formulas.md's model-state bytes per device for ZeRO ``stage`` with these bytes per parameter."""
+    """docs/formulas.md's model-state bytes per device for ZeRO ``stage`` with these bytes per parameter."""
     if stage == 0:
         return (w + g + m + k) * psi
     if stage == 1:

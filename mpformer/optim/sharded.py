@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpformer.checkpoint.io import MODEL_PREFIX, OPTIM_PREFIX, init_optimizer_state, load_tensors, model_state
-from mpformer.checkpoint.shards import Shard
+from mpformer.core.shards import Shard
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.zero_state import ShardParam, canonical_rows, chunks, sharded_state
 from mpformer.parallel.comm import Comm

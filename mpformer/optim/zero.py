@@ -13,7 +13,7 @@ Each data-parallel rank owns 1/dp of every bucket (buffers.py). What it keeps:
               the rank keeps just its fp32 gradient shard between micro-batches.
 
 After the optimizer step on the shard, every bucket's parameters are all-gathered. Per step that
-is Psi elements reduce-scattered and Psi all-gathered: the 2 Psi of formulas.md (stage 2: per
+is Psi elements reduce-scattered and Psi all-gathered: the 2 Psi of docs/formulas.md (stage 2: per
 micro-batch for the gradients).
 
 The wrapped optimizer (any torch optimizer whose update is elementwise: AdamW, Adam, SGD) sees

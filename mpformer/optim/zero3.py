@@ -16,7 +16,7 @@ optimizer state: 16 Psi / N_d bytes in the ZeRO table's terms, plus the units in
               is gathered until the next forward
 
 Per micro-batch that is Psi all-gathered in forward, Psi again in backward and Psi reduce-scattered:
-formulas.md's 3 Psi. Not supported yet (validate() says so): pipeline parallelism.
+docs/formulas.md's 3 Psi. Not supported yet (validate() says so): pipeline parallelism.
 """
 
 from __future__ import annotations

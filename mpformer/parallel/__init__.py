@@ -1,4 +1,2 @@
-from mpformer.parallel.layout import ParallelLayout, validate
-from mpformer.parallel.topology import Topology
-
-__all__ = ["ParallelLayout", "Topology", "validate"]
+"""Runtime parallelism: process groups, the device, autograd collectives, TP/DP helpers, RNG streams
+and the multi-process harness. The pure layout rules it runs are in :mod:`mpformer.core`."""

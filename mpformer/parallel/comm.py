@@ -8,7 +8,7 @@ into a :class:`CommLedger`, ring-adjusted (what a bandwidth-optimal ring sends p
     reduce-scatter of N bytes      (n-1)/n N
     all-to-all of N bytes          (n-1)/n N
 
-so the ledger can be compared with the analytic volumes of ../shared/reference/formulas.md.
+so the ledger can be compared with the analytic volumes of docs/formulas.md.
 
 The autograd pairs follow Megatron's mappings.py; each backward calls its dual::
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 
 DEVICE_KINDS = ("auto", "cpu", "cuda")
 # What module constructors accept for their parameters' placement.

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.topology import Topology
 from mpformer.parallel.comm import Comm, CommLedger
 from mpformer.parallel.device import Device
-from mpformer.parallel.layout import ParallelLayout
 from mpformer.parallel.random import TPRandom
 from mpformer.parallel.tensor_parallel import TPContext
-from mpformer.parallel.topology import Topology
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
 

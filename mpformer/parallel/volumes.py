@@ -1,4 +1,4 @@
-"""Analytic communication volumes (../shared/reference/formulas.md), per rank, ring-adjusted.
+"""Analytic communication volumes (docs/formulas.md), per rank, ring-adjusted.
 
 The same numbers the CommLedger records, derived from the model shape alone: tests compare the
 two, benchmarks print their ratio, and the auto-configurator's cost model uses them.
@@ -6,12 +6,12 @@ two, benchmarks print their ratio, and the auto-configurator's cost model uses t
 
 from __future__ import annotations
 
-from mpformer.models.config import ModelConfig
+from mpformer.core.model_config import ModelConfig
 from mpformer.parallel.tensor_parallel import kv_replicas
 
 
 def tp_step_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool) -> dict[str, float]:
-    """Ring-adjusted bytes per rank for one forward + backward (fp32), from formulas.md:
+    """Ring-adjusted bytes per rank for one forward + backward (fp32), from docs/formulas.md:
     per layer 2 all-reduces of s*b*h in forward and 2 in backward, or under SP an all-gather plus a
     reduce-scatter for each. The same rule covers the embedding (forward) and the LM-head input
     (backward); the vocab-parallel cross entropy adds 3 all-reduces of s*b floats; replicated

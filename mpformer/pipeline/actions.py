@@ -1,4 +1,4 @@
-"""The schedule IR: one ordered list of actions per pipeline rank (DESIGN principle 3).
+"""The schedule IR: one ordered list of actions per pipeline rank (docs/architecture.md, principle 3).
 
 Layout of stages. With ``pp`` ranks and ``vpp`` virtual chunks per rank there are ``pp * vpp``
 global stages; rank ``r`` holds chunks ``c = 0 .. vpp-1`` and chunk ``c`` is global stage
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 
 
 class ScheduleError(ConfigError):

@@ -29,11 +29,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from mpformer.core.pipeline_plan import StagePlan
 from mpformer.layers.linear import WeightGradStore
 from mpformer.parallel.device import Device
 from mpformer.pipeline.actions import Action, Op, Schedule
 from mpformer.pipeline.p2p import P2P, Pending
-from mpformer.pipeline.stage import StagePlan, chunk_forward
+from mpformer.pipeline.stage import chunk_forward
 
 Key = tuple[int, int]  # (microbatch, chunk)
 TraceEvent = tuple[Action, float, float]  # (action, start, end) in perf_counter seconds

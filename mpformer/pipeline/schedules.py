@@ -1,4 +1,4 @@
-"""Schedule generators: pure functions (pp, microbatches, vpp) -> Schedule (DESIGN principle 3).
+"""Schedule generators: pure functions (pp, microbatches, vpp) -> Schedule (docs/architecture.md, principle 3).
 
 Each generator decides the order of the compute actions on every rank, then ``_aligned_comm``
 inserts the communication actions (actions.py explains the IR and the batching rule). The
@@ -34,7 +34,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable
 
-from mpformer.errors import ConfigError
+from mpformer.core.layout import check_args
 from mpformer.pipeline.actions import Action, Op, Schedule, make_schedule
 from mpformer.pipeline.verify import verify
 
@@ -197,32 +197,6 @@ SCHEDULES: dict[str, Generator] = {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
 }
-
-
-def min_microbatches(name: str, pp: int) -> int:
-    """The fewest microbatches a schedule accepts (interleaved also needs a multiple of pp)."""
-    return {"zb-h1": pp, "zb-h2": 2 * pp - 1, "interleaved": pp}.get(name, 1)
-
-
-def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:
-    """Raise a one-line ConfigError naming the valid values, or return."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
-    for key, val in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
-        if not isinstance(val, int) or val < 1:
-            raise ConfigError(f"{key}={val} must be an integer >= 1")
-    if name == "interleaved" and pp > 1 and vpp < 2:
-        raise ConfigError(f"schedule interleaved needs vpp >= 2 at pp={pp} (vpp={vpp}); valid: vpp in 2, 3, 4, ...")
-    if vpp > 1 and pp == 1:
-        raise ConfigError(f"vpp={vpp} needs pp > 1; valid at pp=1: vpp=1")
-    if vpp > 1 and name != "interleaved":
-        raise ConfigError(f"schedule {name} has no virtual stages (vpp={vpp}); valid: vpp=1, or schedule interleaved")
-    low = min_microbatches(name, pp)
-    if microbatches < low:
-        raise ConfigError(f"schedule {name} at pp={pp} needs microbatches >= {low}, got {microbatches}")
-    if name == "interleaved" and microbatches % pp:
-        raise ConfigError(f"schedule interleaved needs microbatches divisible by pp={pp}, got {microbatches}; "
-                          f"valid: {', '.join(str(pp * k) for k in range(1, 5))}, ...")
 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:

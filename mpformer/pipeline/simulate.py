@@ -2,7 +2,7 @@
 
 The simulator does not model a schedule, it runs one: ``verify.execute`` walks the very action
 lists the engine executes, with the blocking group semantics of actions.py, and this module only
-supplies durations (DESIGN principle 3: the auto-configurator's bubble estimate is the bubble of
+supplies durations (docs/architecture.md, principle 3: the auto-configurator's bubble estimate is the bubble of
 the schedule that actually runs).
 
 Costs are per compute action, i.e. per (microbatch, chunk): ``f`` for F, ``b`` for BI (input
@@ -22,7 +22,7 @@ Definitions (``SimResult``):
                          B or BW not yet); with vpp > 1 one unit is a chunk, 1/vpp of the rank's layers
 
 With unit costs and p2p = 0 the mean bubble fraction equals the closed forms of
-shared/reference/formulas.md for GPipe, 1F1B and interleaved 1F1B. For the zero-bubble schedules
+docs/formulas.md for GPipe, 1F1B and interleaved 1F1B. For the zero-bubble schedules
 an isolated step still has the fill (rank p-1 cannot start before (p-1) T_F) and the drain;
 ZB-H2 only reaches ~0 when consecutive steps overlap, which ``steady_state_bubble`` measures.
 """
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 from mpformer.pipeline.actions import Action, Op, Schedule, repeat
 from mpformer.pipeline.verify import TimedAction, execute, verify
 

@@ -1,74 +1,12 @@
-"""Which layers a pipeline rank holds, and how one of its chunks runs forward.
-
-With ``pp`` ranks and ``vpp`` chunks per rank there are ``pp * vpp`` global stages; rank r's chunk
-c is stage ``c * pp + r`` (actions.py). Stage s gets ``counts[s]`` consecutive transformer layers
-from ``parallel.pp_split`` (layers per stage, embedding and head not counted), an even split, or
-the split balanced by compute (``parallel.pp_partition=balanced``, partition.py).
-Stage 0 also holds the embedding, the last stage the final norm, the LM head and the loss.
-"""
+"""How one chunk of a pipeline rank runs forward; which layers the rank holds is its StagePlan
+(:mod:`mpformer.core.pipeline_plan`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from mpformer.models.config import ModelConfig
-from mpformer.parallel.layout import ParallelLayout
-from mpformer.pipeline.partition import balanced_for
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    pp: int
-    vpp: int
-    rank: int
-    chunk_layers: tuple[tuple[int, ...], ...]  # global layer ids of each local chunk
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return [i for chunk in self.chunk_layers for i in chunk]
-
-    @property
-    def has_embedding(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def has_head(self) -> bool:
-        return self.rank == self.pp - 1
-
-    def is_first(self, chunk: int) -> bool:
-        return self.rank == 0 and chunk == 0
-
-    def is_last(self, chunk: int) -> bool:
-        return self.rank == self.pp - 1 and chunk == self.vpp - 1
-
-    def local_indices(self, chunk: int) -> range:
-        """Positions of the chunk's layers in the rank's module list."""
-        start = sum(len(c) for c in self.chunk_layers[:chunk])
-        return range(start, start + len(self.chunk_layers[chunk]))
-
-
-def stage_counts(cfg: ModelConfig, layout: ParallelLayout, seq_length: int) -> list[int]:
-    """Transformer layers per global stage (validate() has checked the split or the divisibility)."""
-    stages = layout.pp * layout.vpp
-    if layout.pp_split is not None:
-        return list(layout.pp_split)
-    if layout.pp_partition == "balanced":
-        return balanced_for(cfg, stages, seq_length)
-    return [cfg.num_layers // stages] * stages
-
-
-def stage_plan(cfg: ModelConfig, layout: ParallelLayout, pp_rank: int, seq_length: int) -> StagePlan:
-    """Rank ``pp_rank``'s chunks; ``seq_length`` prices attention when the partition is balanced."""
-    counts = stage_counts(cfg, layout, seq_length)
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    chunks = []
-    for c in range(layout.vpp):
-        s = c * layout.pp + pp_rank
-        chunks.append(tuple(range(starts[s], starts[s] + counts[s])))
-    return StagePlan(layout.pp, layout.vpp, pp_rank, tuple(chunks))
+from mpformer.core.pipeline_plan import StagePlan
 
 
 def chunk_forward(model: nn.Module, plan: StagePlan, chunk: int, x: torch.Tensor | None, tokens_bs: torch.Tensor,

@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads after validation, so bad input exits in about a second
     import torch
 
+    from mpformer.core.config import Config
+    from mpformer.core.layout import ParallelLayout
+    from mpformer.core.pipeline_plan import StagePlan
     from mpformer.parallel.comm import Comm
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.parallel.layout import ParallelLayout
-    from mpformer.pipeline.stage import StagePlan
-    from mpformer.training.config import Config
 
 
 def load_eval_tokens(path: str | None, vocab_size: int, max_positions: int | None = None) -> np.ndarray:
@@ -84,7 +84,7 @@ def load_eval_tokens_for(cfg: Config) -> np.ndarray:
 
 def check_pipeline_eval(layout: ParallelLayout, rows: int, micro_batch: int) -> None:
     """Pipeline micro-batches have one fixed shape: each data-parallel rank's rows must split evenly."""
-    from mpformer.pipeline.schedules import check_args
+    from mpformer.core.layout import check_args
 
     per_rank = rows // layout.dp
     if rows % layout.dp or per_rank % micro_batch:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpformer.training.config import WandbConfig
+from mpformer.core.config import WandbConfig
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -1,4 +1,4 @@
-"""Every check that can run before a process group exists (DESIGN principle 8: loud and early).
+"""Every check that can run before a process group exists (docs/architecture.md, principle 8: loud and early).
 
 A mistake found here costs the user a second and one line of output, instead of a hang or a
 traceback from N ranks after start-up.
@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpformer.checkpoint.manifest import check_files, check_model_matches, read_manifest
-from mpformer.cli.compose import Composed
+from mpformer.core.composed import Composed
+from mpformer.core.config import check_training_config
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import ParallelLayout, validate
+from mpformer.core.model_config import ModelConfig
 from mpformer.data.indexed import check_data_prefix
 from mpformer.data.sampler import build_train_dataset
-from mpformer.errors import ConfigError
-from mpformer.models.config import ModelConfig
-from mpformer.parallel.layout import ParallelLayout, validate
-from mpformer.training.config import check_training_config
 from mpformer.training.evaluation import check_pipeline_eval, load_eval_tokens_for
 
 if TYPE_CHECKING:

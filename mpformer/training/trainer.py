@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from mpformer.checkpoint.io import open_checkpoint, save_checkpoint
+from mpformer.core.config import Config
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.pipeline_plan import stage_plan
 from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
-from mpformer.errors import ConfigError
 from mpformer.models.parallelize import build_model, grad_specs
 from mpformer.optim.distributed import build_distributed_optimizer
 from mpformer.optim.loss_scale import LossScaler
@@ -25,14 +28,11 @@ from mpformer.optim.lr import LRSchedule
 from mpformer.optim.memory import format_report, write_report
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.groups import ProcessGroups
-from mpformer.parallel.layout import ParallelLayout
 from mpformer.parallel.tensor_parallel import kv_replicas
 from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.p2p import P2P
 from mpformer.pipeline.schedules import build_schedule
-from mpformer.pipeline.stage import stage_plan
 from mpformer.pipeline.trace import gather_events, write_trace
-from mpformer.training.config import Config
 from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for, pipeline_evaluate_loss
 from mpformer.training.metrics import MetricsLogger, StepTimer
 

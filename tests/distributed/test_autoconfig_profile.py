@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from mpformer.autoconfig.calibration import calibration
 from mpformer.autoconfig.cluster import load_cluster
+from mpformer.autoconfig.cost import calibration
 from mpformer.autoconfig.profile import summarise
 from mpformer.autoconfig.profile_ranks import REFERENCE, REFERENCE_SEQ, profile_shared, reference_layouts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mpformer.testing.spawn import run_distributed
+from mpformer.parallel.spawn import run_distributed
 
 
 def _pairs() -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpformer.testing.spawn import run_distributed
+from mpformer.parallel.spawn import run_distributed
 from mpformer.testing.train import overrides, train
 
 RTOL = 1e-5
@@ -37,7 +37,7 @@ def _check_grad_buckets() -> dict:
     """DataParallel alone: mean gradients across ranks, several buckets, no traffic under no_sync."""
     import torch.distributed as dist
 
-    from mpformer.models import ModelConfig
+    from mpformer.core.model_config import ModelConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpformer.testing.spawn import run_distributed
+from mpformer.parallel.spawn import run_distributed
 from mpformer.testing.train import overrides, train
 
 RTOL = 1e-5

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpformer.models.config import ModelConfig
+from mpformer.core.model_config import ModelConfig
+from mpformer.parallel.spawn import run_distributed
 from mpformer.parallel.volumes import tp_step_bytes
-from mpformer.testing.spawn import run_distributed
 from mpformer.testing.train import overrides, train
 
 RTOL = 1e-5
@@ -39,11 +39,11 @@ def _block(full: torch.Tensor, offsets, shape) -> torch.Tensor:
 def _grad_parity(arch: str, tp: int, sp: bool) -> dict:
     """Loss, logits and every gradient block of the tp model vs the single-device reference."""
     from mpformer.checkpoint.io import views_like
+    from mpformer.core.layout import ParallelLayout
     from mpformer.models import Transformer
     from mpformer.models.parallelize import build_model, grad_specs
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.parallel.layout import ParallelLayout
     from mpformer.parallel.tensor_parallel import kv_replicas, sync_tp_grads
 
     cfg = ModelConfig(**MODELS[arch])
@@ -166,7 +166,7 @@ def test_bytes_moved_equal_the_analytic_values(results, arch, tp, sp):
 
 
 def test_analytic_volume_by_hand():
-    """One case worked by hand from formulas.md, so the formula code is itself checked: Llama, tp=2,
+    """One case worked by hand from docs/formulas.md, so the formula code is itself checked: Llama, tp=2,
     no SP, s=16, b=2, h=64, L=2: (4L + 2) all-reduces of s*b*h = 2048 fp32 values, ring factor
     2 (t-1)/t = 1, plus the cross entropy's 3 all-reduces of s*b = 32 floats."""
     got = tp_step_bytes(ModelConfig(**MODELS["llama"]), s=16, b=2, t=2, sp=False)
@@ -190,10 +190,10 @@ def _dropout_streams(tp: int, sp: bool) -> dict:
     the residual stream stays identical across tp ranks without SP; the tp-rank stream differs."""
     import torch.distributed as dist
 
+    from mpformer.core.layout import ParallelLayout
     from mpformer.models.parallelize import build_model
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.parallel.layout import ParallelLayout
     from mpformer.parallel.tensor_parallel import kv_replicas
 
     cfg = ModelConfig(**{**MODELS["llama"], "hidden_dropout": 0.2, "attention_dropout": 0.2})

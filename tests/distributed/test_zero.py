@@ -8,7 +8,7 @@ differences allowed are the order of floating-point sums (dp reductions, sharded
 AdamW's fused vs. foreach kernels.
 
 Also: bytes moved per step by the dp collectives (2 Psi ring-adjusted for stages 0-2, 3 Psi for 3),
-model-state bytes per rank against formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2 with zero=2
+model-state bytes per rank against docs/formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2 with zero=2
 and zero=3 (+ full recompute), pp=2 x dp=2 with zero=1, checkpoints resumed across dp sizes and
 stages, bf16 weights with fp32 masters against the fp32 oracle, fp16 dynamic loss scaling.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpformer.testing.spawn import run_distributed
+from mpformer.parallel.spawn import run_distributed
 from mpformer.testing.train import overrides, train
 
 RTOL = 1e-6

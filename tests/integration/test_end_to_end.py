@@ -67,9 +67,10 @@ def test_text_to_generate(tmp_path: Path):
     assert out.shape[1] > ids.shape[1]
     assert tok.decode(out[0]).startswith("def ")
     # The exported weights are the checkpoint's: same loss on a batch through both models.
-    from mpformer.checkpoint import load_checkpoint
+    from mpformer.checkpoint.io import load_checkpoint
     from mpformer.checkpoint.manifest import read_manifest
-    from mpformer.models import ModelConfig, Transformer
+    from mpformer.core.model_config import ModelConfig
+    from mpformer.models import Transformer
 
     manifest = read_manifest(run / "checkpoints")
     ours = Transformer(ModelConfig.from_dict(manifest["model"]), seed=None).eval()

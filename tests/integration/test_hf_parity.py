@@ -31,11 +31,10 @@ import torch
 import transformers as T
 from safetensors.torch import load_file
 
-from mpformer.checkpoint import load_checkpoint, read_manifest
-from mpformer.checkpoint.io import stored_metadata
-from mpformer.checkpoint.manifest import point_latest
+from mpformer.checkpoint.io import load_checkpoint, stored_metadata
+from mpformer.checkpoint.manifest import point_latest, read_manifest
 from mpformer.cli.convert import main
-from mpformer.models.config import ModelConfig
+from mpformer.core.model_config import ModelConfig
 from mpformer.models.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,7 +232,7 @@ def test_bad_inputs_exit_2_with_one_error_line(hf_dirs, tmp_path, capsys):
     ("gpt2", None, 1, 1), ("llama", 2, 1, 1), ("mistral-window8", None, 1, 1), ("qwen2", None, 1, 1),
     ("llama", 4, 4, 1), ("gpt2", 2, 2, 1), ("qwen2", 4, 4, 1), ("llama", 2, 1, 2), ("gpt2", 4, 2, 2)])
 def test_evaluate_cli_gives_the_hf_loss(name, ranks, tp, pp, hf_dirs, tmp_path):
-    """DESIGN's evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5),
+    """The documented evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5),
     also under tensor parallelism with a vocabulary (123) that tp does not divide and, for tp=4,
     fewer kv heads (2) than tp ranks, and through a 2-stage pipeline (also with tp=2 and tied GPT-2
     embeddings split between the first and last stage)."""

@@ -7,8 +7,8 @@ import pytest
 from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.cost import _collective, gemm_efficiency, iteration_time, layer_times, tp_step_time
 from mpformer.autoconfig.memory import Workload
-from mpformer.models.config import ModelConfig
-from mpformer.parallel.layout import ParallelLayout
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
 
 GPT = ModelConfig(arch="gpt2", num_layers=8, hidden_size=4096, num_attention_heads=32, vocab_size=51200,
                   activation="gelu_tanh", attention_bias=True, mlp_bias=True, max_position_embeddings=2048)
@@ -171,7 +171,8 @@ def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     depths between, clamps absurd ones, and scales other models' candidates by them."""
     from dataclasses import replace
 
-    from mpformer.autoconfig.calibration import LIMITS, calibration
+    from mpformer.autoconfig.calibration import LIMITS
+    from mpformer.autoconfig.cost import calibration
 
     base, c = _layout_profile({"pp4": 1.3, "pp4 zb-h1": 1.3 * 1.1, "dp2 pp2": 1.1}, tp_factor=2.0)
     cal = calibration(c)

@@ -1,4 +1,4 @@
-"""The auto-configurator's memory model against formulas.md and the runtime's own parameter counts."""
+"""The auto-configurator's memory model against docs/formulas.md and the runtime's own parameter counts."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import pytest
 
 from mpformer.autoconfig.cluster import cluster_names, load_cluster
 from mpformer.autoconfig.memory import Workload, activation_bytes_per_layer, inflight, plan_memory, stage_params
-from mpformer.errors import ConfigError
-from mpformer.models.config import ModelConfig
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
 from mpformer.optim.memory import zero_formula_bytes
-from mpformer.parallel.layout import ParallelLayout
 
 LLAMA = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
                     ffn_hidden_size=704, vocab_size=8192)
 
 
 def test_zero_table_published_check_values():
-    """formulas.md: Psi = 7.5B, N_d = 64, 2 + 2 + K(12) bytes -> 120 / 31.4 / 16.6 / 1.9 GB."""
+    """docs/formulas.md: Psi = 7.5B, N_d = 64, 2 + 2 + K(12) bytes -> 120 / 31.4 / 16.6 / 1.9 GB."""
     got = [zero_formula_bytes(z, 7.5e9, 64, w=2, g=2, m=4, k=8) / 1e9 for z in range(4)]
     assert got == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.06)
 
@@ -50,7 +50,8 @@ def test_activation_bytes_follow_korthikanti():
 
 def test_inflight_closed_forms_equal_the_verifier():
     from mpformer.autoconfig.memory import inflight_closed_form
-    from mpformer.pipeline.schedules import build_schedule, min_microbatches
+    from mpformer.core.layout import min_microbatches
+    from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.verify import verify
 
     for name, vpp in [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved", 3)]:

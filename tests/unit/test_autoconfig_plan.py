@@ -7,8 +7,8 @@ import pytest
 
 from mpformer.autoconfig.plan import choose_layout, pinned_fields, predict, run_cluster
 from mpformer.cli.compose import compose_config
-from mpformer.errors import ConfigError
-from mpformer.parallel.layout import validate
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import validate
 
 TINY = ["model=tiny-llama", "train.seq_length=32", "train.global_batch_size=8", "train.device=cpu"]
 

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from mpformer.checkpoint import io as ckpt_io
+import mpformer.checkpoint.io as ckpt_io
 from mpformer.checkpoint.manifest import check_files, read_manifest
-from mpformer.errors import ConfigError
-from mpformer.models import ModelConfig, Transformer
+from mpformer.core.errors import ConfigError
+from mpformer.core.model_config import ModelConfig
+from mpformer.models import Transformer
 
 CFG = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                   ffn_hidden_size=64, vocab_size=50)

@@ -16,7 +16,7 @@ import transformers as T
 
 from mpformer.convert import adapter_for_arch, adapter_for_hf_config
 from mpformer.convert.base import expected_canonical
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 from mpformer.layers.attention import rope_inv_freq
 
 LLAMA_KW = dict(vocab_size=123, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mpformer.core.errors import ConfigError
 from mpformer.data.blend import BlendedDataset
 from mpformer.data.gpt_dataset import GPTDataset, epoch_key, mix64, permute
 from mpformer.data.indexed import IndexedDataset, IndexedDatasetBuilder
@@ -17,7 +18,6 @@ from mpformer.data.sampler import (
     micro_batch_sample_indices,
     num_micro_batches,
 )
-from mpformer.errors import ConfigError
 
 
 def _indexed(tmp_path, name, doc_lengths, start=0) -> IndexedDataset:

@@ -9,13 +9,13 @@ import struct
 import numpy as np
 import pytest
 
+from mpformer.core.errors import ConfigError
 from mpformer.data.indexed import (
     IndexedDataset,
     IndexedDatasetBuilder,
     best_dtype,
     check_data_prefix,
 )
-from mpformer.errors import ConfigError
 
 
 def _write(prefix, docs, dtype) -> None:

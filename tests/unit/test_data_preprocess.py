@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from mpformer.cli.preprocess import main
+from mpformer.core.errors import ConfigError
 from mpformer.data.demo_corpus import build_stdlib_corpus, stdlib_sources
 from mpformer.data.indexed import IndexedDataset
 from mpformer.data.tokenizer import eos_id, load_tokenizer, train_byte_level_bpe
-from mpformer.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

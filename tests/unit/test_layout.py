@@ -2,9 +2,9 @@
 
 import pytest
 
-from mpformer.errors import ConfigError
-from mpformer.models.config import ModelConfig
-from mpformer.parallel.layout import ParallelLayout, valid_pp_values, valid_tp_values, validate
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import ParallelLayout, valid_pp_values, valid_tp_values, validate
+from mpformer.core.model_config import ModelConfig
 
 LLAMA = ModelConfig(arch="llama", num_layers=4, hidden_size=64, num_attention_heads=8, num_kv_heads=2,
                     ffn_hidden_size=192, vocab_size=100)

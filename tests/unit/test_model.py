@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
+from mpformer.core.model_config import ModelConfig
 from mpformer.layers.attention import attention_core
-from mpformer.models import ModelConfig, Transformer
+from mpformer.models import Transformer
 
 CFGS = {
     "llama": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,

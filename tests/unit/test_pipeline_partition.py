@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from mpformer.errors import ConfigError
-from mpformer.pipeline.partition import (
+from mpformer.core.errors import ConfigError
+from mpformer.core.partition import (
     balanced,
     from_split,
     max_stage_cost,
@@ -78,8 +78,8 @@ def test_balanced_equals_brute_force_on_random_cases():
 
 
 def test_model_costs_by_hand_and_a_large_vocabulary_shortens_the_last_stage():
-    from mpformer.models.config import ModelConfig
-    from mpformer.pipeline.partition import balanced_for, model_costs
+    from mpformer.core.model_config import ModelConfig
+    from mpformer.core.partition import balanced_for, model_costs
 
     # h=64, 8 heads of 8, 2 kv heads, swiglu ffn 192, s=16: GEMM weights 64*8*(8+4) + 64*64 + 64*576
     # = 6144 + 4096 + 36864 = 47104, FLOPs 2 * 47104 = 94208, attention 4 * 16 * 8 * 8 = 4096.

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import check_args, min_microbatches
 from mpformer.pipeline.actions import Action, Op, Schedule, ScheduleError, parse_token, repeat
-from mpformer.pipeline.schedules import SCHEDULES, build_schedule, check_args, min_microbatches
+from mpformer.pipeline.schedules import SCHEDULES, build_schedule
 from mpformer.pipeline.verify import verify
 
 CASES = [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 3), ("zb-h1", 3, 5, 1), ("zb-h2", 2, 3, 1)]

@@ -1,6 +1,6 @@
-"""Simulated bubbles against the closed forms of shared/reference/formulas.md, and tools/schedule.py.
+"""Simulated bubbles against the closed forms of docs/formulas.md, and tools/schedule.py.
 
-"Bubble" here is what the issue and formulas.md define: the time a rank idles during one step,
+"Bubble" here is what the issue and docs/formulas.md define: the time a rank idles during one step,
 over the step time (``bubble_fraction``), averaged over ranks. Costs are per compute action with
 T_F = T_BI = T_W = 1 and a combined B = T_BI + T_W = 2, p2p = 0 ("unit costs").
 """
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from mpformer.cli.schedule import main
-from mpformer.errors import ConfigError
+from mpformer.core.errors import ConfigError
 from mpformer.pipeline.actions import Action, Op
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.pipeline.simulate import Costs, chrome_trace, simulate, steady_state_bubble, write_chrome_trace
@@ -43,7 +43,7 @@ def test_interleaved_bubble_formula(blocking):
 
 @BOTH
 def test_zero_bubble_h1_is_a_third_of_1f1b(blocking):
-    # formulas.md compares bubble *sizes* (idle time): 1F1B (p-1)(T_F+T_B+T_W) = 3(p-1),
+    # docs/formulas.md compares bubble *sizes* (idle time): 1F1B (p-1)(T_F+T_B+T_W) = 3(p-1),
     # ZB-H1 (p-1)(T_F+T_B-T_W) = p-1. Fractions are not in ratio 1/3: ZB-H1's step is also shorter.
     for p, m in [(p, m) for p, m in PM if m >= p]:
         one = simulate(build_schedule("1f1b", p, m), blocking=blocking)
@@ -69,7 +69,7 @@ def test_zero_bubble_h2_reaches_zero_only_across_steps():
 
 
 def test_zero_bubble_with_unequal_costs_matches_qi_et_al():
-    # Bubble sizes of formulas.md with T_F=1, T_B=1.5, T_W=1 (p=4): 1F1B 3*3.5, ZB-H1 3*1.5, ZB-H2
+    # Bubble sizes of docs/formulas.md with T_F=1, T_B=1.5, T_W=1 (p=4): 1F1B 3*3.5, ZB-H1 3*1.5, ZB-H2
     # 3*0.5 per step in the steady state; ZB-H2's isolated step keeps the fill bound (p-1) T_F.
     p, m, c = 4, 16, Costs(f=1, b=1.5, w=1)
     assert simulate(build_schedule("1f1b", p, m), c).idle[0] == pytest.approx(10.5)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from mpformer.parallel.topology import Topology
+from mpformer.core.topology import Topology
 
 
 @pytest.mark.parametrize("tp,cp,dp,pp", [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 2, 2), (4, 1, 2, 3), (1, 3, 1, 2)])

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mpformer.core.model_config import ModelConfig
 from mpformer.layers.linear import Linear, WeightGradStore
-from mpformer.models.config import ModelConfig
 from mpformer.models.transformer import Transformer
 
 

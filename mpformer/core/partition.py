@@ -19,8 +19,8 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
-from mpformer.errors import ConfigError, format_choices
-from mpformer.models.config import ModelConfig
+from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.model_config import ModelConfig
 
 
 def _check_stages(num_layers: int, stages: int) -> None:

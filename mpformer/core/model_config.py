@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from mpformer.errors import ConfigError, format_choices
+from mpformer.core.errors import ConfigError, format_choices
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")

@@ -1,4 +1,4 @@
-"""ParallelLayout and the one validator every entry point uses (DESIGN principle 4).
+"""ParallelLayout and the one validator every entry point uses (docs/architecture.md, principle 4).
 
 validate() runs before any process group exists. Each rule raises a ConfigError whose single line
 names the key, its value, the rule, and the values that would be valid. Rules run in the order a
@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from mpformer.errors import ConfigError, format_choices
-from mpformer.models.config import ModelConfig, divisors
-from mpformer.parallel.topology import Topology
+from mpformer.core import partition
+from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.model_config import ModelConfig, divisors
+from mpformer.core.topology import Topology
 
 CP_KINDS = ("ring", "ulysses", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
@@ -72,6 +73,32 @@ def valid_pp_values(model: ModelConfig, vpp: int = 1) -> list[int]:
     return [p for p in divisors(model.num_layers) if model.num_layers % (p * vpp) == 0]
 
 
+def min_microbatches(name: str, pp: int) -> int:
+    """The fewest microbatches a schedule accepts (interleaved also needs a multiple of pp)."""
+    return {"zb-h1": pp, "zb-h2": 2 * pp - 1, "interleaved": pp}.get(name, 1)
+
+
+def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:
+    """Raise a one-line ConfigError naming the valid values, or return."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    for key, val in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
+        if not isinstance(val, int) or val < 1:
+            raise ConfigError(f"{key}={val} must be an integer >= 1")
+    if name == "interleaved" and pp > 1 and vpp < 2:
+        raise ConfigError(f"schedule interleaved needs vpp >= 2 at pp={pp} (vpp={vpp}); valid: vpp in 2, 3, 4, ...")
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"vpp={vpp} needs pp > 1; valid at pp=1: vpp=1")
+    if vpp > 1 and name != "interleaved":
+        raise ConfigError(f"schedule {name} has no virtual stages (vpp={vpp}); valid: vpp=1, or schedule interleaved")
+    low = min_microbatches(name, pp)
+    if microbatches < low:
+        raise ConfigError(f"schedule {name} at pp={pp} needs microbatches >= {low}, got {microbatches}")
+    if name == "interleaved" and microbatches % pp:
+        raise ConfigError(f"schedule interleaved needs microbatches divisible by pp={pp}, got {microbatches}; "
+                          f"valid: {', '.join(str(pp * k) for k in range(1, 5))}, ...")
+
+
 def _check_values(L: ParallelLayout) -> None:
     for key in ("tp", "pp", "cp", "vpp"):
         v = getattr(L, key)
@@ -123,8 +150,6 @@ def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
         hint = f"vpp in {format_choices(ok)}" if ok else f"another schedule (num_layers={layers} leaves no vpp >= 2 " \
             f"at pp={L.pp}), or parallel.pp_split"
         raise ConfigError(f"parallel.schedule=interleaved needs parallel.vpp > 1; valid: {hint}")
-    from mpformer.pipeline import partition  # pure; imported late to keep layout light
-
     stages = L.pp * L.vpp
     if L.pp_split is not None:
         if L.pp_partition != "uniform":
@@ -192,8 +217,6 @@ def _check_batch(L: ParallelLayout, global_batch_size: int, micro_batch_size: in
 
 
 def _check_schedule(L: ParallelLayout, microbatches: int) -> None:
-    from mpformer.pipeline.schedules import check_args  # pure; imported late to keep layout light
-
     try:
         check_args(L.schedule, L.pp, microbatches, L.vpp)
     except ConfigError as e:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpformer.errors import ConfigError, format_choices
-from mpformer.models.config import ModelConfig
-from mpformer.parallel.layout import ParallelLayout
+from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DECAYS = ("cosine", "linear", "constant")

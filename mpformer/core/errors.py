@@ -1,0 +1,49 @@
+"""User-facing errors, and the decorator that turns them into one line and exit code 2.
+
+A ConfigError is a mistake in what the user asked for (a key, a value, a path, a file). Entry points
+(CLIs, and library mains such as the profile and the demo corpus) catch it and print its message as
+one line, without a traceback, before any process group exists. Assertions are kept for internal
+invariants only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable[..., int | None])
+
+EXIT_USER_ERROR = 2
+
+
+class ConfigError(ValueError):
+    """A bad key, value, layout, path or file; the message names it and the valid alternatives."""
+
+
+def format_choices(values: object) -> str:
+    """Render a list of valid values compactly: '1, 2, 4'."""
+    return ", ".join(str(v) for v in values)  # type: ignore[attr-defined]
+
+
+def user_errors_to_exit(fn: F) -> F:
+    """Run a main; a ConfigError prints ``error: <message>`` on stderr and exits 2, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            # Under torchrun every rank finds the same mistake: rank 0 alone says it, in one line. The
+            # others wait a moment before failing, or torchrun could stop rank 0 before it has spoken.
+            if os.environ.get("RANK", "0") == "0":
+                msg = " ".join(str(e).split())
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+            else:
+                time.sleep(3.0)
+            sys.exit(EXIT_USER_ERROR)
+
+    return wrapper  # type: ignore[return-value]
