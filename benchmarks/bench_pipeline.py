@@ -98,18 +98,19 @@ def _worker(args: argparse.Namespace) -> dict:
         if "p2p_s" not in out:
             out["p2p_s"] = _ping_pong(p2p, rank, shape)
         schedule = build_schedule(name, args.pp, args.microbatches, vpp)
-        engine = PipelineEngine(model, plan, schedule, p2p)
+        engine = PipelineEngine(model, plan, schedule, p2p, split_backward=True)  # zb-h1/h2 run BW
         steps, events = [], []
         for step in range(args.steps + 1):
             model.zero_grad(set_to_none=True)
-            engine.trace = [] if step > 0 else None
+            if step > 0:
+                engine.start_trace()
             dist.barrier()
             t0 = time.perf_counter()
             engine.run(batches)
             t1 = time.perf_counter()
             if step > 0:
                 steps.append((t0, t1))
-                events.extend(engine.trace)
+                events.extend(engine.take_trace())
         ends = [None] * args.pp
         dist.all_gather_object(ends, steps, group=groups.pp)
         all_events = gather_events(events, groups.pp)

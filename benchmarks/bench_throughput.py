@@ -5,8 +5,8 @@ init copied into mpformer through the canonical key map; the initial losses are 
 the same batches in the same order, and the same optimizer (mpformer's builder: fused AdamW, no
 decay on 1-D tensors) with global-norm clipping. A step is forward + backward + clip + AdamW step
 + zero_grad; bf16 is autocast around the forward with fp32 master weights, as mpformer's trainer
-runs it. The mpformer step is the trainer's: gradients are views into DataParallel's flat buffers,
-zeroed in place (dp=1, so no communication).
+runs it. The mpformer step is the trainer's: the gradient engine at ZeRO stage 0, whose gradients are
+views into its flat buffers, zeroed in place (dp=1, so no communication).
 
 Steps alternate between the two models (ABBA order, one step each per round) so that load from
 other processes on the machine hits both alike; medians are reported. The matmul peak of each
@@ -46,13 +46,13 @@ from common import (
 )
 
 from mpformer.convert import adapter_for_arch
-from mpformer.core.config import OptimConfig
+from mpformer.core.config import OptimConfig, TrainConfig
 from mpformer.core.model_config import ModelConfig
 from mpformer.models import Transformer
 from mpformer.models.parallelize import grad_specs
-from mpformer.optim.builder import build_optimizer, param_groups
-from mpformer.optim.clip import clip_grad_norm
-from mpformer.parallel.data_parallel import DataParallel
+from mpformer.optim.builder import build_engine, param_groups
+from mpformer.optim.engine import Reduction
+from mpformer.parallel.comm import Comm, CommLedger
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # --quick: a model small enough that fp32 and bf16 together finish in well under a minute.
@@ -118,15 +118,16 @@ def make_runners(cfg: ModelConfig, precision: str, seed: int, attn_impl: str | N
     ocfg = OptimConfig()
     dtype = DTYPES[precision]
 
-    # mpformer: exactly the trainer's objects (DataParallel, gradient specs, clipping, optimizer).
-    dp = DataParallel(mp, None)
-    specs = grad_specs(mp)
-    mp_opt = build_optimizer(mp, ocfg, "cpu")
+    # mpformer: exactly the trainer's objects (the gradient engine with its specs, clipping, optimizer).
+    engine = build_engine(mp, Reduction(Comm(None, CommLedger()), specs=grad_specs(mp)), 0, ocfg, "cpu",
+                          TrainConfig().grad_bucket_mb)
+    mp_opt = engine.optimizer
 
     def mp_update() -> None:
-        clip_grad_norm(specs, ocfg.clip_grad)
-        mp_opt.step()
-        dp.zero_grad()
+        engine.finish()
+        engine.clip(ocfg.clip_grad)
+        engine.step()
+        engine.zero_grad()
 
     # HF: the same AdamW construction (groups, hyper-parameters, fused flag) on HF's parameters.
     fused = mp_opt.defaults["fused"]

@@ -30,7 +30,9 @@ from mpformer.checkpoint.manifest import (
     step_dir_name,
     write_manifest,
 )
+from mpformer.checkpoint.rows import canonical_rows, state_chunks
 from mpformer.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
+from mpformer.core.buffers import Piece
 from mpformer.core.errors import ConfigError
 from mpformer.core.shards import Shard, stored_name
 
@@ -102,20 +104,15 @@ def model_state(model: nn.Module) -> dict[str, Shard]:
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Shard]:
-    """optim.<key>.<canonical name> -> the same shard of the per-parameter state (Adam's exp_avg of
-    the fused QKV weight is cut into q, k, v blocks exactly as the weight is); the step count once."""
+    """optim.<key>.<canonical name> -> this rank's block of the per-parameter state of an optimizer
+    over the model's own (whole) parameters, through the same row map as ZeRO's shards (each
+    parameter is one piece: exp_avg of the fused QKV weight is cut into q, k, v as the weight is);
+    the step count once."""
     init_optimizer_state(optimizer)
-    shards = model.canonical_shards()
-    local = {k: sh.local for k, sh in shards.items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    keys = sorted({k for p in params for k, t in optimizer.state[p].items() if t.dim() > 0})
-    out: dict[str, Shard] = {}
-    for key in keys:
-        views = views_like(local, params, lambda p, key=key: optimizer.state[p].get(key))
-        out.update({f"{OPTIM_PREFIX}{key}.{n}": shards[n].like(v) for n, v in views.items()})
-    steps = {float(optimizer.state[p]["step"]) for p in params if "step" in optimizer.state[p]}
-    assert len(steps) <= 1, f"parameters disagree on the optimizer step: {steps}"
-    out[OPTIM_PREFIX + "step"] = Shard.full(torch.tensor([steps.pop() if steps else 0.0]))
+    pieces = [(Piece(i, 0, p.numel(), 0), p) for i, p in enumerate(params)]
+    out, step = state_chunks(canonical_rows(model, params), pieces, optimizer, OPTIM_PREFIX)
+    out[OPTIM_PREFIX + "step"] = Shard.full(torch.tensor([step or 0.0]))
     return out
 
 

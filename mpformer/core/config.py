@@ -7,7 +7,7 @@ Entry points turn the composed config into these objects and hand each component
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mpformer.core.errors import ConfigError, format_choices
@@ -33,16 +33,17 @@ class ParallelConfig:
     recompute: str = "none"
     pp_split: list[int] | None = None  # transformer layers per global stage (pp*vpp entries)
     pp_partition: str = "uniform"  # uniform | balanced (by compute: fewer layers next to the LM head)
+    grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dtype data-parallel gradient reductions travel in
     # parallel=auto: the auto-configurator picks the layout (and train.micro_batch_size) for the world
     # size; the fields above that are set on the command line stay as given (pinned).
     auto: bool = False
 
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, vpp=self.vpp,
-                              sequence_parallel=self.sequence_parallel, zero=self.zero, schedule=self.schedule,
-                              recompute=self.recompute,
-                              pp_split=tuple(self.pp_split) if self.pp_split is not None else None,
-                              pp_partition=self.pp_partition)
+        """The layout these keys describe (every ParallelLayout field is a key here of the same name)."""
+        values = {f.name: getattr(self, f.name) for f in fields(ParallelLayout)}
+        if self.pp_split is not None:
+            values["pp_split"] = tuple(self.pp_split)
+        return ParallelLayout(**values)
 
 
 @dataclass

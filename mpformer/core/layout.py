@@ -21,6 +21,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_PARTITIONS = ("uniform", "balanced")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the dtype gradients travel in (Megatron's --grad-reduce-in-bf16)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class ParallelLayout:
     recompute: str = "none"
     pp_split: tuple[int, ...] | None = None
     pp_partition: str = "uniform"  # without pp_split: equal layer counts, or balanced by compute cost
+    grad_reduce_dtype: str = "fp32"  # data-parallel gradient reductions in fp32 or bf16 (accumulation: fp32)
 
     @property
     def topology(self) -> Topology:
@@ -107,7 +109,8 @@ def _check_values(L: ParallelLayout) -> None:
     if not isinstance(L.dp, int) or (L.dp < 1 and L.dp != -1):
         raise ConfigError(f"parallel.dp={L.dp} must be an integer >= 1, or -1 to use what the world size leaves")
     for key, choices in (("cp_kind", CP_KINDS), ("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                         ("zero", ZERO_STAGES), ("pp_partition", PP_PARTITIONS)):
+                         ("zero", ZERO_STAGES), ("pp_partition", PP_PARTITIONS),
+                         ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
         if getattr(L, key) not in choices:
             raise ConfigError(f"parallel.{key}={getattr(L, key)!r} is unknown; valid: {format_choices(choices)}")
 

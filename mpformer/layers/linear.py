@@ -55,12 +55,12 @@ class _CpuLowPrecisionLinear(torch.autograd.Function):
 class WeightGradStore:
     """Weight-gradient GEMMs deferred from BI to BW, per (micro-batch, chunk) key."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_accumulated: Callable[[torch.Tensor], None] | None = None) -> None:
         self.capturing: list[Callable[[], None]] | None = None
         self.pending: dict[Hashable, list[Callable[[], None]]] = {}
         # Called with each parameter after BW accumulated into its .grad (the post-accumulate-grad
-        # hooks autograd would have run: the data-parallel / ZeRO gradient buffers).
-        self.on_accumulated: Callable[[torch.Tensor], None] | None = None
+        # hooks autograd would have run: the gradient engine's buffers).
+        self.on_accumulated = on_accumulated
 
     @contextlib.contextmanager
     def capture(self, key: Hashable) -> Iterator[None]:

@@ -1,5 +1,8 @@
-from mpformer.optim.builder import build_optimizer
-from mpformer.optim.clip import clip_grad_norm
-from mpformer.optim.lr import LRSchedule
+"""Optimizers and the gradient engine.
 
-__all__ = ["LRSchedule", "build_optimizer", "clip_grad_norm"]
+engine.py      GradEngine: bucketed gradient reduction and the optimizer step for every ZeRO stage
+gather.py      ZeRO-3's per-unit parameter gathering
+state.py       the engine's weights and optimizer state in a checkpoint
+builder.py     optimizers by name, parameter groups, build_engine
+loss_scale.py  fp16 dynamic loss scaling;  lr.py the LR schedule;  memory.py model-state bytes
+"""

@@ -1,9 +1,10 @@
-"""Optimizers by name, with Megatron's parameter groups: no weight decay on biases and norm weights.
+"""Optimizers by name, with Megatron's parameter groups (no weight decay on biases and norm
+weights), and the gradient engine that wraps them for a ZeRO stage.
 
-ZeRO (zero.py) wraps an optimizer by handing it 1-D shards of the parameters, which gives the same
-update only when the update of each element depends on that element alone
-(``config.ELEMENTWISE_OPTIMIZERS``).
-Adafactor keeps row and column statistics of whole matrices, so a shard cannot be stepped alone.
+The engine (engine.py) hands the optimizer 1-D shards of the parameters at ZeRO stages 1-3 and for
+16-bit masters, which gives the same update only when the update of each element depends on that
+element alone (``config.ELEMENTWISE_OPTIMIZERS``). Adafactor keeps row and column statistics of
+whole matrices, so it runs at stage 0 with fp32 parameters only, where it steps them whole.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from mpformer.core.config import OptimConfig
+from mpformer.optim.engine import GradEngine, Reduction
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -40,6 +42,10 @@ def make_optimizer(groups: list[dict], cfg: OptimConfig, device_kind: str = "cpu
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_kind: str = "cpu") -> torch.optim.Optimizer:
-    """The optimizer over the whole model's parameters (no ZeRO)."""
-    return make_optimizer(param_groups(model, cfg.weight_decay), cfg, device_kind)
+def build_engine(model: nn.Module, red: Reduction, zero: int, cfg: OptimConfig, device_kind: str,
+                 bucket_mb: float, param_dtype: torch.dtype = torch.float32) -> GradEngine:
+    """The gradient engine for ZeRO stage ``zero``; a 16-bit ``param_dtype`` casts the model's
+    parameters to it and keeps fp32 masters (any stage)."""
+    return GradEngine(model, red, stage=zero, groups=param_groups(model, cfg.weight_decay),
+                      make_optimizer=lambda g: make_optimizer(g, cfg, device_kind), param_dtype=param_dtype,
+                      bucket_mb=bucket_mb)

@@ -43,31 +43,44 @@ TraceEvent = tuple[Action, float, float]  # (action, start, end) in perf_counter
 class PipelineEngine:
     def __init__(self, model: nn.Module, plan: StagePlan, schedule: Schedule, p2p: P2P | None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 on_grads_done: Callable[[], None] | None = None, split_backward: bool = False) -> None:
+                 on_grads_done: Callable[[], None] | None = None,
+                 on_weight_grad: Callable[[torch.Tensor], None] | None = None, split_backward: bool = False) -> None:
         """``split_backward``: give the model's linear layers this engine's WeightGradStore so that a
         schedule's BI/BW really split (the training engine; an evaluation engine must not take the
-        model's layers over from it)."""
+        model's layers over from it). ``on_weight_grad(p)`` runs after BW accumulated into ``p.grad``
+        (what autograd's post-accumulate-grad hooks would have run: the gradient engine's)."""
         assert schedule.pp == plan.pp and schedule.vpp == plan.vpp
         self.model, self.plan, self.schedule, self.p2p, self.autocast = model, plan, schedule, p2p, autocast
         self.on_grads_done = on_grads_done
         self.dispatch: dict[Op, Callable[[Action, torch.Tensor | None], None]] = {
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward, Op.BW: self._backward_weight}
-        self.trace: list[TraceEvent] | None = None  # set to [] to record this rank's actions
+        self.trace: list[TraceEvent] | None = None  # recording this rank's actions (start_trace)
         self.store: WeightGradStore | None = None
-        self.loss_scale = 1.0  # the trainer sets fp16's dynamic loss scale before each step
+        self.loss_scale = 1.0  # fp16's dynamic loss scale, for the step run() runs
         dev = p2p.device if p2p is not None else torch.device("cpu")
         self._device = Device(dev.type, dev.index or 0)
         if split_backward and any(a.op is Op.BW for a in schedule.actions[plan.rank]):
-            self.store = WeightGradStore()
+            self.store = WeightGradStore(on_weight_grad)
             for m in model.modules():
                 if hasattr(m, "weight_grad_store"):
                     m.weight_grad_store = self.store
 
-    def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, forward_only: bool = False) -> list[float]:
+    def start_trace(self) -> None:
+        """Record every action's start and end from now on (Chrome traces, trace.py)."""
+        if self.trace is None:
+            self.trace = []
+
+    def take_trace(self) -> list[TraceEvent]:
+        """What was recorded since start_trace(); recording stops."""
+        out, self.trace = self.trace or [], None
+        return out
+
+    def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, forward_only: bool = False,
+            loss_scale: float = 1.0) -> list[float]:
         """One step over ``batches`` (one (tokens, labels) per microbatch); returns the microbatch
-        losses on the rank that holds the last stage, [] elsewhere."""
+        losses on the rank that holds the last stage, [] elsewhere. ``loss_scale``: fp16's."""
         assert len(batches) == self.schedule.microbatches
-        self.batches, self.forward_only = batches, forward_only
+        self.batches, self.forward_only, self.loss_scale = batches, forward_only, loss_scale
         self.inputs: dict[Key, torch.Tensor] = {}
         self.outputs: dict[Key, torch.Tensor] = {}
         self.recv_f: dict[Key, tuple[torch.Tensor, Pending]] = {}

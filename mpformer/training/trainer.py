@@ -22,7 +22,8 @@ from mpformer.core.pipeline_plan import stage_plan
 from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.models.parallelize import build_model, grad_specs
-from mpformer.optim.distributed import build_distributed_optimizer
+from mpformer.optim.builder import build_engine
+from mpformer.optim.engine import REDUCE_DTYPES, Reduction, TiedCopy
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
 from mpformer.optim.memory import format_report, write_report
@@ -47,7 +48,7 @@ class Trainer:
         self.device = groups.device
         t = cfg.train
         # 16-bit precisions keep the parameters in that dtype with fp32 masters and main gradients
-        # (optim/sharded.py); autocast on top keeps its per-op policy (fp32 softmax, CPU linear path).
+        # (optim/engine.py); autocast on top keeps its per-op policy (fp32 softmax, CPU linear path).
         self.param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
         self.dtype_ctx = (torch.autocast(self.device.kind, dtype=self.param_dtype) if t.precision != "fp32"
                           else contextlib.nullcontext())
@@ -58,16 +59,16 @@ class Trainer:
         self.plan = stage_plan(m, layout, groups.coords["pp"], t.seq_length) if layout.pp > 1 else None
         self.model = build_model(m, tp=self.tp, device=self.device.torch_device, seed=t.seed,
                                  recompute=layout.recompute, use_apex=t.use_apex, stage=self.plan)
-        self.grad_specs = grad_specs(self.model)
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        # Gradient reduction and the optimizer step, for every ZeRO stage (optim/distributed.py).
-        self.dp = build_distributed_optimizer(self.model, groups.comm("dp"), layout.zero, cfg.optim,
-                                              self.device.kind, t.grad_bucket_mb, self.param_dtype)
-        self.optimizer = self.dp.optimizer
-        if self.plan is not None and m.tie_embeddings and not self.plan.has_embedding:
-            # The last stage's copy of a tied embedding equals stage 0's; sharded differently, its chunks
-            # would overlap stage 0's in the checkpoint, so only stage 0 writes it (both read it).
-            self.dp.skip_on_save(self.model.embed.weight)
+        tied = None
+        if self.plan is not None and m.tie_embeddings:  # the embedding's copy on the last stage
+            tied = TiedCopy(self.model.embed.weight, groups.embedding_comm(), owner=self.plan.has_embedding)
+        red = Reduction(groups.comm("dp"), self.tp.comm, groups.comm("pp") if self.plan is not None else None,
+                        grad_specs(self.model), tied, self.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype])
+        # Gradient reduction, clipping and the optimizer step for every ZeRO stage (optim/engine.py).
+        self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
+                                   self.param_dtype)
+        self.optimizer = self.engine.optimizer
         self.pipeline = self._build_pipeline() if self.plan is not None else None
         self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
         o = cfg.optim
@@ -109,13 +110,17 @@ class Trainer:
         return out
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Gradient accumulation over micro-batches; the last one's backward overlaps the all-reduce."""
+        """Every micro-batch's forward and backward, gradients accumulated over them; the last one's
+        backward overlaps the reductions (a pipeline's: after each stage's last backward)."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.pipeline is not None:
+            with self.engine.no_sync():
+                return sum(self.pipeline.run(batches, loss_scale=scale))
         loss_sum = torch.zeros((), device=self.device.torch_device)
         for j, (inputs, labels) in enumerate(batches):
-            with self.dp.no_sync() if j < len(batches) - 1 else contextlib.nullcontext():
+            with self.engine.no_sync() if j < len(batches) - 1 else contextlib.nullcontext():
                 with self.dtype_ctx:
                     loss = self.model(inputs, labels)
-                scale = self.scaler.scale if self.scaler is not None else 1.0
                 (loss / self.micro_steps if scale == 1.0 else loss * (scale / self.micro_steps)).backward()
             loss_sum += loss.detach().float()
         return float(loss_sum)
@@ -126,58 +131,38 @@ class Trainer:
         seq = t.seq_length // L.tp if L.sequence_parallel else t.seq_length
         p2p = P2P(self.groups.pp, self.groups.ledger, (seq, t.micro_batch_size, self.cfg.model.hidden_size),
                   self.param_dtype, self.device.torch_device)
-        self.embedding_comm = self.groups.embedding_comm() if self.cfg.model.tie_embeddings else None
-        if self.embedding_comm is not None and not self.plan.has_embedding:
-            for s in self.grad_specs:  # the last stage's copy of a tied embedding: counted once, on stage 0
-                if s.param is self.model.embed.weight:
-                    s.in_norm = False
-        # A stage's data-parallel reduction starts right after its last backward,
-        # except with a tied embedding, whose two copies' gradients are summed first (train_step).
-        start = None if self.embedding_comm is not None else (lambda: self.dp.start())
-        engine = PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
-                                on_grads_done=start, split_backward=True)
-        if engine.store is not None:  # BW writes .grad outside autograd: hand it on as autograd's hooks would
-            engine.store.on_accumulated = self.dp.grad_ready
-        return engine
+        # A stage's data-parallel reduction starts right after its last backward (engine.start).
+        return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
+                              on_grads_done=self.engine.start, on_weight_grad=self.engine.grad_ready,
+                              split_backward=True)
 
     def train_step(self) -> dict[str, float]:
-        t = self.cfg.train
-        self.dp.zero_grad()
-        batches = self._micro_batches()
-        if self.pipeline is None:
-            loss_sum = self._forward_backward(batches)
-        else:
-            self.pipeline.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
-            with self.dp.no_sync():  # a stage's gradients are reduced after its last backward, in finish()
-                loss_sum = sum(self.pipeline.run(batches))
-            if self.embedding_comm is not None:  # before the dp reduction, which may shard the gradient
-                self.embedding_comm.all_reduce(self.dp.main_grad(self.model.embed.weight))
-        self.dp.finish()
-        self.dp.sync_tp(self.grad_specs)
-        pp_comm = self.groups.comm("pp") if self.pipeline is not None else None
-        extra: dict[str, float] = {}
-        skip = False
-        if self.scaler is not None:  # fp16: unscale; an inf or nan on any rank skips the step
-            extra["loss_scale"] = self.scaler.scale
-            skip = self.scaler.update(self.dp.unscale(1.0 / self.scaler.scale, self.tp.comm, pp_comm))
+        """zero_grad -> forward/backward -> finish -> clip -> step."""
+        extra = {"loss_scale": self.scaler.scale} if self.scaler is not None else {}  # this step's
+        self.engine.zero_grad()
+        loss_sum = self._forward_backward(self._micro_batches())
+        self.engine.finish()  # reductions over dp (and a tied copy, tp partial sums, fp16 unscaling)
+        grad_norm = self.engine.clip(self.cfg.optim.clip_grad)
+        lr = self.schedule.apply(self.optimizer, self.step)
+        self.engine.step()  # not on a skipped fp16 step
+        if self.scaler is not None:
             extra["skipped_steps"] = self.scaler.skipped
         clip = self.cfg.optim.clip_grad
-        lr = self.schedule.apply(self.optimizer, self.step)
-        if skip:
-            grad_norm = clipped = float("nan")
-        else:
-            grad_norm = self.dp.clip(self.grad_specs, clip, self.tp.comm, pp_comm)
-            clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
-            self.dp.step()
+        clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
         self.step += 1
-        self.consumed_samples += t.global_batch_size
+        self.consumed_samples += self.cfg.train.global_batch_size
+        return {"loss": self._global_loss(loss_sum), "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr,
+                **extra}
+
+    def _global_loss(self, loss_sum: float) -> float:
+        """The mean loss over the global batch, on every rank (a metric: its own ledger kinds)."""
         loss_mean = torch.tensor(loss_sum / self.micro_steps, device=self.device.torch_device)
-        if self.pipeline is not None:  # the loss lives on the last stage; rank 0 logs it
+        if self.pipeline is not None:  # the loss lives on the last stage
             Comm(self.groups.pp, self.groups.ledger, tag="metrics.pp.").all_reduce(loss_mean)
-        if self.layout.dp > 1:  # a metric, not training traffic: its own ledger kind
+        if self.layout.dp > 1:
             self.metrics_comm.all_reduce(loss_mean)
             loss_mean /= self.layout.dp
-        return {"loss": float(loss_mean), "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr, **extra}
+        return float(loss_mean)
 
     def fit(self) -> list[float]:
         """Train until train.steps (or train.stop_at); return the losses of the steps run here."""
@@ -218,7 +203,7 @@ class Trainer:
         """Model-state bytes per rank (counted from the tensors held), printed and in memory.json."""
         import torch.distributed as dist
 
-        mine = self.dp.memory()
+        mine = self.engine.memory()
         per_rank = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             per_rank = [{} for _ in range(dist.get_world_size())]
@@ -241,15 +226,13 @@ class Trainer:
     def _trace_begin(self, end: int) -> None:
         if self.step in self._trace_window(end):
             assert self.pipeline is not None
-            if self.pipeline.trace is None:
-                self.pipeline.trace = []
+            self.pipeline.start_trace()
 
     def _trace_end(self, end: int) -> None:
         window = self._trace_window(end)
         if window and self.step == window[-1] + 1:
-            assert self.pipeline is not None and self.pipeline.trace is not None
-            events = gather_events(self.pipeline.trace, self.groups.pp)
-            self.pipeline.trace = None
+            assert self.pipeline is not None
+            events = gather_events(self.pipeline.take_trace(), self.groups.pp)
             if self.is_logger:
                 path = write_trace(self.run_dir / "pipeline_trace.json", events, self.layout.vpp)
                 self.metrics.message(f"pipeline trace of {len(window)} step(s): {path}")
@@ -277,7 +260,7 @@ class Trainer:
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def save(self) -> Path:
-        tensors = {**self.dp.weight_shards(self.model), **self.dp.state_shards(self.model)}
+        tensors = self.engine.tensors()
         manifest = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
                     "trainer": self.trainer_state(), "world_size": self.layout.world_size,
                     "config": self.resolved_config}
@@ -294,11 +277,8 @@ class Trainer:
     def _load(self, path: str) -> None:
         finetune = self.cfg.checkpoint.finetune
         manifest = open_checkpoint(path)
-        self.dp.load_weights(manifest["path"], self.model)
-        manifest["loaded_optimizer"] = False
-        if manifest.get("has_optimizer") and not finetune:
-            self.dp.load_state(manifest["path"], self.model)
-            manifest["loaded_optimizer"] = True
+        manifest["loaded_optimizer"] = bool(manifest.get("has_optimizer")) and not finetune
+        self.engine.load(manifest["path"], optimizer=manifest["loaded_optimizer"])
         if self.tokenizer_dir is None and manifest.get("tokenizer"):
             self.tokenizer_dir = Path(manifest["path"]) / manifest["tokenizer"]  # keep carrying it
         state = manifest.get("trainer")

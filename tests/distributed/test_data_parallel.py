@@ -34,7 +34,8 @@ def _final_weights(ckpt: Path) -> torch.Tensor:
 
 
 def _check_grad_buckets() -> dict:
-    """DataParallel alone: mean gradients across ranks, several buckets, no traffic under no_sync."""
+    """The gradient engine at ZeRO stage 0 alone: mean gradients across ranks, several buckets, no
+    traffic under no_sync."""
     import torch.distributed as dist
 
     from mpformer.core.model_config import ModelConfig
@@ -54,9 +55,11 @@ def _check_grad_buckets() -> dict:
 def _check_one_model(cfg, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
+    from mpformer.core.config import OptimConfig
     from mpformer.models import Transformer
+    from mpformer.optim.builder import build_engine
+    from mpformer.optim.engine import Reduction
     from mpformer.parallel.comm import Comm, CommLedger
-    from mpformer.parallel.data_parallel import DataParallel
 
     batches = [torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ref = Transformer(cfg, seed=1)
@@ -64,7 +67,8 @@ def _check_one_model(cfg, rank: int, world: int) -> dict:
         (ref(b[:, :-1], b[:, 1:]) / world).backward()
     model = Transformer(cfg, seed=1)
     ledger = CommLedger()
-    dp = DataParallel(model, Comm(dist.group.WORLD, ledger), bucket_mb=0.01)  # ~2.6k floats a bucket: several
+    # ~2.6k floats a bucket: several.
+    dp = build_engine(model, Reduction(Comm(dist.group.WORLD, ledger)), 0, OptimConfig(), "cpu", bucket_mb=0.01)
     with dp.no_sync():
         model(batches[rank][:, :-1], batches[rank][:, 1:]).mul(0.5).backward()
     assert ledger.take() == {}, "no_sync must not communicate"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mpformer.optim.buffers import Piece, pieces_by_param, plan_buckets
+from mpformer.core.buffers import Piece, pieces_by_param, plan_buckets
 
 
 def test_worked_example():

@@ -1,9 +1,10 @@
-"""Sharded state in the layout-free checkpoint: by canonical name and slice.
+"""Per-parameter tensors as checkpoint chunks: by canonical name and slice (the one row map).
 
-A rank's shard of a parameter covers a contiguous range ``[lo, hi)`` of the flattened (tensor-
-parallel) parameter (buffers.Piece). A canonical tensor's block in that parameter is a set of whole
-rows (q of a fused qkv, a vocabulary block, a row-parallel column block), so the range cuts it into
-at most three rectangles: the end of a first row, whole rows, the start of a last row. Each
+A rank's part of a parameter covers a contiguous range ``[lo, hi)`` of the flattened (tensor-
+parallel) parameter (core.buffers.Piece; a whole parameter is the one-piece case, which is how
+unsharded optimizers are saved too). A canonical tensor's block in that parameter is a set of
+whole rows (q of a fused qkv, a vocabulary block, a row-parallel column block), so the range cuts
+it into at most three rectangles: the end of a first row, whole rows, the start of a last row. Each
 rectangle is saved as a chunk of ``optim.<state>.<canonical name>`` (or, for master weights,
 ``model.<canonical name>``) at its global offsets, exactly where an unsharded run would have put
 those elements, so any layout, sharded or not, reads its own slices back (DCP resolves overlaps).
@@ -20,20 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mpformer.checkpoint.shards import Shard
-from mpformer.optim.buffers import Piece
-
-
-@dataclass(frozen=True)
-class ShardParam:
-    """A piece of model parameter ``name`` that this rank updates: elements ``[lo, hi)`` of the flat
-    parameter, as the 1-D tensor ``master`` the wrapped optimizer steps (``bucket``: its unit)."""
-
-    name: str
-    param: nn.Parameter
-    piece: Piece
-    bucket: int
-    master: torch.Tensor
+from mpformer.core.buffers import Piece
+from mpformer.core.shards import Shard
 
 
 @dataclass(frozen=True)
@@ -88,9 +77,10 @@ def rectangles(x: int, y: int, row: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def chunks(canon: Sequence[CanonicalRows], shard: ShardParam, t: torch.Tensor, prefix: str) -> dict[str, Shard]:
-    """``t`` (laid out like ``shard.master``) as checkpoint chunks of ``prefix + canonical name``."""
-    piece = shard.piece
+def chunks(canon: Sequence[CanonicalRows], piece: Piece, t: torch.Tensor, prefix: str) -> dict[str, Shard]:
+    """``t`` (elements ``[piece.lo, piece.hi)`` of a flat parameter, contiguous) as checkpoint chunks
+    of ``prefix + canonical name``; views of ``t``, so loading fills it in place."""
+    t = t.reshape(-1)
     out = {}
     for c in canon:
         if c.index != piece.index:
@@ -98,28 +88,31 @@ def chunks(canon: Sequence[CanonicalRows], shard: ShardParam, t: torch.Tensor, p
         a, b = max(piece.lo, c.first * c.row), min(piece.hi, (c.first + c.rows) * c.row)
         if a >= b:
             continue
-        for r, col, nr, nc in rectangles(a - c.first * c.row, b - c.first * c.row, c.row):
+        fqn = prefix + c.name
+        rects = rectangles(a - c.first * c.row, b - c.first * c.row, c.row)
+        for r, col, nr, nc in rects:
             flat = (c.first + r) * c.row + col - piece.lo
             if len(c.global_shape) > 1:
                 offsets, shape = (c.offsets[0] + r, c.offsets[1] + col), (nr, nc)
             else:
                 offsets, shape = (c.offsets[0] + r,), (nr,)
-            fqn = prefix + c.name
-            out[f"{fqn}@{offsets}"] = Shard(t[flat:flat + nr * nc].view(shape), c.global_shape, offsets, fqn)
+            key = fqn if len(rects) == 1 else f"{fqn}@{offsets}"  # one chunk: keyed by the stored name
+            out[key] = Shard(t[flat:flat + nr * nc].view(shape), c.global_shape, offsets, fqn)
     return out
 
 
-def sharded_state(canon: Sequence[CanonicalRows], shards: Sequence[ShardParam],
-                  optimizer: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, Shard], float | None]:
-    """``prefix<key>.<name>`` chunks of every per-element state tensor, and the (common) step count."""
+def state_chunks(canon: Sequence[CanonicalRows], pieces: Sequence[tuple[Piece, torch.Tensor]],
+                 optimizer: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, Shard], float | None]:
+    """``prefix<key>.<name>`` chunks of every per-element state tensor of the optimizer parameters in
+    ``pieces`` (each with the part of a model parameter it holds), and their common step count."""
     out: dict[str, Shard] = {}
     steps = set()
-    for s in shards:
-        state = optimizer.state[s.master]
+    for piece, param in pieces:
+        state = optimizer.state[param]
         if "step" in state:
             steps.add(float(state["step"]))
         for key, t in state.items():
             if torch.is_tensor(t) and t.dim() > 0:
-                out.update(chunks(canon, s, t, f"{prefix}{key}."))
+                out.update(chunks(canon, piece, t, f"{prefix}{key}."))
     assert len(steps) <= 1, f"shards disagree on the optimizer step: {steps}"
     return out, (next(iter(steps)) if steps else None)

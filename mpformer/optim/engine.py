@@ -1,0 +1,399 @@
+"""The gradient engine: one bucketed engine over flat buffers for every ZeRO stage and precision.
+
+Where parameters live and how gradients are reduced are settings of it, not classes:
+
+    stage  parameters                  fp32 gradients                             optimizer state, masters
+    0      replicated                  all-reduced after the last micro-batch     whole
+    1      replicated                  reduce-scattered after the last one        this rank's shard
+    2      replicated                  reduce-scattered every micro-batch         this rank's shard
+    3      sharded, gathered per unit  reduce-scattered every micro-batch         this rank's shard
+
+Buckets (core/buffers.py): stages 0-2 pack the parameters, last first (roughly the order backward
+produces gradients), into buckets of ``bucket_mb``; stage 3 makes one per unit (each transformer
+layer, and the root: embedding, final norm, head; gather.py). A bucket is padded to a multiple of dp
+and rank r owns 1/dp of it (stage 0: all of it). Parameters become views into its ``param_buf``.
+
+Gradients reach the bucket's fp32 ``grad_buf`` either as views (fp32 parameters at stages 0-1:
+``p.grad`` is the bucket's slice and autograd accumulates in place, DDP's gradient-as-bucket-view)
+or through a post-accumulate-grad hook that adds ``p.grad`` into its slot and drops it (Megatron's
+main_grad: 16-bit parameters accumulate in fp32, and stages 2-3 can free a bucket). When backward
+has produced every gradient of a bucket its reduction starts asynchronously, divided by dp first
+(gloo has no AVG), in ``reduce_dtype`` (bf16 halves the traffic; accumulation stays fp32).
+
+``finish()`` makes the gradients final in the order the step needs them: a tied embedding's two
+pipeline copies summed, every reduction launched and waited for, partial tensor-parallel gradients
+summed over tp, and for fp16 the loss scale divided out (an inf or nan anywhere skips the step).
+``clip()`` takes one global norm over the shards, each element counted once over dp, tp and pp;
+``step()`` runs the wrapped elementwise optimizer on this rank's shard, casts the masters back into
+16-bit parameters and all-gathers the parameters (stages 1-2). Every rank must produce gradients
+for the same parameters each step, so that buckets launch in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpformer.checkpoint.rows import canonical_rows
+from mpformer.core.buffers import BucketLayout, Piece, Slot, plan_buckets
+from mpformer.core.shards import Shard
+from mpformer.optim.gather import UnitGather
+from mpformer.optim.loss_scale import LossScaler
+from mpformer.optim.memory import model_state_bytes
+from mpformer.optim.state import EngineState
+from mpformer.parallel.comm import Comm
+from mpformer.parallel.tensor_parallel import GradSpec
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
+
+
+@dataclass(frozen=True)
+class TiedCopy:
+    """A weight held by two pipeline stages (a tied embedding): its gradients are summed over ``comm``
+    before the data-parallel reduction; only the ``owner`` counts it in the norm and saves it."""
+
+    param: nn.Parameter
+    comm: Comm
+    owner: bool
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """Over what gradients are made final: the data-parallel group (data x context parallel next),
+    the tp and pp groups of the norm, the tensor-parallel specs, a tied copy, fp16's loss scaler."""
+
+    dp: Comm
+    tp: Comm | None = None
+    pp: Comm | None = None
+    specs: Sequence[GradSpec] = ()
+    tied: TiedCopy | None = None
+    scaler: LossScaler | None = None
+    reduce_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class ShardParam:
+    """A piece of model parameter ``name`` that this rank updates: elements ``[lo, hi)`` of the flat
+    parameter, as the tensor ``master`` the wrapped optimizer steps (``bucket``: where it lives)."""
+
+    name: str
+    param: nn.Parameter
+    piece: Piece
+    bucket: int
+    master: torch.Tensor
+
+
+@dataclass
+class Bucket:
+    layout: BucketLayout
+    params: list[nn.Parameter]  # in slot order
+    param_buf: torch.Tensor  # the parameters are views into it; stage 3: storage only while gathered
+    param_shard: torch.Tensor  # this rank's part (a view of param_buf below stage 3)
+    grad_shard: torch.Tensor  # fp32, this rank's reduced gradients (a view of grad_buf at stages 0-1)
+    grad_buf: torch.Tensor | None  # fp32 full gradients (stages 2-3: only while a micro-batch's arrive)
+    masters: torch.Tensor | None = None  # fp32 master shard of 16-bit parameters
+    module: nn.Module | None = None  # stage 3: the unit
+    ready: set[int] = field(default_factory=set)
+    launched: bool = False
+    pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # work, input, output
+    gathered: bool = True  # stage 3 (gather.py)
+    gathering: dist.Work | None = None
+    backward_pending: bool = False
+
+
+class GradEngine:
+    def __init__(self, model: nn.Module, red: Reduction, *, stage: int, groups: Sequence[dict],
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+                 param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0) -> None:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage {stage}; valid: 0, 1, 2, 3")
+        self.model, self.red, self.comm, self.stage, self.param_dtype = model, red, red.dp, stage, param_dtype
+        self.shard_rank, self.shard_dp = (0, 1) if stage == 0 else (self.comm.rank, self.comm.size)
+        self.persistent = stage < 2  # full gradients live for the whole step; the shard is their view
+        self.views = self.persistent and param_dtype == torch.float32
+        self.reduces = not (self.persistent and self.comm.size == 1)  # one replica: nothing to do
+        self.sync, self.skipped, self.steps_taken = True, False, 0
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = [names[id(p)] for p in self.params]
+        self.canonical = canonical_rows(model, self.params)  # before any storage moves or is freed
+        self.buckets = [self._materialise(layout, module) for module, layout in self._plan(bucket_mb)]
+        self._where = {id(p): (k, s) for k, b in enumerate(self.buckets) for p, s in zip(b.params, b.layout.slots)}
+        self.shards = self._shard_params()
+        self._in_flight: list[Bucket] = []
+        group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
+        self.optimizer = make_optimizer([{**{k: v for k, v in g.items() if k != "params"},
+                                          "params": [s.master for s in self.shards if group_of[id(s.param)] == i]}
+                                         for i, g in enumerate(groups)])
+        tied = red.tied
+        self.not_mine = {id(tied.param)} if tied is not None and not tied.owner else set()
+        self._norm_specs = [s for s in red.specs if id(s.param) not in self.not_mine]
+        self._norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
+        self.gather = UnitGather(self.buckets, self.comm) if stage == 3 else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.state = EngineState(self)
+
+    # ---- construction ------------------------------------------------------------------------
+    def _plan(self, bucket_mb: float) -> list[tuple[nn.Module | None, BucketLayout]]:
+        """Buckets as (unit module, layout) with slots naming parameters by their index in ``params``."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        if self.stage == 3:
+            layers = list(self.model.layers)
+            inside = {id(p) for layer in layers for p in layer.parameters()}
+            units = [(self.model, [p for p in self.params if id(p) not in inside])]
+            units += [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]
+            cap = 2**62
+        else:
+            units, cap = [(None, self.params)], max(1, int(bucket_mb * 2**20 / 4))  # fp32 gradient elements
+        out = []
+        for module, ps in units:
+            for lay in plan_buckets([p.numel() for p in ps], self.shard_dp, cap):
+                slots = tuple(Slot(index[id(ps[s.index])], s.start, s.numel) for s in lay.slots)
+                out.append((module, BucketLayout(slots, lay.size, lay.dp)))
+        return out
+
+    def _materialise(self, layout: BucketLayout, module: nn.Module | None) -> Bucket:
+        params = [self.params[s.index] for s in layout.slots]
+        dev = params[0].device
+        buf = torch.zeros(layout.size, dtype=self.param_dtype, device=dev)
+        init = torch.zeros(layout.size, device=dev) if self.param_dtype != torch.float32 else None
+        for p, s in zip(params, layout.slots):
+            if init is not None:  # the masters start from the full-precision values, not their rounding
+                init[s.start:s.end].copy_(p.detach().reshape(-1))
+            buf[s.start:s.end].copy_(p.detach().reshape(-1))
+            p.data = buf[s.start:s.end].view_as(p)  # the parameter now lives in the bucket
+        lo, hi = layout.shard_range(self.shard_rank)
+        shard = buf[lo:hi].clone() if self.stage == 3 else buf[lo:hi]
+        masters = init[lo:hi].clone() if init is not None else None
+        if not self.persistent:
+            return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module)
+        grads = torch.zeros(layout.size, device=dev)
+        if self.views:
+            for p, s in zip(params, layout.slots):
+                p.grad = grads[s.start:s.end].view_as(p)
+        return Bucket(layout, params, buf, shard, grads[lo:hi], grads, masters, module)
+
+    def _shard_params(self) -> list[ShardParam]:
+        out = []
+        for k, b in enumerate(self.buckets):
+            for piece in b.layout.pieces(self.shard_rank):
+                p = self.params[piece.index]
+                at = slice(piece.shard_offset, piece.shard_offset + piece.numel)
+                if self.stage == 0 and self.views:  # the optimizer steps the parameters themselves
+                    master = p  # (whole tensors: what a non-elementwise optimizer such as Adafactor needs)
+                else:
+                    master = b.masters[at] if b.masters is not None else b.param_shard[at]
+                    master.grad = b.grad_shard[at]
+                out.append(ShardParam(self.names[piece.index], p, piece, k, master))
+        return out
+
+    # ---- gradients ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Earlier micro-batches of a step accumulate locally; stages 2-3 reduce every micro-batch."""
+        prev, self.sync = self.sync, not self.persistent
+        try:
+            yield
+        finally:
+            self.sync = prev
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # a split backward's BI: the weight gradient comes later, from BW
+            return
+        k, slot = self._where[id(p)]
+        b = self.buckets[k]
+        if not self.views:
+            if b.grad_buf is None:
+                b.grad_buf = torch.zeros(b.layout.size, device=p.device)
+            b.grad_buf[slot.start:slot.end].view_as(p).add_(p.grad)
+            p.grad = None
+        if not self.sync or not self.reduces:
+            return
+        b.ready.add(id(p))
+        if len(b.ready) == len(b.params):
+            self._launch(b)
+
+    grad_ready = _on_grad  # a split backward's BW hands its weight gradients on as autograd's hooks would
+
+    def _launch(self, b: Bucket) -> None:
+        if b.pending is not None:  # stages 2-3: this bucket's previous micro-batch is still reducing
+            self._in_flight.remove(b)
+            self._complete(b)
+        if b.grad_buf is None:  # no gradient reached this bucket (unused parameters)
+            b.grad_buf = torch.zeros(b.layout.size, device=b.grad_shard.device)
+        src = b.grad_buf.div_(self.comm.size).to(self.red.reduce_dtype)
+        if self.stage == 0:  # in place (fp32): the "shard" is the whole buffer
+            b.pending = (self.comm.all_reduce(src, async_op=True), src, src)
+        else:
+            out = torch.empty(b.layout.shard_size, dtype=src.dtype, device=src.device)
+            b.pending = (self.comm.reduce_scatter_into(out, src, async_op=True), src, out)
+        b.ready.clear()
+        b.launched = True
+        if not self.persistent:
+            b.grad_buf = None  # the pending tuple keeps it alive until the reduction is done
+        if self.gather is not None:
+            self.gather.release(b)
+        self._in_flight.append(b)
+        while not self.persistent and len(self._in_flight) > 2:  # bound the full buffers alive at once
+            self._complete(self._in_flight.pop(0))
+
+    def _complete(self, b: Bucket) -> None:
+        assert b.pending is not None
+        work, _, out = b.pending
+        if work is not None:
+            work.wait()
+        if self.stage == 0:
+            if out is not b.grad_buf:  # reduced in another dtype
+                b.grad_buf.copy_(out)
+        elif self.persistent:  # stage 1: one reduction a step, into the buffer's own shard
+            b.grad_shard.copy_(out)
+        else:  # stages 2-3 reduce every micro-batch and accumulate in the persistent shard
+            b.grad_shard.add_(out)
+        b.pending = None
+
+    def _launch_owed(self) -> None:
+        if not self.reduces:
+            return
+        for b in self.buckets:
+            owed = not b.launched if self.persistent else b.grad_buf is not None
+            if owed and b.pending is None:
+                self._launch(b)
+
+    def start(self) -> None:
+        """Launch every reduction still owed (a pipeline stage after its last backward: its gradients
+        are final, the reductions overlap the schedule's remaining sends). With a tied copy the two
+        stages' gradients are summed first, in finish()."""
+        if self.red.tied is None:
+            self._launch_owed()
+
+    def main_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s full fp32 gradient (stages 0-1), e.g. to sum a tied copy's before the reduction."""
+        k, slot = self._where[id(p)]
+        buf = self.buckets[k].grad_buf
+        assert buf is not None, "full gradients exist at stages 0-1 only"
+        return buf[slot.start:slot.end].view_as(p)
+
+    def finish(self) -> None:
+        """Tied copies summed, every reduction done, tp partial sums summed, fp16 unscaled; after it
+        each rank holds its shard of the mean gradient and ``skipped`` says whether to step."""
+        tied = self.red.tied
+        if tied is not None:
+            tied.comm.all_reduce(self.main_grad(tied.param))
+        self._launch_owed()
+        while self._in_flight:
+            self._complete(self._in_flight.pop(0))
+        if self.gather is not None:
+            self.gather.reset()
+        for g, spec in self.shard_grads([s for s in self.red.specs if s.sync is not None]):
+            spec.sync.all_reduce(g)  # tp ranks share dp rank and layout: the same shards
+        scaler, self.skipped = self.red.scaler, False
+        if scaler is not None:
+            self.skipped = scaler.update(self._unscale(1.0 / scaler.scale))
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            assert b.pending is None, "zero_grad() with a reduction in flight: call finish() first"
+            b.ready.clear()
+            b.launched = False
+            if self.persistent:
+                b.grad_buf.zero_()  # the shard (and with views every p.grad) is a view of it
+            else:
+                b.grad_shard.zero_()
+                b.grad_buf = None
+
+    # ---- norm, fp16, step ----------------------------------------------------------------------
+    def shard_grads(self, specs: Sequence[GradSpec]) -> list[tuple[torch.Tensor, GradSpec]]:
+        """This rank's part of each spec's gradient block (views into the gradient shards)."""
+        by_param: dict[int, list[ShardParam]] = {}
+        for s in self.shards:
+            by_param.setdefault(id(s.param), []).append(s)
+        out = []
+        for spec in specs:
+            p = spec.param
+            row = p.numel() // p.shape[0] if p.dim() > 0 else 1
+            lo, hi = (0, p.numel()) if spec.rows is None else (spec.rows[0] * row, spec.rows[1] * row)
+            for s in by_param.get(id(p), []):
+                a, b = max(lo, s.piece.lo), min(hi, s.piece.hi)
+                if a < b:
+                    out.append((s.master.grad.reshape(-1)[a - s.piece.lo:b - s.piece.lo], spec))
+        return out
+
+    def _world_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        for comm in (self._norm_comm if self.stage > 0 else None, self.red.tp, self.red.pp):
+            if comm is not None and comm.size > 1:
+                comm.all_reduce(t, op=op)
+
+    def clip(self, max_norm: float) -> float:
+        """The global gradient norm before clipping (nan on a skipped step); scales the gradient shards
+        when it exceeds ``max_norm`` (0: no clipping)."""
+        if self.skipped:
+            return float("nan")
+        total = torch.zeros((), device=self.buckets[0].grad_shard.device)
+        for g, spec in self.shard_grads(self._norm_specs):
+            total += g.float().pow(2).sum() / spec.replicas
+        self._world_reduce(total)
+        total = total.sqrt()
+        if max_norm > 0:
+            coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], coeff)
+        return float(total)
+
+    def _unscale(self, inv_scale: float) -> bool:
+        """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
+        found = torch.zeros((), device=self.buckets[0].grad_shard.device)
+        for b in self.buckets:
+            b.grad_shard.mul_(inv_scale)
+            found = torch.maximum(found, (~torch.isfinite(b.grad_shard)).any().float())
+        self._world_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found)
+
+    def write_back(self) -> None:
+        """16-bit parameters: the masters cast into this rank's part of them."""
+        for s in self.shards:
+            b = self.buckets[s.bucket]
+            if b.masters is not None:
+                b.param_shard[s.piece.shard_offset:s.piece.shard_offset + s.piece.numel].copy_(s.master)
+
+    def step(self) -> None:
+        """The wrapped optimizer on this rank's shard, then (stages 1-2) the parameters all-gathered."""
+        if self.skipped:
+            return
+        self.optimizer.step()
+        self.steps_taken += 1
+        self.write_back()
+        if self.stage in (1, 2):
+            # The collective's input must not alias its output: a copy of the shard.
+            works = [self.comm.all_gather_into(b.param_buf, b.param_shard.clone(), async_op=True)
+                     for b in self.buckets]
+            for w in works:
+                if w is not None:
+                    w.wait()
+
+    def memory(self) -> dict[str, int]:
+        """Model-state bytes this rank holds, counted from the tensors (memory.py)."""
+        weights = [b.param_shard if self.stage == 3 else b.param_buf for b in self.buckets]
+        grads = [b.grad_shard for b in self.buckets] + [b.grad_buf for b in self.buckets if b.grad_buf is not None]
+        return model_state_bytes(weights, grads, [b.masters for b in self.buckets if b.masters is not None],
+                                 self.optimizer)
+
+    # ---- checkpoint (state.py) ------------------------------------------------------------------
+    def tensors(self) -> dict[str, Shard]:
+        """What this rank writes: the weights and the optimizer state."""
+        return {**self.state.weight_shards(), **self.state.state_shards()}
+
+    def load(self, ckpt_dir: str, *, optimizer: bool) -> None:
+        """The weights, and the optimizer state with its step count when ``optimizer``."""
+        self.state.load_weights(ckpt_dir)
+        if optimizer:
+            self.steps_taken = self.state.load_state(ckpt_dir)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        if self.gather is not None:
+            self.gather.remove_hooks()
