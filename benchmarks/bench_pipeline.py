@@ -69,8 +69,9 @@ def _ping_pong(p2p, rank: int, shape: tuple[int, ...], rounds: int = 20) -> floa
 def _worker(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
-    from mpformer.core.layout import ParallelLayout
+    from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
     from mpformer.core.pipeline_plan import stage_plan
+    from mpformer.layers.linear import WeightGradStore
     from mpformer.models.parallelize import build_model
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
@@ -93,12 +94,13 @@ def _worker(args: argparse.Namespace) -> dict:
         groups = ProcessGroups.build(layout, device)
         rank = groups.coords["pp"]
         plan = stage_plan(cfg, layout, rank, args.seq)
-        model = build_model(cfg, tp=groups.tp_context(), device=device.torch_device, seed=1, stage=plan)
+        store = WeightGradStore() if name in SPLIT_BACKWARD else None  # zb-h1/h2 run BW
+        model = build_model(cfg, tp=groups.tp_context(), device=device.torch_device, seed=1, stage=plan, store=store)
         p2p = P2P(groups.pp, groups.ledger, shape, torch.float32, device.torch_device)
         if "p2p_s" not in out:
             out["p2p_s"] = _ping_pong(p2p, rank, shape)
         schedule = build_schedule(name, args.pp, args.microbatches, vpp)
-        engine = PipelineEngine(model, plan, schedule, p2p, split_backward=True)  # zb-h1/h2 run BW
+        engine = PipelineEngine(model, plan, schedule, p2p, store=store)
         steps, events = [], []
         for step in range(args.steps + 1):
             model.zero_grad(set_to_none=True)

@@ -198,7 +198,6 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
                    params_per_rank: int, simulate_pipeline: bool = True) -> Breakdown:
     from mpformer.pipeline.simulate import Costs
 
-    out = Breakdown()
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     counts = stage_counts(m, L, w.seq_length)
     cal = calibration(c)  # once per candidate: its cache key is not free
@@ -233,20 +232,18 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     if dilation is not None:
         pipe *= cal.pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
         pipe += micro * max(sum(tps[c_ * L.pp + r] for c_ in range(L.vpp)) for r in range(L.pp))
-    out.compute_s = micro * compute_per_micro / L.pp
+    compute = micro * compute_per_micro / L.pp
     tp_step = tp_step_time(m, L, c, cal)
     pipe += tp_step
-    out.tp_comm_s = micro * max(sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)) + tp_step
-    out.pp_bubble_s = max(pipe - out.compute_s - out.tp_comm_s, 0.0)
-    out.dp_comm_exposed_s = _dp_time(m, L, w, c, params_per_rank, micro, bs[-1] + wc[-1], slow is not None)
+    tp_comm = micro * max(sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)) + tp_step
+    dp_exposed = _dp_time(m, L, w, c, params_per_rank, micro, bs[-1] + wc[-1], slow is not None)
     shard = params_per_rank / (L.dp if L.zero >= 1 else 1)
-    out.optimizer_s = shard * (2 * (4 + 4 + 8) + 4 + BYTES[w.precision]) / c.memory_bandwidth
+    optimizer = shard * (2 * (4 + 4 + 8) + 4 + BYTES[w.precision]) / c.memory_bandwidth
     if slow is not None:
-        out.optimizer_s *= interpolate(slow, c.devices_per_node)
-    out.p2p_s = p2p
-    out.iteration_s = pipe + out.dp_comm_exposed_s + out.optimizer_s
-    out.extra["microbatches"] = micro
-    return out
+        optimizer *= interpolate(slow, c.devices_per_node)
+    return Breakdown(compute_s=compute, tp_comm_s=tp_comm, pp_bubble_s=max(pipe - compute - tp_comm, 0.0), p2p_s=p2p,
+                     dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
+                     extra={"microbatches": micro, "params": params_per_rank})
 
 
 def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,

@@ -12,13 +12,21 @@ on the plan without a process group. Layout keys given on the command line (``pa
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.cost import calibration
 from mpformer.autoconfig.memory import Workload
-from mpformer.autoconfig.search import PLAN_FIELDS, Candidate, SearchResult, evaluate_plan, no_plan_error, search
+from mpformer.autoconfig.search import (
+    NOT_SEARCHED,
+    PLAN_FIELDS,
+    Candidate,
+    SearchResult,
+    evaluate_plan,
+    no_plan_error,
+    search,
+)
 from mpformer.core.composed import Composed
 from mpformer.core.config import Config
 from mpformer.core.errors import ConfigError
@@ -102,25 +110,25 @@ def pinned_fields(composed: Composed) -> dict[str, Any]:
     return pinned
 
 
-def choose_layout(composed: Composed, world_size: int) -> Prediction:
-    """parallel=auto: search, then write the best plan into the config (parallel.*, train.micro_batch_size)."""
-    cfg = composed.cfg
+def choose_layout(cfg: Config, composed: Composed, world_size: int) -> Prediction:
+    """parallel=auto: the best plan for ``cfg`` (its model, its pins from the command line)."""
     device = _device_kind(cfg)
     cluster = run_cluster(cfg.autoconfig.cluster, world_size, device)
-    pinned = pinned_fields(composed)
-    partition_pinned = "pp_partition" in composed.overridden_keys("parallel")
-    res = search(cfg.model, cluster, workload(cfg), fixed=pinned, top_k=cfg.autoconfig.top_k, device=device)
+    res = search(cfg.model, cluster, workload(cfg), fixed=pinned_fields(composed), top_k=cfg.autoconfig.top_k,
+                 device=device)
     if not res.top:
         raise no_plan_error(res, cluster)
-    best = res.top[0]
-    L = best.layout
-    p = cfg.parallel
-    p.dp, p.tp, p.pp, p.cp, p.cp_kind, p.vpp = L.dp, L.tp, L.pp, L.cp, L.cp_kind, L.vpp
-    p.sequence_parallel, p.zero, p.schedule, p.recompute = L.sequence_parallel, L.zero, L.schedule, L.recompute
-    if not partition_pinned:
-        p.pp_partition = L.pp_partition
-    cfg.train.micro_batch_size = best.micro_batch_size
-    return Prediction(best, cluster, res)
+    return Prediction(res.top[0], cluster, res)
+
+
+def apply_plan(cfg: Config, composed: Composed, prediction: Prediction) -> Config:
+    """``cfg`` with the chosen plan: every layout field the search decides (a pinned pp_partition
+    stays) and train.micro_batch_size. A new config: the one that was validated is not rewritten."""
+    best = prediction.candidate
+    keep = set(NOT_SEARCHED) | ({"pp_partition"} if "pp_partition" in composed.overridden_keys("parallel") else set())
+    chosen = {f.name: getattr(best.layout, f.name) for f in fields(ParallelLayout) if f.name not in keep}
+    return replace(cfg, parallel=replace(cfg.parallel, **chosen),
+                   train=replace(cfg.train, micro_batch_size=best.micro_batch_size))
 
 
 def predict(cfg: Config, layout: ParallelLayout, world_size: int) -> Prediction:

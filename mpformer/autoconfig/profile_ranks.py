@@ -65,13 +65,13 @@ REFERENCE = {"arch": "llama", "num_layers": 4, "hidden_size": 384, "num_attentio
 REFERENCE_SEQ = 256
 
 
-def _reference(seed: int = 0, tp=None, stage=None):
+def _reference(seed: int = 0, store=None):
     import torch
 
     from mpformer.core.model_config import ModelConfig
     from mpformer.models.parallelize import build_model
 
-    return build_model(ModelConfig(**REFERENCE), tp=tp, device=torch.device("cpu"), seed=seed, stage=stage)
+    return build_model(ModelConfig(**REFERENCE), tp=None, device=torch.device("cpu"), seed=seed, store=store)
 
 
 def _reference_tokens():
@@ -91,11 +91,8 @@ def profile_reference(threads: int = 1, duration: float = 1.0, split: bool = Fal
     from mpformer.layers.linear import WeightGradStore
 
     torch.set_num_threads(threads)
-    model, (x, y) = _reference(), _reference_tokens()
     store = WeightGradStore() if split else None
-    for m in model.modules():
-        if store is not None and hasattr(m, "weight_grad_store"):
-            m.weight_grad_store = store
+    model, (x, y) = _reference(store=store), _reference_tokens()
 
     def step() -> None:
         if store is None:
@@ -138,7 +135,7 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
 
     from mpformer.core.layout import ParallelLayout
     from mpformer.core.model_config import ModelConfig
-    from mpformer.core.pipeline_plan import stage_plan
+    from mpformer.models.parallelize import build_rank
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
     from mpformer.pipeline.engine import PipelineEngine
@@ -152,14 +149,13 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     for name, fields in reference_layouts(world).items():
         layout = ParallelLayout(**fields)
         groups = ProcessGroups.build(layout, device)
-        plan = stage_plan(cfg, layout, groups.coords["pp"], REFERENCE_SEQ)
-        model = _reference(1, groups.tp_context(), plan)
+        part = build_rank(cfg, layout, groups, seq_length=REFERENCE_SEQ, seed=1)
+        model, plan = part.model, part.plan
         boundary = (REFERENCE_SEQ // (layout.tp if layout.sequence_parallel else 1), 1, cfg.hidden_size)
         p2p = P2P(groups.pp, groups.ledger, boundary, torch.float32, device.torch_device) if layout.pp > 1 else None
         micro = 2 * world // layout.dp
         schedule = build_schedule(layout.schedule, layout.pp, micro, 1)
-        split = layout.schedule in ("zb-h1", "zb-h2")
-        runs[name] = (model, PipelineEngine(model, plan, schedule, p2p, split_backward=split), [(x, y)] * micro)
+        runs[name] = (model, PipelineEngine(model, plan, schedule, p2p, store=part.store), [(x, y)] * micro)
     shared: dict[int, list[float]] = {k: [] for k in ks}
     layouts: dict[str, list[float]] = {name: [] for name in runs}
     t_rounds = time.perf_counter()

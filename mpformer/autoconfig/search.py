@@ -11,18 +11,23 @@ with simulate.py on their actual schedules and re-ranked.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.cost import Breakdown, iteration_time
 from mpformer.autoconfig.memory import Workload, plan_memory
+from mpformer.core.config import FixedPlan
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig, divisors
 
-PLAN_FIELDS = ("dp", "tp", "pp", "cp", "cp_kind", "vpp", "micro_batch_size", "zero", "recompute", "schedule",
-               "sequence_parallel")
+# The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
+# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice.
+NOT_SEARCHED = ("pp_split", "grad_reduce_dtype")
+PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
+               "micro_batch_size")
+assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"
 
 
 @dataclass
@@ -33,10 +38,7 @@ class Candidate:
     time: Breakdown
 
     def plan(self) -> dict[str, Any]:
-        L = self.layout
-        return {"dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "cp_kind": L.cp_kind, "vpp": L.vpp,
-                "micro_batch_size": self.micro_batch_size, "zero": L.zero, "recompute": L.recompute,
-                "schedule": L.schedule, "sequence_parallel": L.sequence_parallel}
+        return {k: self.micro_batch_size if k == "micro_batch_size" else getattr(self.layout, k) for k in PLAN_FIELDS}
 
     def overrides(self) -> str:
         """The plan as pretrain's command-line overrides."""
@@ -57,10 +59,25 @@ class SearchResult:
     evaluated: int = 0
     seconds: float = 0.0
 
+    def count(self) -> None:
+        """One more layout evaluated."""
+        self.evaluated += 1
 
-def _reject(result: SearchResult, cls: str, why: str) -> None:
-    r = result.rejected.setdefault(cls, {"count": 0, "example": why})
-    r["count"] += 1
+    def reject(self, cls: str, why: str) -> None:
+        r = self.rejected.setdefault(cls, {"count": 0, "example": why})
+        r["count"] += 1
+
+    def add(self, c: Candidate) -> None:
+        self.feasible.append(c)
+
+    def offer_smallest(self, c: Candidate) -> None:
+        """A plan that does not fit: kept if it needs the least memory so far (the error names it)."""
+        if self.smallest is None or c.memory_bytes < self.smallest.memory_bytes:
+            self.smallest = c
+
+    def finished(self, top: list[Candidate], seconds: float) -> SearchResult:
+        self.top, self.seconds = top, seconds
+        return self
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: dict[str, Any] | None = None,
@@ -84,25 +101,19 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: d
             for pp in options("pp", pps):
                 dp = world // (tp * cp * pp)
                 if tp * cp * pp * dp != world or ("dp" in fixed and fixed["dp"] != dp):
-                    _reject(result, "world size", f"tp={tp} cp={cp} pp={pp} leave dp={dp} of {world} devices")
+                    result.reject("world size", f"tp={tp} cp={cp} pp={pp} leave dp={dp} of {world} devices")
                     continue
                 _structure(model, cluster, workload, result, fixed, tp, cp, pp, dp, gbs, options, device)
-    result.feasible.sort(key=lambda c: c.time.iteration_s)
-    best = result.feasible[:resimulate if resimulate is not None else top_k + 2]
-    for c in best:  # the pipeline timeline of the actual schedule
-        c.time = _retime(model, c, workload, cluster)
-    best.sort(key=lambda c: c.time.iteration_s)
-    result.top = best[:top_k]
-    result.seconds = time.perf_counter() - t0
-    return result
+    ranked = sorted(result.feasible, key=lambda c: c.time.iteration_s)
+    best = ranked[:resimulate if resimulate is not None else top_k + 2]
+    best = sorted((replace(c, time=_retime(model, c, workload, cluster)) for c in best),  # the real timeline
+                  key=lambda c: c.time.iteration_s)
+    return result.finished(best[:top_k], time.perf_counter() - t0)
 
 
 def _retime(model: ModelConfig, c: Candidate, w: Workload, cluster: Cluster) -> Breakdown:
-    params = c.time.extra["params"]
-    b = iteration_time(model, c.layout, _with_mbs(w, c.micro_batch_size), cluster, params_per_rank=params,
-                       simulate_pipeline=True)
-    b.extra["params"] = params
-    return b
+    return iteration_time(model, c.layout, _with_mbs(w, c.micro_batch_size), cluster,
+                          params_per_rank=c.time.extra["params"], simulate_pipeline=True)
 
 
 def _with_mbs(w: Workload, mbs: int) -> Workload:
@@ -113,7 +124,7 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
                cp: int, pp: int, dp: int, gbs: int, options, device: str) -> None:
     per_dp = gbs // dp if gbs % dp == 0 else 0
     if not per_dp:
-        _reject(result, "batch", f"global batch {gbs} does not split over dp={dp}")
+        result.reject("batch", f"global batch {gbs} does not split over dp={dp}")
         return
     schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2"]
     for schedule in options("schedule", schedules):
@@ -136,26 +147,23 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
     ww = _with_mbs(w, mbs)
     for rec in options("recompute", ["none", "selective", "full"]):
         L = ParallelLayout(**{**asdict(base), "recompute": rec})
-        result.evaluated += 1
+        result.count()
         try:
             # A pinned cp > 1 is modelled although the runtime cannot run it yet (published layouts).
             validate(L, model, cluster.world_size, global_batch_size=w.global_batch_size, micro_batch_size=mbs,
                      seq_length=w.seq_length, check_implemented=fixed.get("cp", 1) == 1)
         except ConfigError as e:
-            _reject(result, "invalid layout", str(e))
+            result.reject("invalid layout", str(e))
             return
         stages = plan_memory(model, L, ww, device=device)
         need = max(s.total for s in stages)
         params = max(s.params for s in stages)
         if need > cluster.memory_bytes:
-            cand = Candidate(L, mbs, need, Breakdown(extra={"params": params}))
-            if result.smallest is None or need < result.smallest.memory_bytes:
-                result.smallest = cand
-            _reject(result, "out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
+            result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
+            result.reject("out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
             continue
         b = iteration_time(model, L, ww, cluster, params_per_rank=params, simulate_pipeline=False)
-        b.extra["params"] = params
-        result.feasible.append(Candidate(L, mbs, need, b))
+        result.add(Candidate(L, mbs, need, b))
         return
 
 

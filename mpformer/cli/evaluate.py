@@ -15,12 +15,11 @@ import sys
 from mpformer.cli.compose import compose_config
 from mpformer.core.errors import ConfigError, user_errors_to_exit
 from mpformer.core.layout import validate
-from mpformer.core.pipeline_plan import stage_plan
 from mpformer.parallel.launch import init_distributed, shutdown, world_size_from_env
 from mpformer.training.evaluation import (
     check_pipeline_eval,
     evaluate_loss,
-    load_eval_tokens_for,
+    load_eval_tokens,
     pipeline_evaluate_loss,
 )
 from mpformer.training.preflight import adopt_checkpoint_model
@@ -32,26 +31,24 @@ def main(argv: list[str] | None = None) -> int:
     cfg = composed.cfg
     if not cfg.checkpoint.load:
         raise ConfigError("checkpoint.load is not set; give checkpoint.load=DIR (a checkpoint or save directory)")
-    manifest = adopt_checkpoint_model(composed)
+    model_cfg, manifest = adopt_checkpoint_model(composed)
     assert manifest is not None
-    tokens = load_eval_tokens_for(cfg)
-    layout = validate(cfg.parallel.layout(), cfg.model, world_size_from_env(), seq_length=tokens.shape[1] - 1)
+    tokens = load_eval_tokens(cfg.eval.tokens, model_cfg.vocab_size,
+                              model_cfg.max_position_embeddings if model_cfg.learned_positions else None)
+    layout = validate(cfg.parallel.layout(), model_cfg, world_size_from_env(), seq_length=tokens.shape[1] - 1)
     if layout.pp > 1:
         check_pipeline_eval(layout, tokens.shape[0], cfg.eval.micro_batch_size)
     from mpformer.checkpoint.io import load_checkpoint
-    from mpformer.models.parallelize import build_model
+    from mpformer.models.parallelize import build_rank
     from mpformer.parallel.device import resolve_device
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.parallel.tensor_parallel import kv_replicas
 
     device = resolve_device(cfg.train.device)
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
         groups = ProcessGroups.build(layout, device)
-        m = cfg.model
-        tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads))
-        plan = stage_plan(m, layout, groups.coords["pp"], tokens.shape[1] - 1) if layout.pp > 1 else None
-        model = build_model(m, tp=tp, device=device.torch_device, seed=0, stage=plan).eval()
+        rank = build_rank(model_cfg, layout, groups, seq_length=tokens.shape[1] - 1, seed=0)
+        model, plan = rank.model.eval(), rank.plan if layout.pp > 1 else None
         load_checkpoint(manifest["path"], model)
         if plan is None:
             loss, count = evaluate_loss(model, tokens, cfg.eval.micro_batch_size, device.torch_device,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from mpformer.cli.compose import compose_config
@@ -19,8 +20,8 @@ from mpformer.training.preflight import preflight_train
 
 def run_pretraining(composed: Composed) -> list[float]:
     """Validate, start (or join) the process group, train; returns the losses of the steps run."""
-    cfg = composed.cfg
-    layout, prediction = preflight_train(composed, world_size_from_env())
+    spec = preflight_train(composed, world_size_from_env())
+    cfg, prediction = spec.cfg, spec.prediction
     # torch and friends load only once the config is known to be good: bad input exits in ~1 s.
     import torch
     import torch.distributed as dist
@@ -39,18 +40,17 @@ def run_pretraining(composed: Composed) -> list[float]:
     owns_group = not dist.is_initialized()  # tests spawn ranks with a group already up
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
-        groups = ProcessGroups.build(layout, device)
-        run_dir = Path(broadcast_str(composed.run_dir))
-        resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
+        groups = ProcessGroups.build(spec.layout, device)
+        spec = replace(spec, run_dir=Path(broadcast_str(str(spec.run_dir))))  # rank 0's decides
+        run_dir = spec.run_dir
         if groups.is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(spec.resolved))
             if prediction is not None:
                 (run_dir / "autoconfig.json").write_text(json.dumps(prediction.to_dict(), indent=1))
                 print(prediction.summary(), flush=True)
         t0 = time.perf_counter()
-        trainer = Trainer(cfg, layout, groups, run_dir, resolved,
-                          predicted_step_time_s=prediction.step_time_s if prediction is not None else None)
+        trainer = Trainer(spec, groups)
         losses = trainer.fit()
         if groups.is_logging_rank and losses:
             k = max(1, len(losses) // 10)

@@ -18,6 +18,7 @@ from mpformer.core.topology import Topology
 
 CP_KINDS = ("ring", "ulysses", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+SPLIT_BACKWARD = ("zb-h1", "zb-h2")  # schedules that run a backward as BI then BW (a WeightGradStore)
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_PARTITIONS = ("uniform", "balanced")

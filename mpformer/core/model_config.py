@@ -80,7 +80,7 @@ class ModelConfig:
 
     # ---- checks and sizes ----------------------------------------------------------------
     def validate(self) -> ModelConfig:
-        """Check the config on its own (layouts are checked by parallel.layout.validate)."""
+        """Check the config on its own (layouts are checked by core.layout.validate)."""
         if self.arch not in ARCHS:
             raise ConfigError(f"model.arch={self.arch!r} is unknown; valid: {format_choices(ARCHS)}")
         if self.activation not in ACTIVATIONS:

@@ -18,9 +18,10 @@ from torch import nn
 
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.shards import Shard
-from mpformer.layers.linear import Linear
-from mpformer.layers.parallel import fused_shards, param_shards
+from mpformer.layers.linear import Linear, WeightGradStore
+from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.tensor_parallel import Part, TPContext
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -86,19 +87,28 @@ def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
 class Attention(nn.Module):
     """Self-attention with one fused QKV projection laid out [q (n*d) | k (k*d) | v (k*d)]."""
 
-    def __init__(self, cfg: ModelConfig, *, selective_recompute: bool = False,
-                 device: DeviceLike = None, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, store: WeightGradStore | None = None,
+                 selective_recompute: bool = False, device: DeviceLike = None, dtype: torch.dtype | None = None):
+        """With ``tp``: this rank's heads (kv heads replicated when tp exceeds them), a column-parallel
+        qkv and a row-parallel output projection."""
         super().__init__()
-        self.n_heads, self.n_kv, self.d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        self.q_size, self.kv_size = self.n_heads * self.d, self.n_kv * self.d
-        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
-                             device=device, dtype=dtype)
-        self.o = Linear(self.q_size, cfg.hidden_size, bias=cfg.out_proj_bias, device=device, dtype=dtype)
+        t, d = (tp.size if tp is not None else 1), cfg.head_size
+        self.n_heads, self.n_kv, self.d = cfg.num_attention_heads // t, max(1, cfg.kv_heads // t), d
+        self.q_size, self.kv_size = self.n_heads * d, self.n_kv * d
+        kw = {"store": store, "device": device, "dtype": dtype}
+        if tp is None:
+            self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
+            self.o = Linear(self.q_size, cfg.hidden_size, bias=cfg.out_proj_bias, **kw)
+        else:
+            heads, kv = cfg.num_attention_heads * d, cfg.kv_heads * d
+            parts = [Part("q", heads, d), Part("k", kv, d), Part("v", kv, d)]
+            self.qkv = ColumnParallelLinear(cfg.hidden_size, parts, tp, bias=cfg.attention_bias, **kw)
+            self.o = RowParallelLinear(heads, cfg.hidden_size, tp, bias=cfg.out_proj_bias, **kw)
         self.dropout_p = cfg.attention_dropout
         self.sliding_window = cfg.sliding_window
         self.rope = not cfg.learned_positions
         self.selective_recompute = selective_recompute
-        self.tp = None  # TPContext, set when the tensor-parallel plan is applied
+        self.tp = tp
 
     def forward(self, x_sbh: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x_sbh)  # under sequence parallelism the input is s/t long, qkv is all-gathered to s

@@ -55,12 +55,9 @@ class _CpuLowPrecisionLinear(torch.autograd.Function):
 class WeightGradStore:
     """Weight-gradient GEMMs deferred from BI to BW, per (micro-batch, chunk) key."""
 
-    def __init__(self, on_accumulated: Callable[[torch.Tensor], None] | None = None) -> None:
-        self.capturing: list[Callable[[], None]] | None = None
-        self.pending: dict[Hashable, list[Callable[[], None]]] = {}
-        # Called with each parameter after BW accumulated into its .grad (the post-accumulate-grad
-        # hooks autograd would have run: the gradient engine's buffers).
-        self.on_accumulated = on_accumulated
+    def __init__(self) -> None:
+        self.capturing: list[Callable[[], list[torch.Tensor]]] | None = None
+        self.pending: dict[Hashable, list[Callable[[], list[torch.Tensor]]]] = {}
 
     @contextlib.contextmanager
     def capture(self, key: Hashable) -> Iterator[None]:
@@ -73,10 +70,15 @@ class WeightGradStore:
         finally:
             self.capturing = None
 
-    def run(self, key: Hashable) -> None:
+    def run(self, key: Hashable, on_accumulated: Callable[[torch.Tensor], None] | None = None) -> None:
+        """The weight gradients queued under ``key``, accumulated into ``.grad``; ``on_accumulated(p)``
+        then runs for each parameter, as autograd's post-accumulate-grad hooks would have (the
+        gradient engine's buffers)."""
         with torch.no_grad():  # outside autograd's backward: the GEMMs must not be recorded
             for job in self.pending.pop(key):
-                job()
+                for p in job():
+                    if on_accumulated is not None:
+                        on_accumulated(p)
 
     def clear(self) -> None:
         self.pending.clear()
@@ -123,15 +125,12 @@ class _SplitLinear(torch.autograd.Function):
         if ctx.store.capturing is None:
             return (dx, *weight_grads(), None, None)
 
-        store = ctx.store
-
-        def job() -> None:
+        def job() -> list[torch.Tensor]:
             dw, db = weight_grads()
-            for p, g in ((weight, dw), (bias, db)):
-                if g is not None:
-                    _accumulate(p, g)
-                    if store.on_accumulated is not None:
-                        store.on_accumulated(p)
+            done = [(p, g) for p, g in ((weight, dw), (bias, db)) if g is not None]
+            for p, g in done:
+                _accumulate(p, g)
+            return [p for p, _ in done]
 
         ctx.store.capturing.append(job)
         return dx, None, None, None, None
@@ -156,9 +155,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear with the CPU low-precision backward above; same parameters, same state dict."""
+    """nn.Linear with the CPU low-precision backward above; same parameters, same state dict.
+    ``store``: the zero-bubble pipeline's WeightGradStore, whose captures defer the weight gradients."""
 
-    weight_grad_store: WeightGradStore | None = None  # set by the pipeline engine for split backwards
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 store: WeightGradStore | None = None, device=None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.store = store
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_grad_store)
+        return linear(x, self.weight, self.bias, self.store)

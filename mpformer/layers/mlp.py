@@ -11,27 +11,36 @@ from torch import nn
 
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.shards import Shard
-from mpformer.layers.linear import Linear, linear
-from mpformer.layers.parallel import fused_shards, param_shards
+from mpformer.layers.linear import Linear, WeightGradStore, linear
+from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.tensor_parallel import Part, TPContext
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate|up fused row-wise; GELU: down(gelu(up(x)))."""
 
-    def __init__(self, cfg: ModelConfig, device: DeviceLike = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, store: WeightGradStore | None = None,
+                 device: DeviceLike = None, dtype: torch.dtype | None = None) -> None:
+        """With ``tp``: gate|up column-parallel (each part split over tp), down row-parallel."""
         super().__init__()
         self.gated = cfg.gated_mlp
         self.ffn = cfg.ffn_size
         self.activation = cfg.activation
-        width = 2 * self.ffn if self.gated else self.ffn
-        self.up = Linear(cfg.hidden_size, width, bias=cfg.mlp_bias, device=device, dtype=dtype)
-        self.down = Linear(self.ffn, cfg.hidden_size, bias=cfg.mlp_bias, device=device, dtype=dtype)
+        kw = {"store": store, "device": device, "dtype": dtype}
+        if tp is None:
+            width = 2 * self.ffn if self.gated else self.ffn
+            self.up = Linear(cfg.hidden_size, width, bias=cfg.mlp_bias, **kw)
+            self.down = Linear(self.ffn, cfg.hidden_size, bias=cfg.mlp_bias, **kw)
+        else:
+            parts = [Part("gate", self.ffn), Part("up", self.ffn)] if self.gated else [Part("up", self.ffn)]
+            self.up = ColumnParallelLinear(cfg.hidden_size, parts, tp, bias=cfg.mlp_bias, **kw)
+            self.down = RowParallelLinear(self.ffn, cfg.hidden_size, tp, bias=cfg.mlp_bias, **kw)
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
         # Single device only (parallel layers own their collectives), and not when weight gradients
         # are deferred (the store accumulates into whole parameters, not row views).
-        if self.gated and type(self.up) is Linear and self.up.weight_grad_store is None:
+        if self.gated and type(self.up) is Linear and self.up.store is None:
             # Two GEMMs on the row halves of the fused weight: storage stays fused (one parameter,
             # contiguous tensor-parallel slices); the two narrower GEMMs run faster on CPU (measured
             # in benchmarks/bench_throughput.py) and need no split/concat of the activations.

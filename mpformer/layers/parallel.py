@@ -6,8 +6,9 @@ Shape legend: s sequence (s/t under sequence parallelism), b micro-batch, h hidd
     RowParallelLinear      x [s, b, in/t] @ W_r^T -> partial [s, b, h] -- reduce | reduce_scatter_seq --> + bias
     VocabParallelEmbedding ids [s, b] -> rows of this rank's vocabulary block -- reduce | reduce_scatter_seq
 
-Weights are built from the single-device module they replace (``from_module``), on whatever
-device that module lives on (``meta`` for a model that is materialised after parallelisation).
+The modules that use them (attention, MLP, the transformer's embedding and head) build them in
+their constructors when given a TPContext; models/parallelize.py checks the result against the
+TP plan.
 Each layer reports its canonical shards (for checkpoints and initialisation; ``param_shards`` and
 ``fused_shards`` give the same names for plain and parallel modules alike) and its gradient specs
 (which rows are replicated over tp and which need a gradient all-reduce).
@@ -67,19 +68,18 @@ def reduce_output(y: torch.Tensor, tp: TPContext) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """Output rows split over tp, part by part (a fused projection keeps ``[part_0 r | part_1 r ...]``)."""
 
-    weight_grad_store: WeightGradStore | None = None  # set by the pipeline engine for split backwards
-
     def __init__(self, in_features: int, parts: list[Part], tp: TPContext, *, bias: bool,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 store: WeightGradStore | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.parts, self.tp = parts, tp
+        self.parts, self.tp, self.store = parts, tp, store
         self.blocks = [p.block(tp.rank, tp.size) for p in parts]  # (global start, rows) per part
         rows = sum(n for _, n in self.blocks)
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gather_input(x, self.tp), self.weight, self.bias, self.weight_grad_store)
+        return linear(gather_input(x, self.tp), self.weight, self.bias, self.store)
 
     def _local_rows(self) -> list[tuple[int, int]]:
         out, at = [], 0
@@ -109,20 +109,19 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input columns split over tp; partial outputs summed (or reduce-scattered), then the bias."""
 
-    weight_grad_store: WeightGradStore | None = None  # set by the pipeline engine for split backwards
-
     def __init__(self, in_features: int, out_features: int, tp: TPContext, *, bias: bool,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 store: WeightGradStore | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"row-parallel input of {in_features} does not split over tp={tp.size}")
-        self.tp, self.in_features = tp, in_features
+        self.tp, self.in_features, self.store = tp, in_features, store
         self.cols = in_features // tp.size
         self.weight = nn.Parameter(torch.empty(out_features, self.cols, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_output(linear(x, self.weight, store=self.weight_grad_store), self.tp)
+        y = reduce_output(linear(x, self.weight, store=self.store), self.tp)
         return y + self.bias if self.bias is not None else y
 
     def canonical_shards(self, name: str) -> dict[str, Shard]:

@@ -1,11 +1,11 @@
-"""Tensor parallelism as data: a plan per architecture, applied by module replacement, then checked.
+"""Tensor parallelism as data: a plan per architecture, checked against the model that was built.
 
-The model is built on the meta device, each planned module is replaced by its parallel version
-(which allocates only this rank's shard), and then the model is materialised and initialised
-shard by shard (``build_model``). After the plan is applied, every planned pattern must have
-matched and no single-device Linear/Embedding may remain where the plan wanted a parallel one.
+Handed a TPContext, the modules build their own parallel layers in their constructors (attention,
+MLP, the transformer's embedding and head), each allocating only this rank's shard; ``build_model``
+then initialises them shard by shard and checks that every planned pattern matched and that no
+single-device Linear/Embedding stands where the plan wants a parallel one.
 
-    plan row                 replaced by                      shard rule
+    plan row                 built as                         shard rule
     embed                    VocabParallelEmbedding           vocabulary rows, padded to a multiple of tp
     layers.*.attn            (local head counts)              query heads split; kv heads split or replicated
     layers.*.attn.qkv        ColumnParallelLinear [q|k|v]     per part: heads (kv replicated when tp > kv)
@@ -18,99 +18,45 @@ matched and no single-device Linear/Embedding may remain where the plan wanted a
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
 from mpformer.core.model_config import ModelConfig
-from mpformer.core.pipeline_plan import StagePlan
-from mpformer.layers.attention import Attention
+from mpformer.core.pipeline_plan import StagePlan, stage_plan
+from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
-from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
+from mpformer.models.transformer import Transformer
+from mpformer.parallel.groups import ProcessGroups
+from mpformer.parallel.tensor_parallel import GradSpec, TPContext, kv_replicas
 
-Style = Callable[[nn.Module, ModelConfig, TPContext], nn.Module | None]
-
-
-def _vocab_embedding(m: nn.Module, cfg: ModelConfig, tp: TPContext) -> nn.Module:
-    return VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, device=m.weight.device, dtype=m.weight.dtype)
-
-
-def _heads(m: nn.Module, cfg: ModelConfig, tp: TPContext) -> None:
-    assert isinstance(m, Attention)
-    m.n_heads = cfg.num_attention_heads // tp.size
-    m.n_kv = max(1, cfg.kv_heads // tp.size)
-    m.q_size, m.kv_size = m.n_heads * m.d, m.n_kv * m.d
-
-
-def _column_qkv(m: nn.Module, cfg: ModelConfig, tp: TPContext) -> nn.Module:
-    d = cfg.head_size
-    parts = [Part("q", cfg.num_attention_heads * d, d), Part("k", cfg.kv_heads * d, d), Part("v", cfg.kv_heads * d, d)]
-    return ColumnParallelLinear(cfg.hidden_size, parts, tp, bias=m.bias is not None, device=m.weight.device,
-                                dtype=m.weight.dtype)
-
-
-def _column_mlp(m: nn.Module, cfg: ModelConfig, tp: TPContext) -> nn.Module:
-    f = cfg.ffn_size
-    parts = [Part("gate", f), Part("up", f)] if cfg.gated_mlp else [Part("up", f)]
-    return ColumnParallelLinear(cfg.hidden_size, parts, tp, bias=m.bias is not None, device=m.weight.device,
-                                dtype=m.weight.dtype)
-
-
-def _row(m: nn.Module, cfg: ModelConfig, tp: TPContext) -> nn.Module:
-    return RowParallelLinear(m.in_features, m.out_features, tp, bias=m.bias is not None, device=m.weight.device,
-                             dtype=m.weight.dtype)
-
-
-def _vocab_head(m: nn.Module, cfg: ModelConfig, tp: TPContext) -> nn.Module:
-    return VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp, device=m.weight.device, dtype=m.weight.dtype)
-
-
-STYLES: dict[str, Style] = {"vocab_embedding": _vocab_embedding, "heads": _heads, "column_qkv": _column_qkv,
-                            "column_mlp": _column_mlp, "row": _row, "vocab_head": _vocab_head}
-EXPECTED = {"vocab_embedding": VocabParallelEmbedding, "column_qkv": ColumnParallelLinear,
-            "column_mlp": ColumnParallelLinear, "row": RowParallelLinear, "vocab_head": VocabParallelHead}
-
-_DECODER_PLAN = [("embed", "vocab_embedding"), ("layers.*.attn", "heads"), ("layers.*.attn.qkv", "column_qkv"),
-                 ("layers.*.attn.o", "row"), ("layers.*.mlp.up", "column_mlp"), ("layers.*.mlp.down", "row"),
-                 ("lm_head", "vocab_head")]
+# Module-name pattern -> the parallel layer it must be (the attention rows: its heads localised).
 # One decoder, so one plan; kept per architecture so that a future one can differ.
-TP_PLANS: dict[str, list[tuple[str, str]]] = {a: _DECODER_PLAN for a in ("gpt2", "llama", "mistral", "qwen2")}
+_DECODER_PLAN: list[tuple[str, type | str]] = [
+    ("embed", VocabParallelEmbedding), ("layers.*.attn", "heads"), ("layers.*.attn.qkv", ColumnParallelLinear),
+    ("layers.*.attn.o", RowParallelLinear), ("layers.*.mlp.up", ColumnParallelLinear),
+    ("layers.*.mlp.down", RowParallelLinear), ("lm_head", VocabParallelHead)]
+TP_PLANS: dict[str, list[tuple[str, type | str]]] = {a: _DECODER_PLAN for a in ("gpt2", "llama", "mistral", "qwen2")}
 
 
-def apply_tp_plan(model: nn.Module, tp: TPContext) -> None:
-    """Replace the planned modules in place; raise if a planned pattern matched nothing (for the
-    untied head, only when the model has one) or a planned module kept its single-device type."""
-    cfg: ModelConfig = model.cfg
-    names = dict(model.named_modules())
-    for pattern, style in TP_PLANS[cfg.arch]:
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern) and names[n] is not None]
-        # A pipeline stage may hold no embedding / no head, and a tied model has no separate head.
-        absent = {"embed": model.embed is None, "lm_head": model.lm_head is None}.get(pattern, False)
-        if not matched and not absent:
-            raise AssertionError(f"TP plan row {pattern!r} ({style}) matched no module")
-        for name in matched:
-            new = STYLES[style](names[name], cfg, tp)
-            if new is not None:
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, new)
-    _check_applied(model, tp)
-    model.tp = tp
-    for layer in model.layers:  # dropout streams (parallel.random) and the SP region need the context
-        layer.tp = layer.attn.tp = tp
-
-
-def _check_applied(model: nn.Module, tp: TPContext) -> None:
+def check_tp_plan(model: nn.Module, tp: TPContext) -> None:
+    """Every planned module is the parallel layer the plan names (a pipeline stage may lack the
+    embedding or the head, and a tied model has no separate head); raise naming the first that is not."""
     cfg: ModelConfig = model.cfg
     modules = dict(model.named_modules())
-    for pattern, style in TP_PLANS[cfg.arch]:
-        for name, mod in modules.items():
-            if not fnmatch.fnmatchcase(name, pattern):
-                continue
-            if style == "heads":
+    for pattern, want in TP_PLANS[cfg.arch]:
+        matched = [n for n in modules if fnmatch.fnmatchcase(n, pattern) and modules[n] is not None]
+        absent = {"embed": model.embed is None, "lm_head": model.lm_head is None}.get(pattern, False)
+        if not matched and not absent:
+            raise AssertionError(f"TP plan row {pattern!r} matched no module")
+        for name in matched:
+            mod = modules[name]
+            if want == "heads":
                 assert mod.n_heads * tp.size == cfg.num_attention_heads, f"{name}: heads not localised"
-            elif not isinstance(mod, EXPECTED[style]):
-                raise AssertionError(f"TP plan: {name} is still a {type(mod).__name__}, wanted {style}")
+            elif not isinstance(mod, want):
+                raise AssertionError(f"TP plan: {name} is a {type(mod).__name__}, wanted {want.__name__}")
 
 
 def grad_specs(model: nn.Module) -> list[GradSpec]:
@@ -134,19 +80,39 @@ def grad_specs(model: nn.Module) -> list[GradSpec]:
 
 
 def build_model(cfg: ModelConfig, *, tp: TPContext | None, device: torch.device, seed: int,
-                recompute: str = "none", use_apex: bool = False, stage: StagePlan | None = None) -> nn.Module:
-    """The model for this rank (its pipeline stage's layers, embedding and head if ``stage``): built
-    on meta, parallelised, materialised on ``device``, initialised shard by shard from the same
-    per-name generators as the single-device model."""
-    from mpformer.models.transformer import Transformer
-
+                recompute: str = "none", use_apex: bool = False, stage: StagePlan | None = None,
+                store: WeightGradStore | None = None) -> nn.Module:
+    """The model for this rank: its pipeline stage's layers, embedding and head (``stage``), its
+    tensor-parallel blocks (``tp``), initialised shard by shard from the same per-name generators
+    as the single-device model; ``store`` for a zero-bubble pipeline's split backward."""
     part = {} if stage is None else {"layer_ids": stage.layer_ids, "embedding": stage.has_embedding,
                                      "head": stage.has_head}
-    if tp is None or tp.size == 1:
-        return Transformer(cfg, recompute=recompute, use_apex=use_apex, device=device, seed=seed, **part)
-    model = Transformer(cfg, recompute=recompute, use_apex=use_apex, device="meta", seed=None, **part)
-    apply_tp_plan(model, tp)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    model.init_weights(seed)
+    tp = tp if tp is not None and tp.size > 1 else None
+    model = Transformer(cfg, recompute=recompute, use_apex=use_apex, tp=tp, store=store, device=device, seed=seed,
+                        **part)
+    if tp is not None:
+        check_tp_plan(model, tp)
     return model
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """What one rank holds of the model: its module, its tensor-parallel context, its pipeline stage
+    (the whole model at pp=1) and, for a zero-bubble schedule, the store its linear layers defer into."""
+
+    model: nn.Module
+    tp: TPContext
+    plan: StagePlan | None
+    store: WeightGradStore | None
+
+
+def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups, *, seq_length: int, seed: int = 0,
+               use_apex: bool = False) -> RankModel:
+    """This rank's part of the model for ``layout``, built the one way the trainer, evaluation and the
+    profile share: tp context (collective), stage plan, store, then the model."""
+    tp = groups.tp_context(kv_replicas(layout.tp, cfg.kv_heads), seed=seed)
+    plan = stage_plan(cfg, layout, groups.coords["pp"], seq_length)
+    store = WeightGradStore() if layout.pp > 1 and layout.schedule in SPLIT_BACKWARD else None
+    model = build_model(cfg, tp=tp, device=groups.device.torch_device, seed=seed, recompute=layout.recompute,
+                        use_apex=use_apex, stage=plan, store=store)
+    return RankModel(model, tp, plan, store)

@@ -31,7 +31,7 @@ from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm
-from mpformer.layers.parallel import gather_input, param_shards
+from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, gather_input, param_shards
 from mpformer.parallel.comm import gather_from_region
 from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.tensor_parallel import TPContext
@@ -45,16 +45,16 @@ def sp_rng(tp: TPContext | None, active: bool) -> contextlib.AbstractContextMana
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, recompute: str, use_apex: bool,
-                 device: DeviceLike = None, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, *, recompute: str, use_apex: bool, tp: TPContext | None = None,
+                 store: WeightGradStore | None = None, device: DeviceLike = None, dtype: torch.dtype | None = None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.attn = Attention(cfg, selective_recompute=recompute == "selective", **kw)
+        self.attn = Attention(cfg, tp=tp, store=store, selective_recompute=recompute == "selective", **kw)
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.mlp = MLP(cfg, **kw)
+        self.mlp = MLP(cfg, tp=tp, store=store, **kw)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        self.tp: TPContext | None = None  # set when the tensor-parallel plan is applied
+        self.tp = tp
 
     def forward(self, x_sbh: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x_sbh = x_sbh + self._dropout(self.attn(self.attn_norm(x_sbh), rope))
@@ -78,12 +78,15 @@ class Transformer(nn.Module):
     """Decoder-only LM. ``forward(tokens_bs)`` gives logits ``[b, s, v]``; with labels, the mean loss."""
 
     def __init__(self, cfg: ModelConfig, *, recompute: str = "none", use_apex: bool = False,
+                 tp: TPContext | None = None, store: WeightGradStore | None = None,
                  device: DeviceLike = None, dtype: torch.dtype | None = None,
                  seed: int | None = 1234, layer_ids: list[int] | None = None, embedding: bool = True,
                  head: bool = True) -> None:
         """``layer_ids``, ``embedding`` and ``head`` pick the part a pipeline rank holds (default: all).
         Layers keep their global indices in canonical names; with tied embeddings the last stage
-        holds its own copy of the embedding for the head (kept equal by the pipeline engine)."""
+        holds its own copy of the embedding for the head (kept equal by the gradient engine).
+        ``tp``: every module builds its tensor-parallel layers (models/parallelize.py checks the plan);
+        ``store``: the zero-bubble pipeline's WeightGradStore for every linear layer's weights."""
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
@@ -92,20 +95,23 @@ class Transformer(nn.Module):
         self.has_embedding, self.has_head = embedding, head
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         need_embed = embedding or (head and cfg.tie_embeddings)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw) if need_embed else None
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.embed = None
+        if need_embed:
+            self.embed = nn.Embedding(v, h, **kw) if tp is None else VocabParallelEmbedding(v, h, tp, **kw)
         self.pos_embed = (nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
                           if cfg.learned_positions and embedding else None)
         self.rotary = None if cfg.learned_positions else RotaryEmbedding(cfg, device=device)
         self.embed_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(
-            Block(cfg, recompute=recompute, use_apex=use_apex, **kw) for _ in self.layer_ids)
+            Block(cfg, recompute=recompute, use_apex=use_apex, tp=tp, store=store, **kw) for _ in self.layer_ids)
         self.final_norm = (build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
                            if head else None)
-        self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
-                        if head and not cfg.tie_embeddings else None)
+        self.lm_head = None
+        if head and not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(h, v, bias=False, **kw) if tp is None else VocabParallelHead(h, v, tp, **kw)
         self.full_recompute = recompute == "full"
-        self.tp: TPContext | None = None  # set by models.parallelize.apply_tp_plan
-        self.weight_grad_store: WeightGradStore | None = None  # the LM head's; set by the pipeline engine
+        self.tp, self.store = tp, store
         if seed is not None and device != "meta":
             self.init_weights(seed)
 
@@ -151,7 +157,7 @@ class Transformer(nn.Module):
         hidden_sbh = self.final_norm(x_sbh)
         if self.tp is not None:
             return self._tp_output(hidden_sbh, labels_bs)
-        logits_sbv = linear(hidden_sbh, self.output_weight(), store=self.weight_grad_store)
+        logits_sbv = linear(hidden_sbh, self.output_weight(), store=self.store)
         if labels_bs is None:
             return logits_sbv.transpose(0, 1)
         # Mean next-token cross entropy over every labelled token, computed in fp32.
@@ -169,7 +175,7 @@ class Transformer(nn.Module):
         """Logits of this rank's vocabulary block; the loss without gathering them (vocab-parallel
         cross entropy), or the full logits (padding dropped) when no labels are given."""
         tp, head = self.tp, (self.embed if self.lm_head is None else self.lm_head)
-        logits_sbv = linear(gather_input(hidden_sbh, tp), self.output_weight(), store=self.weight_grad_store)
+        logits_sbv = linear(gather_input(hidden_sbh, tp), self.output_weight(), store=self.store)
         if labels_bs is None:
             full = gather_from_region(logits_sbv, tp.comm, dim=-1)
             return full[..., : self.cfg.vocab_size].transpose(0, 1)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from torch import nn
 from mpformer.checkpoint.rows import canonical_rows
 from mpformer.core.buffers import BucketLayout, Piece, Slot, plan_buckets
 from mpformer.core.shards import Shard
+from mpformer.optim.bucket import Bucket
 from mpformer.optim.gather import UnitGather
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.memory import model_state_bytes
@@ -88,24 +89,6 @@ class ShardParam:
     master: torch.Tensor
 
 
-@dataclass
-class Bucket:
-    layout: BucketLayout
-    params: list[nn.Parameter]  # in slot order
-    param_buf: torch.Tensor  # the parameters are views into it; stage 3: storage only while gathered
-    param_shard: torch.Tensor  # this rank's part (a view of param_buf below stage 3)
-    grad_shard: torch.Tensor  # fp32, this rank's reduced gradients (a view of grad_buf at stages 0-1)
-    grad_buf: torch.Tensor | None  # fp32 full gradients (stages 2-3: only while a micro-batch's arrive)
-    masters: torch.Tensor | None = None  # fp32 master shard of 16-bit parameters
-    module: nn.Module | None = None  # stage 3: the unit
-    ready: set[int] = field(default_factory=set)
-    launched: bool = False
-    pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # work, input, output
-    gathered: bool = True  # stage 3 (gather.py)
-    gathering: dist.Work | None = None
-    backward_pending: bool = False
-
-
 class GradEngine:
     def __init__(self, model: nn.Module, red: Reduction, *, stage: int, groups: Sequence[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
@@ -122,7 +105,8 @@ class GradEngine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [names[id(p)] for p in self.params]
         self.canonical = canonical_rows(model, self.params)  # before any storage moves or is freed
-        self.buckets = [self._materialise(layout, module) for module, layout in self._plan(bucket_mb)]
+        plan = self._plan(bucket_mb)
+        self.buckets = [self._materialise(k, layout, module) for k, (module, layout) in enumerate(plan)]
         self._where = {id(p): (k, s) for k, b in enumerate(self.buckets) for p, s in zip(b.params, b.layout.slots)}
         self.shards = self._shard_params()
         self._in_flight: list[Bucket] = []
@@ -135,7 +119,8 @@ class GradEngine:
         self._norm_specs = [s for s in red.specs if id(s.param) not in self.not_mine]
         self._norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
         self.gather = UnitGather(self.buckets, self.comm) if stage == 3 else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
         self.state = EngineState(self)
 
     # ---- construction ------------------------------------------------------------------------
@@ -157,7 +142,7 @@ class GradEngine:
                 out.append((module, BucketLayout(slots, lay.size, lay.dp)))
         return out
 
-    def _materialise(self, layout: BucketLayout, module: nn.Module | None) -> Bucket:
+    def _materialise(self, index: int, layout: BucketLayout, module: nn.Module | None) -> Bucket:
         params = [self.params[s.index] for s in layout.slots]
         dev = params[0].device
         buf = torch.zeros(layout.size, dtype=self.param_dtype, device=dev)
@@ -171,12 +156,12 @@ class GradEngine:
         shard = buf[lo:hi].clone() if self.stage == 3 else buf[lo:hi]
         masters = init[lo:hi].clone() if init is not None else None
         if not self.persistent:
-            return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module)
+            return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module, index)
         grads = torch.zeros(layout.size, device=dev)
         if self.views:
             for p, s in zip(params, layout.slots):
                 p.grad = grads[s.start:s.end].view_as(p)
-        return Bucket(layout, params, buf, shard, grads[lo:hi], grads, masters, module)
+        return Bucket(layout, params, buf, shard, grads[lo:hi], grads, masters, module, index)
 
     def _shard_params(self) -> list[ShardParam]:
         out = []
@@ -208,14 +193,9 @@ class GradEngine:
         k, slot = self._where[id(p)]
         b = self.buckets[k]
         if not self.views:
-            if b.grad_buf is None:
-                b.grad_buf = torch.zeros(b.layout.size, device=p.device)
-            b.grad_buf[slot.start:slot.end].view_as(p).add_(p.grad)
+            b.full_grads()[slot.start:slot.end].view_as(p).add_(p.grad)
             p.grad = None
-        if not self.sync or not self.reduces:
-            return
-        b.ready.add(id(p))
-        if len(b.ready) == len(b.params):
+        if self.sync and self.reduces and b.ready_after(p):
             self._launch(b)
 
     grad_ready = _on_grad  # a split backward's BW hands its weight gradients on as autograd's hooks would
@@ -223,38 +203,13 @@ class GradEngine:
     def _launch(self, b: Bucket) -> None:
         if b.pending is not None:  # stages 2-3: this bucket's previous micro-batch is still reducing
             self._in_flight.remove(b)
-            self._complete(b)
-        if b.grad_buf is None:  # no gradient reached this bucket (unused parameters)
-            b.grad_buf = torch.zeros(b.layout.size, device=b.grad_shard.device)
-        src = b.grad_buf.div_(self.comm.size).to(self.red.reduce_dtype)
-        if self.stage == 0:  # in place (fp32): the "shard" is the whole buffer
-            b.pending = (self.comm.all_reduce(src, async_op=True), src, src)
-        else:
-            out = torch.empty(b.layout.shard_size, dtype=src.dtype, device=src.device)
-            b.pending = (self.comm.reduce_scatter_into(out, src, async_op=True), src, out)
-        b.ready.clear()
-        b.launched = True
-        if not self.persistent:
-            b.grad_buf = None  # the pending tuple keeps it alive until the reduction is done
+            b.complete(self.stage, self.persistent)
+        b.launch(self.comm, self.stage, self.red.reduce_dtype, self.persistent)
         if self.gather is not None:
-            self.gather.release(b)
+            self.gather.release(b.index)
         self._in_flight.append(b)
         while not self.persistent and len(self._in_flight) > 2:  # bound the full buffers alive at once
-            self._complete(self._in_flight.pop(0))
-
-    def _complete(self, b: Bucket) -> None:
-        assert b.pending is not None
-        work, _, out = b.pending
-        if work is not None:
-            work.wait()
-        if self.stage == 0:
-            if out is not b.grad_buf:  # reduced in another dtype
-                b.grad_buf.copy_(out)
-        elif self.persistent:  # stage 1: one reduction a step, into the buffer's own shard
-            b.grad_shard.copy_(out)
-        else:  # stages 2-3 reduce every micro-batch and accumulate in the persistent shard
-            b.grad_shard.add_(out)
-        b.pending = None
+            self._in_flight.pop(0).complete(self.stage, self.persistent)
 
     def _launch_owed(self) -> None:
         if not self.reduces:
@@ -286,7 +241,7 @@ class GradEngine:
             tied.comm.all_reduce(self.main_grad(tied.param))
         self._launch_owed()
         while self._in_flight:
-            self._complete(self._in_flight.pop(0))
+            self._in_flight.pop(0).complete(self.stage, self.persistent)
         if self.gather is not None:
             self.gather.reset()
         for g, spec in self.shard_grads([s for s in self.red.specs if s.sync is not None]):
@@ -297,14 +252,7 @@ class GradEngine:
 
     def zero_grad(self) -> None:
         for b in self.buckets:
-            assert b.pending is None, "zero_grad() with a reduction in flight: call finish() first"
-            b.ready.clear()
-            b.launched = False
-            if self.persistent:
-                b.grad_buf.zero_()  # the shard (and with views every p.grad) is a view of it
-            else:
-                b.grad_shard.zero_()
-                b.grad_buf = None
+            b.reset(self.persistent)
 
     # ---- norm, fp16, step ----------------------------------------------------------------------
     def shard_grads(self, specs: Sequence[GradSpec]) -> list[tuple[torch.Tensor, GradSpec]]:
@@ -391,9 +339,3 @@ class GradEngine:
         self.state.load_weights(ckpt_dir)
         if optimizer:
             self.steps_taken = self.state.load_state(ckpt_dir)
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        if self.gather is not None:
-            self.gather.remove_hooks()

@@ -22,83 +22,80 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from mpformer.parallel.comm import Comm
 
 if TYPE_CHECKING:
-    from mpformer.optim.engine import Bucket
+    from mpformer.optim.bucket import Bucket
 
 
 class UnitGather:
     def __init__(self, units: Sequence[Bucket], comm: Comm) -> None:
         self.units, self.comm = list(units), comm
-        for u in self.units:
-            self.free(u)
-        self._hooks = []
+        n = len(self.units)
+        self.gathered, self.backward_pending = [True] * n, [False] * n
+        self.gathering: list[dist.Work | None] = [None] * n
+        for k in range(n):
+            self.free(k)
         for k, u in enumerate(self.units):
             assert u.module is not None
-            self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, k=k: self._pre_forward(k)))
-            self._hooks.append(u.module.register_forward_hook(lambda m, a, out, k=k: self._post_forward(k, out)))
+            u.module.register_forward_pre_hook(lambda m, a, k=k: self._pre_forward(k))
+            u.module.register_forward_hook(lambda m, a, out, k=k: self._post_forward(k, out))
 
-    def gather(self, u: Bucket, async_op: bool = False) -> None:
-        if u.gathered or u.gathering is not None:
+    def gather(self, k: int, async_op: bool = False) -> None:
+        if self.gathered[k] or self.gathering[k] is not None:
             if not async_op:
-                self.wait(u)
+                self.wait(k)
             return
+        u = self.units[k]
         u.param_buf.untyped_storage().resize_(u.param_buf.numel() * u.param_buf.element_size())
-        u.gathering = self.comm.all_gather_into(u.param_buf, u.param_shard, async_op=True)
-        if u.gathering is None:
-            u.gathered = True
+        self.gathering[k] = self.comm.all_gather_into(u.param_buf, u.param_shard, async_op=True)
+        if self.gathering[k] is None:
+            self.gathered[k] = True
         elif not async_op:
-            self.wait(u)
+            self.wait(k)
 
-    def wait(self, u: Bucket) -> None:
-        if u.gathering is not None:
-            u.gathering.wait()
-            u.gathering = None
-        u.gathered = True
+    def wait(self, k: int) -> None:
+        work = self.gathering[k]
+        if work is not None:
+            work.wait()
+            self.gathering[k] = None
+        self.gathered[k] = True
 
-    def free(self, u: Bucket) -> None:
-        self.wait(u)
-        u.param_buf.untyped_storage().resize_(0)
-        u.gathered = False
+    def free(self, k: int) -> None:
+        self.wait(k)
+        self.units[k].param_buf.untyped_storage().resize_(0)
+        self.gathered[k] = False
 
-    def release(self, u: Bucket) -> None:
-        """The unit's backward is done (its gradients are being reduced): free it."""
-        u.backward_pending = False
-        self.free(u)
+    def release(self, k: int) -> None:
+        """Unit ``k``'s backward is done (its gradients are being reduced): free it."""
+        self.backward_pending[k] = False
+        self.free(k)
 
     def reset(self) -> None:
         """End of the step: nothing stays gathered, the next forward must see the updated weights."""
-        for u in self.units:
-            u.backward_pending = False
-            if u.gathered or u.gathering is not None:
-                self.free(u)
+        for k in range(len(self.units)):
+            self.backward_pending[k] = False
+            if self.gathered[k] or self.gathering[k] is not None:
+                self.free(k)
 
     def _pre_forward(self, k: int) -> None:
-        u = self.units[k]
-        self.gather(u)
+        self.gather(k)
         # The next layer's parameters arrive while this one computes; not when this forward is the
         # recompute inside this unit's backward (the next layer's backward is already done).
-        if k + 1 < len(self.units) and not u.backward_pending:
-            self.gather(self.units[k + 1], async_op=True)
+        if k + 1 < len(self.units) and not self.backward_pending[k]:
+            self.gather(k + 1, async_op=True)
 
     def _post_forward(self, k: int, out: object) -> None:
-        u = self.units[k]
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, k=k: self._pre_backward(k, g))
-        if not u.backward_pending:
-            self.free(u)
+        if not self.backward_pending[k]:
+            self.free(k)
 
     def _pre_backward(self, k: int, grad: torch.Tensor) -> torch.Tensor:
-        u = self.units[k]
-        u.backward_pending = True
-        self.gather(u)
+        self.backward_pending[k] = True
+        self.gather(k)
         if k > 1:  # layer k-1 is next in backward (the root, unit 0, is gathered by its own hook)
-            self.gather(self.units[k - 1], async_op=True)
+            self.gather(k - 1, async_op=True)
         return grad
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

@@ -33,6 +33,10 @@ class TPRandom:
             torch.manual_seed(seed + TP_SEED_OFFSET + self.tp_rank)
             self.state = self.device.rng_state()
 
+    def load_state(self, state: dict) -> None:
+        """A saved ``state`` (a checkpoint's) becomes this stream's."""
+        self.state = state
+
     def _devices(self) -> list[int]:
         return [self.device.local_rank] if self.device.kind == "cuda" else []
 
@@ -67,3 +71,27 @@ class TPRandom:
                 self.state = after
 
         return forward(), recompute()
+
+
+class DropoutStreams:
+    """This rank's dropout streams as one checkpoint part: the default generator and, with tp, the
+    tp-rank stream. Seeds differ per data-parallel replica and pipeline stage (Megatron's offsets)
+    and, after a resume that cannot reuse the saved states, per step, so no mask sequence repeats."""
+
+    def __init__(self, device: Device, tp_rng: TPRandom | None, seed: int, dp_rank: int, pp_rank: int) -> None:
+        self.device, self.tp_rng = device, tp_rng
+        self.base = seed + 100 * pp_rank + 10 * dp_rank
+
+    def reseed(self, step: int) -> None:
+        seed = self.base + 1_000_003 * step
+        torch.manual_seed(seed)
+        if self.tp_rng is not None:
+            self.tp_rng.reseed(seed)
+
+    def state(self) -> dict:
+        return {"default": self.device.rng_state(), "tp": self.tp_rng.state if self.tp_rng is not None else None}
+
+    def load(self, saved: dict) -> None:
+        self.device.set_rng_state(saved["default"])
+        if saved.get("tp") is not None and self.tp_rng is not None:
+            self.tp_rng.load_state(saved["tp"])

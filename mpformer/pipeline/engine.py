@@ -38,33 +38,29 @@ from mpformer.pipeline.stage import chunk_forward
 
 Key = tuple[int, int]  # (microbatch, chunk)
 TraceEvent = tuple[Action, float, float]  # (action, start, end) in perf_counter seconds
+Received = tuple[torch.Tensor, Pending, Action]  # a posted receive: its buffer, its work, its action
 
 
 class PipelineEngine:
     def __init__(self, model: nn.Module, plan: StagePlan, schedule: Schedule, p2p: P2P | None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  on_grads_done: Callable[[], None] | None = None,
-                 on_weight_grad: Callable[[torch.Tensor], None] | None = None, split_backward: bool = False) -> None:
-        """``split_backward``: give the model's linear layers this engine's WeightGradStore so that a
-        schedule's BI/BW really split (the training engine; an evaluation engine must not take the
-        model's layers over from it). ``on_weight_grad(p)`` runs after BW accumulated into ``p.grad``
-        (what autograd's post-accumulate-grad hooks would have run: the gradient engine's)."""
+                 on_weight_grad: Callable[[torch.Tensor], None] | None = None,
+                 store: WeightGradStore | None = None) -> None:
+        """``store``: the WeightGradStore the model's linear layers were built with, so that a schedule's
+        BI/BW really split (models.parallelize.build_rank makes it for the zero-bubble schedules; an
+        evaluation engine runs forwards only and needs none). ``on_weight_grad(p)`` runs after BW
+        accumulated into ``p.grad`` (what autograd's post-accumulate-grad hooks would have run)."""
         assert schedule.pp == plan.pp and schedule.vpp == plan.vpp
         self.model, self.plan, self.schedule, self.p2p, self.autocast = model, plan, schedule, p2p, autocast
-        self.on_grads_done = on_grads_done
+        self.on_grads_done, self.on_weight_grad = on_grads_done, on_weight_grad
         self.dispatch: dict[Op, Callable[[Action, torch.Tensor | None], None]] = {
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward, Op.BW: self._backward_weight}
         self.trace: list[TraceEvent] | None = None  # recording this rank's actions (start_trace)
-        self.store: WeightGradStore | None = None
+        self.store = store
         self.loss_scale = 1.0  # fp16's dynamic loss scale, for the step run() runs
         dev = p2p.device if p2p is not None else torch.device("cpu")
         self._device = Device(dev.type, dev.index or 0)
-        if split_backward and any(a.op is Op.BW for a in schedule.actions[plan.rank]):
-            self.store = WeightGradStore(on_weight_grad)
-            for m in model.modules():
-                if hasattr(m, "weight_grad_store"):
-                    m.weight_grad_store = self.store
-
     def start_trace(self) -> None:
         """Record every action's start and end from now on (Chrome traces, trace.py)."""
         if self.trace is None:
@@ -83,14 +79,17 @@ class PipelineEngine:
         self.batches, self.forward_only, self.loss_scale = batches, forward_only, loss_scale
         self.inputs: dict[Key, torch.Tensor] = {}
         self.outputs: dict[Key, torch.Tensor] = {}
-        self.recv_f: dict[Key, tuple[torch.Tensor, Pending]] = {}
-        self.recv_b: dict[Key, tuple[torch.Tensor, Pending]] = {}
+        self.recv_f: dict[Key, Received] = {}
+        self.recv_b: dict[Key, Received] = {}
         self.sends: list[Pending] = []
         self.input_grads: dict[Key, torch.Tensor] = {}
         self.losses: list[float] = []
         actions = self.schedule.actions[self.plan.rank]
         if forward_only:
             actions = tuple(a for a in actions if a.op in (Op.F, Op.SEND_F, Op.RECV_F))
+        elif self.store is None and any(a.op is Op.BW for a in actions):
+            raise ValueError(f"schedule {self.schedule.name} splits the backward (BW actions) but the model has "
+                             "no WeightGradStore; build it with models.parallelize.build_rank (or pass store=)")
         last_grad = max((k for k, a in enumerate(actions) if a.op in (Op.B, Op.BW)), default=-1)
         try:
             i = 0
@@ -170,18 +169,17 @@ class PipelineEngine:
 
     def _backward_weight(self, a: Action, _: torch.Tensor | None) -> None:
         assert self.store is not None
-        self.store.run((a.microbatch, a.chunk))
+        self.store.run((a.microbatch, a.chunk), self.on_weight_grad)
 
     # ---- communication -------------------------------------------------------------------------
-    def _received(self, table: dict[Key, tuple[torch.Tensor, Pending]], key: Key) -> torch.Tensor:
-        buf, pending = table.pop(key)
+    def _received(self, table: dict[Key, Received], key: Key) -> torch.Tensor:
+        buf, pending, action = table.pop(key)
         if self.trace is None:
             pending.wait()
         else:
             t0 = self._now()
             pending.wait()
-            if pending.action is not None:
-                self.trace.append((pending.action, t0, self._now()))
+            self.trace.append((action, t0, self._now()))
         return buf
 
     def _communicate(self, acts: Sequence[Action]) -> None:
@@ -202,5 +200,4 @@ class PipelineEngine:
         send_pending, recv_pending = self.p2p.post(sends, recvs)
         self.sends.append(send_pending)
         for (table, key, a), (_, buf), pending in zip(recv_slots, recvs, recv_pending):
-            pending.action = a
-            table[key] = (buf, pending)
+            table[key] = (buf, pending, a)

@@ -20,10 +20,10 @@ from mpformer.parallel.comm import CommLedger
 
 class Pending:
     """Outstanding work of a posted group: the tensors it reads or writes stay referenced until
-    ``wait`` returns. ``action`` names the receive it completes (for traces)."""
+    ``wait`` returns."""
 
     def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
-        self.works, self.tensors, self.action = works, tensors, None
+        self.works, self.tensors = works, tensors
         self.done = not works
 
     def wait(self) -> None:

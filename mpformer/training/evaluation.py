@@ -129,3 +129,20 @@ def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: Para
         comm.all_reduce(total)
     count = tokens.shape[0] * seq
     return float(total.item() / count), count
+
+
+def validation_loss(model: torch.nn.Module, plan: StagePlan | None, layout: ParallelLayout, groups: ProcessGroups,
+                    tokens: np.ndarray, micro_batch: int,
+                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> float:
+    """The mean loss on eval.tokens during training, rows split over dp: through the stage's forward
+    passes under a pipeline; the model is back in training mode afterwards."""
+    from mpformer.parallel.comm import Comm
+
+    model.eval()
+    try:
+        if plan is not None:
+            return pipeline_evaluate_loss(model, plan, layout, groups, tokens, micro_batch, autocast=autocast)[0]
+        return evaluate_loss(model, tokens, micro_batch, groups.device.torch_device,
+                             Comm(groups.dp, groups.ledger, tag="eval.dp."), autocast=autocast)[0]
+    finally:
+        model.train()

@@ -1,7 +1,11 @@
-"""Every check that can run before a process group exists (docs/architecture.md, principle 8: loud and early).
+"""Every check that can run before a process group exists (docs/architecture.md, principle 8: loud
+and early), and the run specification they resolve.
 
 A mistake found here costs the user a second and one line of output, instead of a hang or a
-traceback from N ranks after start-up.
+traceback from N ranks after start-up. What preflight opened and decided (the checkpoint's model,
+the auto-configurator's layout, the validated layout, the dataset, the eval tokens, the manifest)
+comes back as one immutable RunSpec: the config it validated is never rewritten, and the trainer
+reads nothing else.
 """
 
 from __future__ import annotations
@@ -9,15 +13,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from mpformer.checkpoint.manifest import check_files, check_model_matches, read_manifest
 from mpformer.core.composed import Composed
-from mpformer.core.config import check_training_config
+from mpformer.core.config import Config, check_training_config
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig
+from mpformer.data.blend import BlendedDataset
+from mpformer.data.gpt_dataset import GPTDataset
 from mpformer.data.indexed import check_data_prefix
 from mpformer.data.sampler import build_train_dataset
 from mpformer.training.evaluation import check_pipeline_eval, load_eval_tokens_for
@@ -26,28 +35,40 @@ if TYPE_CHECKING:
     from mpformer.autoconfig.plan import Prediction
 
 
-def adopt_checkpoint_model(composed: Composed) -> dict[str, Any] | None:
-    """With checkpoint.load, the model config is the checkpoint's, with any ``model.<key>=`` overrides
-    applied on top; a preset chosen on the command line (model=..., experiment=...) is used as is.
-    Either way the shapes must match the checkpoint's."""
+@dataclass(frozen=True)
+class RunSpec:
+    """A training run as preflight resolved it."""
+
+    cfg: Config  # with the checkpoint's model and the auto-configurator's layout applied
+    layout: ParallelLayout  # validated, dp resolved
+    run_dir: Path
+    resolved: dict[str, Any]  # cfg as resolved_config.yaml holds it
+    dataset: GPTDataset | BlendedDataset
+    eval_tokens: np.ndarray | None  # eval.tokens, when validation runs during training
+    manifest: dict[str, Any] | None  # the checkpoint to load: read, its files checked
+    prediction: Prediction | None  # the cost model's, when a cluster is named or parallel=auto chose
+
+
+def adopt_checkpoint_model(composed: Composed) -> tuple[ModelConfig, dict[str, Any] | None]:
+    """The model config and, with checkpoint.load, its manifest. With a checkpoint the model is the
+    checkpoint's, with any ``model.<key>=`` overrides applied on top; a preset chosen on the command
+    line (model=..., experiment=...) is used as is. Either way the shapes must match the checkpoint's."""
     cfg = composed.cfg
     if not cfg.checkpoint.load:
-        return None
+        return cfg.model, None
     manifest = read_manifest(cfg.checkpoint.load)
     # Rank 0 alone verifies checksums: every rank reading the whole checkpoint twice buys nothing.
     check_files(manifest, checksums=os.environ.get("RANK", "0") == "0")
+    model = cfg.model
     if not (composed.overridden_group("model") or composed.overridden_group("experiment")):
         saved = ModelConfig.from_dict(manifest["model"])
-        for key in composed.overridden_keys("model"):
-            setattr(saved, key, getattr(cfg.model, key))
-        cfg.model = saved
-    check_model_matches(manifest, cfg.model)
-    return manifest
+        model = replace(saved, **{key: getattr(cfg.model, key) for key in composed.overridden_keys("model")})
+    check_model_matches(manifest, model)
+    return model, manifest
 
 
-def check_resume_data(manifest: dict[str, Any], composed: Composed) -> None:
+def check_resume_data(manifest: dict[str, Any], cfg: Config) -> None:
     """A resume continues the saved sample stream; a changed stream must be asked for (finetune)."""
-    cfg = composed.cfg
     saved = (manifest.get("trainer") or {}).get("data")
     if saved is None or cfg.checkpoint.finetune or not manifest.get("has_optimizer"):
         return
@@ -97,17 +118,17 @@ def check_data(cfg_data_paths: list[str], tokenizer: str | None) -> None:
         raise ConfigError(f"data.tokenizer={tokenizer}: no such directory (a Hugging Face tokenizer folder)")
 
 
-def preflight_train(composed: Composed, world_size: int) -> tuple[ParallelLayout, Prediction | None]:
-    """Validate everything pretrain needs; return the resolved layout and, when a cluster is named or
-    parallel=auto chose the layout, the cost model's prediction for it."""
-    cfg = composed.cfg
-    manifest = adopt_checkpoint_model(composed)
+def preflight_train(composed: Composed, world_size: int) -> RunSpec:
+    """Validate everything pretrain needs and resolve it into a RunSpec."""
+    model, manifest = adopt_checkpoint_model(composed)
+    cfg = replace(composed.cfg, model=model)
     check_training_config(cfg)
     prediction = None
-    if cfg.parallel.auto:  # fills in cfg.parallel and train.micro_batch_size
-        from mpformer.autoconfig.plan import choose_layout
+    if cfg.parallel.auto:  # the search's layout and micro-batch size, pins kept
+        from mpformer.autoconfig.plan import apply_plan, choose_layout
 
-        prediction = choose_layout(composed, world_size)
+        prediction = choose_layout(cfg, composed, world_size)
+        cfg = apply_plan(cfg, composed, prediction)
     t = cfg.train
     layout = validate(cfg.parallel.layout(), cfg.model, world_size, global_batch_size=t.global_batch_size,
                       micro_batch_size=t.micro_batch_size, seq_length=t.seq_length)
@@ -115,15 +136,15 @@ def preflight_train(composed: Composed, world_size: int) -> tuple[ParallelLayout
     if cfg.data.tokenizer:
         check_tokenizer_fits(cfg.data.tokenizer, cfg.model.vocab_size)
     if manifest is not None:
-        check_resume_data(manifest, composed)
+        check_resume_data(manifest, cfg)
     check_writable(Path(cfg.checkpoint.save_dir or composed.run_dir), "checkpoint.save_dir" if
                    cfg.checkpoint.save_dir else "hydra.run.dir")
     if t.use_apex and importlib.util.find_spec("apex") is None:
         raise ConfigError("train.use_apex=true but NVIDIA apex is not installed; valid: false (torch's native "
                           "kernels), or install apex (the docker image has it)")
-    build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)  # too-small data fails here
-    if cfg.eval.interval:
-        rows = load_eval_tokens_for(cfg)
+    dataset = build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)  # too small fails
+    rows = load_eval_tokens_for(cfg) if cfg.eval.interval else None
+    if rows is not None:
         if layout.pp > 1:
             check_pipeline_eval(layout, rows.shape[0], cfg.eval.micro_batch_size)
         if layout.sequence_parallel and (rows.shape[1] - 1) % layout.tp:
@@ -133,4 +154,7 @@ def preflight_train(composed: Composed, world_size: int) -> tuple[ParallelLayout
         from mpformer.autoconfig.plan import predict
 
         prediction = predict(cfg, layout, world_size)
-    return layout, prediction
+    from omegaconf import OmegaConf
+
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    return RunSpec(cfg, layout, Path(composed.run_dir), resolved, dataset, rows, manifest, prediction)

@@ -1,97 +1,93 @@
-"""The training loop: micro-batches -> data-parallel gradients -> clipped AdamW step, with checkpoints.
+"""The training loop: micro-batches -> gradients -> clipped optimizer step, with checkpoints.
 
 One step consumes ``global_batch_size`` samples: each data-parallel rank takes its contiguous share
-of the step's global sample range and runs it as micro-batches, accumulating gradients locally
-(no-sync) until the last micro-batch, whose backward overlaps the bucketed all-reduce. The
-reported loss is the mean over the whole global batch, identical for every dp size.
+of the step's global sample range and runs it as micro-batches (through the pipeline engine when
+pp > 1), accumulating gradients until the last, whose backward overlaps the bucketed reduction.
+The reported loss is the mean over the whole global batch, identical for every dp size. A step is
+
+    zero_grad -> forward/backward -> finish -> clip -> step
+
+where the gradient engine (optim/engine.py) owns everything between backward and the update. The
+trainer takes only the run specification that preflight resolved (config, layout, dataset, eval
+tokens, prediction) and the process groups; its checkpoint is a list of parts (checkpointer.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from mpformer.checkpoint.io import open_checkpoint, save_checkpoint
-from mpformer.core.config import Config
-from mpformer.core.errors import ConfigError
-from mpformer.core.layout import ParallelLayout
-from mpformer.core.pipeline_plan import stage_plan
-from mpformer.data.sampler import build_train_dataset, get_batch, micro_batch_sample_indices
+from mpformer.checkpoint.checkpointer import Checkpointer, Manifest, Part
+from mpformer.data.sampler import get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
-from mpformer.models.parallelize import build_model, grad_specs
+from mpformer.models.parallelize import build_rank, grad_specs
 from mpformer.optim.builder import build_engine
 from mpformer.optim.engine import REDUCE_DTYPES, Reduction, TiedCopy
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
-from mpformer.optim.memory import format_report, write_report
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.groups import ProcessGroups
-from mpformer.parallel.tensor_parallel import kv_replicas
+from mpformer.parallel.random import DropoutStreams
 from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.p2p import P2P
 from mpformer.pipeline.schedules import build_schedule
-from mpformer.pipeline.trace import gather_events, write_trace
-from mpformer.training.evaluation import evaluate_loss, load_eval_tokens_for, pipeline_evaluate_loss
+from mpformer.training.evaluation import validation_loss
 from mpformer.training.metrics import MetricsLogger, StepTimer
+from mpformer.training.preflight import RunSpec
+from mpformer.training.progress import Progress
+from mpformer.training.reporting import TraceWindow, banner, check_vocab, memory_report
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Trainer:
-    def __init__(self, cfg: Config, layout: ParallelLayout, groups: ProcessGroups, run_dir: Path,
-                 resolved_config: dict[str, Any], predicted_step_time_s: float | None = None) -> None:
-        self.cfg, self.layout, self.groups = cfg, layout, groups
-        self.predicted_step_time_s = predicted_step_time_s  # the auto-configurator's, logged beside the measured
-        self.run_dir = run_dir
-        self.resolved_config = resolved_config
-        self.device = groups.device
-        t = cfg.train
+    def __init__(self, spec: RunSpec, groups: ProcessGroups) -> None:
+        cfg, layout, t = spec.cfg, spec.layout, spec.cfg.train
+        self.spec, self.cfg, self.layout, self.groups, self.device = spec, cfg, layout, groups, groups.device
         # 16-bit precisions keep the parameters in that dtype with fp32 masters and main gradients
         # (optim/engine.py); autocast on top keeps its per-op policy (fp32 softmax, CPU linear path).
-        self.param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+        self.param_dtype = PARAM_DTYPES[t.precision]
         self.dtype_ctx = (torch.autocast(self.device.kind, dtype=self.param_dtype) if t.precision != "fp32"
                           else contextlib.nullcontext())
         self.scaler = (LossScaler(t.initial_loss_scale, t.loss_scale_window, t.min_loss_scale)
                        if t.precision == "fp16" else None)
-        m = cfg.model
-        self.tp = groups.tp_context(kv_replicas(layout.tp, m.kv_heads), seed=t.seed)
-        self.plan = stage_plan(m, layout, groups.coords["pp"], t.seq_length) if layout.pp > 1 else None
-        self.model = build_model(m, tp=self.tp, device=self.device.torch_device, seed=t.seed,
-                                 recompute=layout.recompute, use_apex=t.use_apex, stage=self.plan)
+        self.rank = build_rank(cfg.model, layout, groups, seq_length=t.seq_length, seed=t.seed, use_apex=t.use_apex)
+        self.model, self.tp = self.rank.model, self.rank.tp
+        self.plan = self.rank.plan if layout.pp > 1 else None
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
         tied = None
-        if self.plan is not None and m.tie_embeddings:  # the embedding's copy on the last stage
+        if self.plan is not None and cfg.model.tie_embeddings:  # the embedding's copy on the last stage
             tied = TiedCopy(self.model.embed.weight, groups.embedding_comm(), owner=self.plan.has_embedding)
         red = Reduction(groups.comm("dp"), self.tp.comm, groups.comm("pp") if self.plan is not None else None,
                         grad_specs(self.model), tied, self.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype])
-        # Gradient reduction, clipping and the optimizer step for every ZeRO stage (optim/engine.py).
         self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
                                    self.param_dtype)
-        self.optimizer = self.engine.optimizer
         self.pipeline = self._build_pipeline() if self.plan is not None else None
-        self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                                    decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
-        self.dataset = build_train_dataset(list(cfg.data.paths), cfg.data.weights, t.seq_length, t.seed)
-        self.eval_tokens = load_eval_tokens_for(cfg) if cfg.eval.interval else None
-        self.step = 0
-        self.consumed_samples = 0
-        self.wandb_run_id: str | None = None
-        self.tokenizer_dir = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        self.progress = Progress()
+        self.rng = DropoutStreams(self.device, self.tp.rng, t.seed, groups.coords["dp"], groups.coords["pp"])
+        tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        if tok is None and spec.manifest is not None and spec.manifest.get("tokenizer"):
+            tok = Path(spec.manifest["path"]) / spec.manifest["tokenizer"]  # keep carrying it
+        self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else spec.run_dir / "checkpoints"
+        self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=groups.rank, keep=cfg.checkpoint.keep,
+                                         extra=lambda: self._manifest(tok),
+                                         populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
         if cfg.checkpoint.load:
-            self._load(cfg.checkpoint.load)
+            self.checkpointer.load(cfg.checkpoint.load)
         else:
-            self._seed_dropout()
-        self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else run_dir / "checkpoints"
+            self.rng.reseed(0)
         self.is_logger = groups.is_logging_rank
-        self.metrics = MetricsLogger(run_dir, enabled=self.is_logger, total_steps=t.stop_at or t.steps,
-                                     start_step=self.step,
-                                     interval=cfg.logging.interval, progress=cfg.logging.progress,
-                                     wandb_cfg=cfg.logging.wandb, wandb_run_id=self.wandb_run_id,
-                                     config=resolved_config)
-        self.wandb_run_id = self.metrics.wandb_run_id
+        self.metrics = MetricsLogger(spec.run_dir, enabled=self.is_logger, total_steps=t.stop_at or t.steps,
+                                     start_step=self.progress.step, interval=cfg.logging.interval,
+                                     progress=cfg.logging.progress, wandb_cfg=cfg.logging.wandb,
+                                     wandb_run_id=self.progress.wandb_run_id, config=spec.resolved)
+        self.progress.adopt_wandb(self.metrics.wandb_run_id)
+        self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
 
     # ---- one optimizer step -----------------------------------------------------------------------
     def _micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -101,10 +97,8 @@ class Trainer:
             offsets = micro_batch_sample_indices(0, j, dp_rank=self.groups.dp_rank, dp_size=self.layout.dp,
                                                  global_batch_size=t.global_batch_size,
                                                  micro_batch_size=t.micro_batch_size)
-            batch = get_batch(self.dataset, [self.consumed_samples + i for i in offsets])
-            if int(batch.max()) >= self.cfg.model.vocab_size:
-                raise ConfigError(f"the data holds token id {int(batch.max())} but model.vocab_size="
-                                  f"{self.cfg.model.vocab_size}; valid: a vocabulary that covers the tokenizer's")
+            batch = get_batch(self.spec.dataset, [self.progress.consumed_samples + i for i in offsets])
+            check_vocab(batch, self.cfg.model.vocab_size)
             batch = batch.to(self.device.torch_device, non_blocking=True)
             out.append((batch[:, :-1], batch[:, 1:]))
         return out
@@ -134,7 +128,7 @@ class Trainer:
         # A stage's data-parallel reduction starts right after its last backward (engine.start).
         return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
                               on_grads_done=self.engine.start, on_weight_grad=self.engine.grad_ready,
-                              split_backward=True)
+                              store=self.rank.store)
 
     def train_step(self) -> dict[str, float]:
         """zero_grad -> forward/backward -> finish -> clip -> step."""
@@ -143,14 +137,13 @@ class Trainer:
         loss_sum = self._forward_backward(self._micro_batches())
         self.engine.finish()  # reductions over dp (and a tied copy, tp partial sums, fp16 unscaling)
         grad_norm = self.engine.clip(self.cfg.optim.clip_grad)
-        lr = self.schedule.apply(self.optimizer, self.step)
+        lr = self.schedule.apply(self.engine.optimizer, self.progress.step)
         self.engine.step()  # not on a skipped fp16 step
         if self.scaler is not None:
             extra["skipped_steps"] = self.scaler.skipped
         clip = self.cfg.optim.clip_grad
         clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
-        self.step += 1
-        self.consumed_samples += self.cfg.train.global_batch_size
+        self.progress.advance(self.cfg.train.global_batch_size)
         return {"loss": self._global_loss(loss_sum), "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr,
                 **extra}
 
@@ -169,29 +162,31 @@ class Trainer:
         t, ck = self.cfg.train, self.cfg.checkpoint
         end = t.stop_at if t.stop_at is not None else t.steps
         tokens_per_step = t.global_batch_size * t.seq_length
-        self.metrics.message(self._banner(end))
-        self._memory_report()
+        self.metrics.message(banner(self.cfg, self.layout, self.micro_steps, self.device.kind, self.progress.step,
+                                    end, self.spec.run_dir))
+        memory_report(self.engine, self.layout, self.model, self.metrics, self.spec.run_dir, self.is_logger)
+        trace = TraceWindow(self.pipeline, t.pipeline_trace_steps, self.progress.step, end, self.groups.pp)
         losses: list[float] = []
         timer = StepTimer()
-        self._first_step = self.step
-        while self.step < end:
-            self._trace_begin(end)
+        while self.progress.step < end:
+            trace.before(self.progress.step)
             m = self.train_step()
             dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
             losses.append(m["loss"])
             comm = self.groups.ledger.take()  # this step's training traffic (validation's is dropped below)
             m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                       "comm_bytes": sum(v for k, v in comm.items() if not k.startswith("metrics.")),
-                      "comm_bytes_by_kind": comm,
-                      "consumed_samples": self.consumed_samples, "eta_s": timer.eta(end - self.step)})
-            if self.predicted_step_time_s is not None:
-                m["predicted_step_time_s"] = self.predicted_step_time_s
-            if self.eval_tokens is not None and (self.step % self.cfg.eval.interval == 0 or self.step == end):
+                      "comm_bytes_by_kind": comm, "consumed_samples": self.progress.consumed_samples,
+                      "eta_s": timer.eta(end - self.progress.step)})
+            if self.spec.prediction is not None:
+                m["predicted_step_time_s"] = self.spec.prediction.step_time_s
+            step = self.progress.step
+            if self.spec.eval_tokens is not None and (step % self.cfg.eval.interval == 0 or step == end):
                 m["val_loss"] = self.validate()
                 self.groups.ledger.take()
-            self.metrics.log(self.step, m)
-            self._trace_end(end)
-            if ck.save_interval and self.step % ck.save_interval == 0 and self.step != end:
+            self.metrics.log(step, m)
+            trace.after(step, self.spec.run_dir, self.layout.vpp, self.metrics if self.is_logger else None)
+            if ck.save_interval and step % ck.save_interval == 0 and step != end:
                 self.save()
             timer.restart()
         if losses:  # the final (or stop_at) checkpoint; a run that had nothing left to do writes none
@@ -199,120 +194,52 @@ class Trainer:
         self.metrics.close()
         return losses
 
-    def _memory_report(self) -> None:
-        """Model-state bytes per rank (counted from the tensors held), printed and in memory.json."""
-        import torch.distributed as dist
-
-        mine = self.engine.memory()
-        per_rank = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            per_rank = [{} for _ in range(dist.get_world_size())]
-            dist.all_gather_object(per_rank, mine)
-        if self.is_logger:
-            worst = max(range(len(per_rank)), key=lambda r: per_rank[r]["total"])
-            self.metrics.message(format_report(worst, per_rank[worst]) + " (the largest rank)")
-            write_report(self.run_dir / "memory.json", per_rank,
-                         {"zero": self.layout.zero, "layout": self.layout.to_dict(),
-                          "param_dtype": str(next(self.model.parameters()).dtype)})
-
-    # ---- pipeline trace ----------------------------------------------------------------------------
-    def _trace_window(self, end: int) -> range:
-        """Steps whose pipeline actions are timed: ``pipeline_trace_steps`` after the first of this run
-        (which warms up allocators), or fewer if the run is shorter."""
-        n = self.cfg.train.pipeline_trace_steps
-        first = min(self._first_step + 1, end - 1)
-        return range(first, min(first + n, end)) if self.pipeline is not None and n > 0 else range(0)
-
-    def _trace_begin(self, end: int) -> None:
-        if self.step in self._trace_window(end):
-            assert self.pipeline is not None
-            self.pipeline.start_trace()
-
-    def _trace_end(self, end: int) -> None:
-        window = self._trace_window(end)
-        if window and self.step == window[-1] + 1:
-            assert self.pipeline is not None
-            events = gather_events(self.pipeline.take_trace(), self.groups.pp)
-            if self.is_logger:
-                path = write_trace(self.run_dir / "pipeline_trace.json", events, self.layout.vpp)
-                self.metrics.message(f"pipeline trace of {len(window)} step(s): {path}")
-
     def validate(self) -> float:
-        """Mean loss on eval.tokens, rows split over the data-parallel ranks."""
-        assert self.eval_tokens is not None
-        self.model.eval()
-        if self.plan is not None:  # the stage's layers only: the schedule's forward passes
-            loss, _ = pipeline_evaluate_loss(self.model, self.plan, self.layout, self.groups, self.eval_tokens,
-                                             self.cfg.eval.micro_batch_size, autocast=lambda: self.dtype_ctx)
-        else:
-            loss, _ = evaluate_loss(self.model, self.eval_tokens, self.cfg.eval.micro_batch_size,
-                                    self.device.torch_device, Comm(self.groups.dp, self.groups.ledger, tag="eval.dp."),
-                                    autocast=lambda: self.dtype_ctx)
-        self.model.train()
-        return loss
+        """Mean loss on eval.tokens (evaluation.py)."""
+        return validation_loss(self.model, self.plan, self.layout, self.groups, self.spec.eval_tokens,
+                               self.cfg.eval.micro_batch_size, autocast=lambda: self.dtype_ctx)
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def trainer_state(self) -> dict[str, Any]:
-        t = self.cfg.train
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "wandb_run_id": self.wandb_run_id,
-                "data": {"paths": list(self.cfg.data.paths), "weights": self.cfg.data.weights,
-                         "seq_length": t.seq_length, "global_batch_size": t.global_batch_size, "seed": t.seed},
-                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
-
     def save(self) -> Path:
-        tensors = self.engine.tensors()
-        manifest = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
-                    "trainer": self.trainer_state(), "world_size": self.layout.world_size,
-                    "config": self.resolved_config}
-        tok = self.tokenizer_dir
-        if tok is not None:
-            manifest["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
-        rng = {"default": self.device.rng_state(), "tp": self.tp.rng.state if self.tp.rng is not None else None}
-        path = save_checkpoint(self.save_dir, self.step, tensors, manifest, keep=self.cfg.checkpoint.keep,
-                               rank_files={f"rng/rank_{self.groups.rank:05d}.pt": rng},
-                               populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
+        path = self.checkpointer.save(self.progress.step)
         self.metrics.message(f"saved checkpoint {path}")
         return path
 
-    def _load(self, path: str) -> None:
-        finetune = self.cfg.checkpoint.finetune
-        manifest = open_checkpoint(path)
-        manifest["loaded_optimizer"] = bool(manifest.get("has_optimizer")) and not finetune
-        self.engine.load(manifest["path"], optimizer=manifest["loaded_optimizer"])
-        if self.tokenizer_dir is None and manifest.get("tokenizer"):
-            self.tokenizer_dir = Path(manifest["path"]) / manifest["tokenizer"]  # keep carrying it
-        state = manifest.get("trainer")
-        if not (finetune or not manifest["loaded_optimizer"] or state is None):
-            self.step, self.consumed_samples = state["step"], state["consumed_samples"]
-            self.wandb_run_id = state.get("wandb_run_id")
-            if self.scaler is not None and state.get("loss_scaler"):
-                self.scaler.load_state_dict(state["loss_scaler"])
-        rng_file = Path(manifest["path"]) / "rng" / f"rank_{self.groups.rank:05d}.pt"
-        same_layout = manifest.get("layout") == self.layout.to_dict()
-        if self.step and same_layout and rng_file.is_file():
-            saved = torch.load(rng_file, weights_only=True)
-            self.device.set_rng_state(saved["default"])
-            if saved.get("tp") is not None and self.tp.rng is not None:
-                self.tp.rng.state = saved["tp"]
+    def _manifest(self, tokenizer: Path | None) -> Manifest:
+        out = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
+               "world_size": self.layout.world_size, "config": self.spec.resolved}
+        if tokenizer is not None:
+            out["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
+        return out
+
+    def _parts(self) -> list[Part]:
+        """Weights and optimizer state; where the run stands; the loss scale; the dropout streams."""
+        parts = [Part("model", tensors=self.engine.tensors, load_tensors=self._load_tensors),
+                 Part("trainer", state=lambda: self.progress.state(self.cfg), load_state=self._load_progress)]
+        if self.scaler is not None:
+            parts.append(Part("loss_scaler", state=self.scaler.state_dict, load_state=self._load_scaler))
+        parts.append(Part("rng", rank_state=self.rng.state, load_rank_state=self._load_rng))
+        return parts
+
+    def _resuming(self, manifest: Manifest) -> bool:
+        """A resume continues the saved run (optimizer state, counters); a fine-tune takes the weights."""
+        return bool(manifest.get("has_optimizer")) and not self.cfg.checkpoint.finetune
+
+    def _load_tensors(self, step_dir: str, manifest: Manifest) -> None:
+        self.engine.load(step_dir, optimizer=self._resuming(manifest))
+
+    def _load_progress(self, state: dict | None, manifest: Manifest) -> None:
+        if state is not None and self._resuming(manifest):
+            self.progress.load(state)
+
+    def _load_scaler(self, state: dict | None, manifest: Manifest) -> None:
+        saved = state if state is not None else (manifest.get("trainer") or {}).get("loss_scaler")
+        if saved and self._resuming(manifest):
+            self.scaler.load_state_dict(saved)
+
+    def _load_rng(self, saved: dict | None, manifest: Manifest) -> None:
+        """The saved streams when this rank continues the same rank of the same layout, else fresh ones."""
+        if saved is None or not self.progress.step or manifest.get("layout") != self.layout.to_dict():
+            self.rng.reseed(self.progress.step)
         else:
-            self._seed_dropout()
-
-    def _seed_dropout(self) -> None:
-        """Dropout masks differ per data-parallel replica and pipeline stage (Megatron's offsets) and,
-        after a resume whose RNG states cannot be reused, per step, so no mask sequence repeats."""
-        c = self.groups.coords
-        seed = self.cfg.train.seed + 100 * c["pp"] + 10 * c["dp"] + 1_000_003 * self.step
-        torch.manual_seed(seed)
-        if self.tp.rng is not None:
-            self.tp.rng.reseed(seed)
-
-    def _banner(self, end: int) -> str:
-        t, L = self.cfg.train, self.layout
-        n = self.cfg.model.num_params()  # the whole model, not this rank's shard
-        start = f"resuming at step {self.step}" if self.step else "starting at step 0"
-        return (f"mpformer: {self.cfg.model.arch} {n / 1e6:.2f}M params | dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} | "
-                f"global batch {t.global_batch_size} x {t.seq_length} tokens, {self.micro_steps} micro-batches of "
-                f"{t.micro_batch_size} per rank | {t.precision} on {self.device.kind} | {start}, training to {end} | "
-                f"run dir {self.run_dir}")
-
-
+            self.rng.load(saved)

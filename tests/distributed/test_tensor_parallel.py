@@ -30,6 +30,25 @@ MODELS = {
 }
 
 
+def _adam_divergence_bound() -> float:
+    """2 * sum_t lr_t * R_t over the BASE runs' steps: R_t bounds AdamW's |m_hat| / sqrt(v_hat) at step t
+    (Cauchy-Schwarz on the two moving averages, with bias correction; R_1 = 1)."""
+    import math
+
+    from mpformer.core.config import OptimConfig
+    from mpformer.optim.lr import LRSchedule
+
+    b1, b2 = OptimConfig().betas
+    lr = LRSchedule(lr=BASE["optim.lr"], min_lr=OptimConfig().min_lr, warmup_steps=BASE["optim.warmup_steps"],
+                    decay_steps=BASE["train.steps"], decay=OptimConfig().decay)
+    total = 0.0
+    for t in range(1, BASE["train.steps"] + 1):
+        r = ((1 - b1) * math.sqrt(1 - b2**t) / ((1 - b1**t) * math.sqrt(1 - b2))
+             * math.sqrt(sum((b1 * b1 / b2) ** j for j in range(t))))
+        total += 2 * lr(t - 1) * r
+    return total
+
+
 def _block(full: torch.Tensor, offsets, shape) -> torch.Tensor:
     for dim, (off, n) in enumerate(zip(offsets, shape)):
         full = full.narrow(dim, off, n)
@@ -241,8 +260,13 @@ def test_tp_checkpoints_read_back_as_full_tensors(results):
     ref = read_all_tensors(root / "ref_llama" / "checkpoints")
     assert sorted(tp4) == sorted(ref)
     assert tp4["embedding.word.weight"].shape[0] == VOCAB
+    atol = _adam_divergence_bound()
     for name in ref:
-        # After 5 AdamW steps: Adam's scale-free update turns float-rounding differences in near-zero
-        # gradients into weight differences of a few 1e-6 (lr is 3e-3); a misplaced shard would be
-        # off by the weights' own scale (~2e-2).
-        torch.testing.assert_close(tp4[name], ref[name], rtol=0, atol=1e-5, msg=name)
+        # Derived, not measured (it held at 1e-5 on AVX2 and failed on AMX): AdamW's step of an element
+        # is lr_t * m_hat / (sqrt(v_hat) + eps), whatever the gradient's size, so a gradient that sums to
+        # rounding level (tp and one device add in another order, and AVX2 and AMX round differently)
+        # can move its weight differently in the two runs; by Cauchy-Schwarz |m_hat| / sqrt(v_hat) <= R_t
+        # (~1), so the runs can part by at most 2 * sum_t lr_t * R_t (0.021 here) on any CPU. A misplaced
+        # shard differs by the weights' own scale in nearly every element (init std 0.02: the largest
+        # of thousands of such differences is ~0.1), and losses and grad norms are checked to 1e-5 above.
+        torch.testing.assert_close(tp4[name], ref[name], rtol=0, atol=atol, msg=name)

@@ -145,6 +145,6 @@ def test_checkpoint_model_overrides_apply_on_top_of_the_checkpoint(resumed):
     ckpt = resumed / "first" / "checkpoints"
     composed = compose_config([f"checkpoint.load={ckpt}", "model.hidden_dropout=0.0"])
     assert composed.cfg.model.num_layers == 8  # the default preset (llama-tiny) before adoption
-    adopt_checkpoint_model(composed)
-    assert composed.cfg.model.num_layers == 2 and composed.cfg.model.hidden_dropout == 0.0
-    assert composed.cfg.model.attention_dropout == 0.1  # from the checkpoint
+    model, _ = adopt_checkpoint_model(composed)  # a new model config: the composed one is not rewritten
+    assert model.num_layers == 2 and model.hidden_dropout == 0.0
+    assert model.attention_dropout == 0.1  # from the checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpformer.autoconfig.plan import choose_layout, pinned_fields, predict, run_cluster
+from mpformer.autoconfig.plan import apply_plan, choose_layout, pinned_fields, predict, run_cluster
 from mpformer.cli.compose import compose_config
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import validate
@@ -38,15 +38,16 @@ def test_cluster_is_cut_to_the_world(monkeypatch):
 def test_the_chosen_plan_is_written_into_the_config_and_validates(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     c = compose_config([*TINY, "parallel=auto", "parallel.pp=2"])
-    pred = choose_layout(c, 4)
-    p, t = c.cfg.parallel, c.cfg.train
+    pred = choose_layout(c.cfg, c, 4)
+    cfg = apply_plan(c.cfg, c, pred)  # preflight's new config; the composed one stays as validated
+    p, t = cfg.parallel, cfg.train
     plan = pred.candidate.plan()
     assert p.pp == 2 and (p.dp, p.tp, p.zero, p.schedule, t.micro_batch_size) == (
         plan["dp"], plan["tp"], plan["zero"], plan["schedule"], plan["micro_batch_size"])
-    layout = validate(p.layout(), c.cfg.model, 4, global_batch_size=t.global_batch_size,
+    layout = validate(p.layout(), cfg.model, 4, global_batch_size=t.global_batch_size,
                       micro_batch_size=t.micro_batch_size, seq_length=t.seq_length)
     assert layout.dp * layout.tp * layout.pp == 4
-    again = predict(c.cfg, layout, 4)  # the same plan, timed on its own, predicts the same step time
+    again = predict(cfg, layout, 4)  # the same plan, timed on its own, predicts the same step time
     assert again.step_time_s == pytest.approx(pred.step_time_s, rel=1e-9)
     d = pred.to_dict()
     assert d["plan"] == plan and d["candidates_evaluated"] > 1 and d["predicted"]["iteration_time_s"] > 0

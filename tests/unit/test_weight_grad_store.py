@@ -15,10 +15,10 @@ from mpformer.layers.linear import Linear, WeightGradStore
 from mpformer.models.transformer import Transformer
 
 
-def _pair(bias: bool) -> tuple[Linear, torch.nn.Linear]:
+def _pair(bias: bool, store: WeightGradStore | None = None) -> tuple[Linear, torch.nn.Linear]:
     torch.manual_seed(0)
     ref = torch.nn.Linear(16, 24, bias=bias)
-    mine = Linear(16, 24, bias=bias)
+    mine = Linear(16, 24, bias=bias, store=store)
     mine.load_state_dict(ref.state_dict())
     return mine, ref
 
@@ -26,9 +26,8 @@ def _pair(bias: bool) -> tuple[Linear, torch.nn.Linear]:
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_capture_defers_weight_grads_then_run_matches_autograd(bias, bf16):
-    mine, ref = _pair(bias)
     store = WeightGradStore()
-    mine.weight_grad_store = store
+    mine, ref = _pair(bias, store)
     x = torch.randn(5, 3, 16)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     dy = torch.randn(5, 3, 24)
@@ -51,8 +50,7 @@ def test_capture_defers_weight_grads_then_run_matches_autograd(bias, bf16):
 
 
 def test_outside_a_capture_the_store_is_a_plain_backward():
-    mine, ref = _pair(True)
-    mine.weight_grad_store = WeightGradStore()
+    mine, ref = _pair(True, WeightGradStore())
     x = torch.randn(4, 16)
     F.linear(x, ref.weight, ref.bias).sum().backward()
     mine(x).sum().backward()
@@ -65,11 +63,8 @@ def test_whole_model_split_backward_equals_combined():
     not; BI + BW gives the combined backward's gradients."""
     cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                       ffn_hidden_size=64, vocab_size=50, max_position_embeddings=16)
-    a, b = Transformer(cfg, seed=1), Transformer(cfg, seed=1)
     store = WeightGradStore()
-    for m in a.modules():
-        if hasattr(m, "weight_grad_store"):
-            m.weight_grad_store = store
+    a, b = Transformer(cfg, seed=1, store=store), Transformer(cfg, seed=1)
     tokens = torch.randint(0, 50, (2, 8))
     with store.capture(0):
         a(tokens, tokens).backward()

@@ -1,0 +1,85 @@
+"""One checkpointer over a run's stateful parts: each part gives its state and loads it back.
+
+    part.tensors()          this rank's tensors by canonical name and slice (DCP: every rank writes its own)
+    part.state()            a small JSON value, stored in the manifest under the part's name (rank 0 writes)
+    part.rank_state()       an object of this rank alone (RNG streams), one file per rank
+
+``save(step)`` writes all of them atomically (io.save_checkpoint: temp dir, payload, manifest with
+checksums, rename, then ``latest``). ``load(path)`` opens the checkpoint (manifest read, every file
+present) and restores in the resume order: tensors first (weights, then optimizer state), then the
+manifest states (counters, loss scale), then the rank files; each load callable also gets the
+manifest, so a part decides for itself what to take (a fine-tune takes the weights only). The
+checks that need no process group (manifest, files, model shapes) are in manifest.py and run in
+preflight, before any rank starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mpformer.checkpoint.io import open_checkpoint, save_checkpoint
+from mpformer.core.shards import Shard
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stateful piece of a run; every callable is optional."""
+
+    name: str
+    tensors: Callable[[], dict[str, Shard]] | None = None
+    load_tensors: Callable[[str, Manifest], None] | None = None  # (step directory, manifest)
+    state: Callable[[], Any] | None = None
+    load_state: Callable[[Any, Manifest], None] | None = None  # (the saved state or None, manifest)
+    rank_state: Callable[[], Any] | None = None
+    load_rank_state: Callable[[Any, Manifest], None] | None = None  # (this rank's object or None, manifest)
+
+
+class Checkpointer:
+    def __init__(self, save_dir: Path, parts: Sequence[Part], *, rank: int, keep: int = 0,
+                 extra: Callable[[], Manifest] | None = None,
+                 populate: Callable[[Path], None] | None = None) -> None:
+        """``extra()``: manifest entries beside the parts' (model config, layout, ...); ``populate(dir)``
+        adds files on rank 0 before the manifest is written (the tokenizer)."""
+        self.save_dir, self.parts, self.rank, self.keep = save_dir, list(parts), rank, keep
+        self.extra, self.populate = extra, populate
+        names = [p.name for p in self.parts]
+        assert len(set(names)) == len(names), f"two checkpoint parts share a name: {names}"
+
+    def _rank_file(self) -> str:
+        return f"rng/rank_{self.rank:05d}.pt"
+
+    def save(self, step: int) -> Path:
+        """Collective: every rank calls it."""
+        tensors: dict[str, Shard] = {}
+        for p in self.parts:
+            if p.tensors is not None:
+                tensors.update(p.tensors())
+        manifest = dict(self.extra()) if self.extra is not None else {}
+        manifest.update({p.name: p.state() for p in self.parts if p.state is not None})
+        ranked = {p.name: p.rank_state() for p in self.parts if p.rank_state is not None}
+        return save_checkpoint(self.save_dir, step, tensors, manifest, keep=self.keep,
+                               rank_files={self._rank_file(): ranked} if ranked else None, populate=self.populate)
+
+    def load(self, path: str | Path) -> Manifest:
+        """Restore every part from ``path`` (a step directory or a save directory's latest)."""
+        manifest = open_checkpoint(path)
+        step_dir = str(manifest["path"])
+        for p in self.parts:
+            if p.load_tensors is not None:
+                p.load_tensors(step_dir, manifest)
+        for p in self.parts:
+            if p.load_state is not None:
+                p.load_state(manifest.get(p.name), manifest)
+        rank_file = Path(step_dir) / self._rank_file()
+        ranked = torch.load(rank_file, weights_only=True) if rank_file.is_file() else {}
+        for p in self.parts:
+            if p.load_rank_state is not None:
+                p.load_rank_state(ranked.get(p.name), manifest)
+        return manifest

@@ -1,0 +1,88 @@
+"""One flat bucket of the gradient engine and the state machine of its reduction.
+
+    gradients arrive   full_grads() (fp32, created on first use at stages 2-3), ready_after(p)
+    launch()           divided by dp, cast to the reduce dtype, all-reduced (stage 0, in place) or
+                       reduce-scattered into a fresh shard (stages 1-3), asynchronously
+    complete()         waited for: into the whole buffer (stage 0), the buffer's own shard (stage 1),
+                       or accumulated into the persistent shard (stages 2-3, every micro-batch)
+    reset()            zero_grad
+
+The engine (engine.py) decides when each happens and bounds how many are in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpformer.core.buffers import BucketLayout
+from mpformer.parallel.comm import Comm
+
+
+@dataclass
+class Bucket:
+    """One flat bucket and its reduction's state (the state machine below; the engine orders it)."""
+
+    layout: BucketLayout
+    params: list[nn.Parameter]  # in slot order
+    param_buf: torch.Tensor  # the parameters are views into it; stage 3: storage only while gathered
+    param_shard: torch.Tensor  # this rank's part (a view of param_buf below stage 3)
+    grad_shard: torch.Tensor  # fp32, this rank's reduced gradients (a view of grad_buf at stages 0-1)
+    grad_buf: torch.Tensor | None  # fp32 full gradients (stages 2-3: only while a micro-batch's arrive)
+    masters: torch.Tensor | None = None  # fp32 master shard of 16-bit parameters
+    module: nn.Module | None = None  # stage 3: the unit
+    index: int = 0  # its place in the engine's list
+    ready: set[int] = field(default_factory=set)
+    launched: bool = False
+    pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # work, input, output
+
+    def full_grads(self) -> torch.Tensor:
+        if self.grad_buf is None:  # stages 2-3: the first gradient of a micro-batch, or none came
+            self.grad_buf = torch.zeros(self.layout.size, device=self.grad_shard.device)
+        return self.grad_buf
+
+    def ready_after(self, p: nn.Parameter) -> bool:
+        """``p``'s gradient is in; True once every gradient of the bucket is."""
+        self.ready.add(id(p))
+        return len(self.ready) == len(self.params)
+
+    def launch(self, comm: Comm, stage: int, dtype: torch.dtype, persistent: bool) -> None:
+        """Start the reduction: divided by dp first (gloo has no AVG), in ``dtype``; all-reduced in place
+        at stage 0 (the "shard" is the whole buffer), reduce-scattered into a fresh shard otherwise."""
+        src = self.full_grads().div_(comm.size).to(dtype)
+        if stage == 0:
+            self.pending = (comm.all_reduce(src, async_op=True), src, src)
+        else:
+            out = torch.empty(self.layout.shard_size, dtype=src.dtype, device=src.device)
+            self.pending = (comm.reduce_scatter_into(out, src, async_op=True), src, out)
+        self.ready.clear()
+        self.launched = True
+        if not persistent:
+            self.grad_buf = None  # the pending tuple keeps it alive until the reduction is done
+
+    def complete(self, stage: int, persistent: bool) -> None:
+        assert self.pending is not None
+        work, _, out = self.pending
+        if work is not None:
+            work.wait()
+        if stage == 0:
+            if out is not self.grad_buf:  # reduced in another dtype
+                self.grad_buf.copy_(out)
+        elif persistent:  # stage 1: one reduction a step, into the buffer's own shard
+            self.grad_shard.copy_(out)
+        else:  # stages 2-3 reduce every micro-batch and accumulate in the persistent shard
+            self.grad_shard.add_(out)
+        self.pending = None
+
+    def reset(self, persistent: bool) -> None:
+        assert self.pending is None, "zero_grad() with a reduction in flight: call finish() first"
+        self.ready.clear()
+        self.launched = False
+        if persistent:
+            self.grad_buf.zero_()  # the shard (and with views every p.grad) is a view of it
+        else:
+            self.grad_shard.zero_()
+            self.grad_buf = None
