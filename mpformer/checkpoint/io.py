@@ -23,7 +23,8 @@ from torch import nn
 from mpformer.checkpoint.manifest import (
     LATEST,
     check_files,
-    fsync_dir,
+    commit_dir,
+    fresh_temp_dir,
     point_latest,
     read_manifest,
     resolve_checkpoint_dir,
@@ -206,11 +207,7 @@ def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, Shard],
     save_dir = Path(save_dir)
     rank = 0 if _no_dist() else dist.get_rank()
     final = save_dir / step_dir_name(step)
-    tmp = save_dir / (step_dir_name(step) + ".tmp")
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-        tmp.mkdir()
+    tmp = fresh_temp_dir(final) if rank == 0 else final.with_name(final.name + ".tmp")
     _barrier()
     with quiet_dcp():
         dcp.save({k: sh.local for k, sh in tensors.items()}, checkpoint_id=str(tmp), planner=ShardSavePlanner(tensors),
@@ -223,15 +220,7 @@ def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, Shard],
         if populate is not None:
             populate(tmp)
         write_manifest(tmp, {"step": step, **manifest})
-        fsync_dir(tmp)
-        # Re-saving a step: move the old copy aside first, so the name is never missing its manifest.
-        old = save_dir / (final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(save_dir)
+        commit_dir(tmp, final)  # re-saving a step moves the old copy aside first
         point_latest(save_dir, final.name)
         _prune(save_dir, keep)
     _barrier()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,28 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fresh_temp_dir(final: Path) -> Path:
+    """``final.tmp``, empty: the leftovers of a crashed write removed, parents created."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Give a complete ``tmp`` its final name: fsynced, an existing ``final`` moved aside first (so the
+    name never stands for a half-written directory) and removed after. Checkpoint saves and
+    conversions both end this way."""
+    fsync_dir(tmp)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(final.parent)
 
 
 def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mpformer.checkpoint.io import MODEL_PREFIX, quiet_dcp, read_all_tensors
-from mpformer.checkpoint.manifest import check_files, fsync_dir, read_manifest, write_manifest
+from mpformer.checkpoint.manifest import check_files, commit_dir, fresh_temp_dir, read_manifest, write_manifest
 from mpformer.convert import adapter_for_arch, adapter_for_hf_config
 from mpformer.convert.base import hf_dtype_name
 from mpformer.convert.hf_io import (
@@ -62,20 +62,15 @@ def _check_out(out: Path, flag: str) -> None:
 
 @contextlib.contextmanager
 def _atomic_dir(out: Path):
-    """Yield a temp sibling of ``out``; on success it is renamed to ``out``, on failure removed."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Yield a temp sibling of ``out``; on success it is renamed to ``out`` (checked empty before the
+    conversion started) as checkpoint saves are (manifest.commit_dir), on failure removed."""
+    tmp = fresh_temp_dir(out)
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    fsync_dir(tmp)
-    if out.exists():
-        out.rmdir()  # checked empty before the conversion started
-    tmp.rename(out)
-    fsync_dir(out.parent)
+    commit_dir(tmp, out)
 
 
 def write_checkpoint_dir(path: str | os.PathLike, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
