@@ -5,10 +5,11 @@
     part.rank_state()       an object of this rank alone (RNG streams), one file per rank
 
 ``save(step)`` writes all of them atomically (io.save_checkpoint: temp dir, payload, manifest with
-checksums, rename, then ``latest``). ``load(path)`` opens the checkpoint (manifest read, every file
-present) and restores in the resume order: tensors first (weights, then optimizer state), then the
-manifest states (counters, loss scale), then the rank files; each load callable also gets the
-manifest, so a part decides for itself what to take (a fine-tune takes the weights only). The
+checksums, rename, then ``latest``). ``load(manifest)`` takes the checkpoint preflight opened
+(manifest read, every file present, checksums on rank 0) and restores in the resume order: tensors
+first (weights, then optimizer state), then the manifest states (counters, loss scale), then the
+rank files; each load callable also gets the manifest, so a part decides for itself what to take
+(a fine-tune takes the weights only). The
 checks that need no process group (manifest, files, model shapes) are in manifest.py and run in
 preflight, before any rank starts.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mpformer.checkpoint.io import open_checkpoint, save_checkpoint
+from mpformer.checkpoint.io import save_checkpoint
 from mpformer.core.shards import Shard
 
 Manifest = dict[str, Any]
@@ -67,9 +68,9 @@ class Checkpointer:
         return save_checkpoint(self.save_dir, step, tensors, manifest, keep=self.keep,
                                rank_files={self._rank_file(): ranked} if ranked else None, populate=self.populate)
 
-    def load(self, path: str | Path) -> Manifest:
-        """Restore every part from ``path`` (a step directory or a save directory's latest)."""
-        manifest = open_checkpoint(path)
+    def load(self, manifest: Manifest) -> Manifest:
+        """Restore every part from the checkpoint whose ``manifest`` preflight read and checked (its
+        ``path``: the step directory), so that the model config and the weights come from one step."""
         step_dir = str(manifest["path"])
         for p in self.parts:
             if p.load_tensors is not None:
@@ -79,6 +80,9 @@ class Checkpointer:
                 p.load_state(manifest.get(p.name), manifest)
         rank_file = Path(step_dir) / self._rank_file()
         ranked = torch.load(rank_file, weights_only=True) if rank_file.is_file() else {}
+        holders = [p for p in self.parts if p.load_rank_state is not None]
+        if ranked and len(holders) == 1 and holders[0].name not in ranked:  # one object, not keyed by part
+            ranked = {holders[0].name: ranked}  # (checkpoints written before parts: the RNG states alone)
         for p in self.parts:
             if p.load_rank_state is not None:
                 p.load_rank_state(ranked.get(p.name), manifest)

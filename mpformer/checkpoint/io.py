@@ -1,6 +1,6 @@
 """Layout-free checkpoints on torch.distributed.checkpoint (DCP).
 
-Every tensor is stored under its canonical global name (see Transformer.canonical_tensors):
+Every tensor is stored under its canonical global name (Transformer.canonical_shards):
 ``model.<name>`` for weights and ``optim.<state>.<name>`` for per-parameter optimizer state, with
 its global shape. DCP writes each rank's share and reads back exactly the slices a rank asks for,
 so a later layout (TP, ZeRO) loads any checkpoint by asking for its own slices under the same names.

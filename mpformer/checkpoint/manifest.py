@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -64,12 +65,14 @@ def commit_dir(tmp: Path, final: Path) -> None:
     name never stands for a half-written directory) and removed after. Checkpoint saves and
     conversions both end this way."""
     fsync_dir(tmp)
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    old = None
+    if final.exists():  # a fresh, unique name beside it: nothing of anyone else's is ever removed
+        old = Path(tempfile.mkdtemp(prefix=final.name + ".old-", dir=final.parent))
+        old.rmdir()
         final.rename(old)
     tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old)
     fsync_dir(final.parent)
 
 

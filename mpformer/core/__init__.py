@@ -6,6 +6,7 @@ layout.py         ParallelLayout and validate(): every layout rule, incl. the sc
 topology.py       rank <-> coordinate arithmetic (tp fastest, then cp, dp, pp)
 partition.py      transformer layers -> pipeline stages
 pipeline_plan.py  StagePlan: the layers one pipeline rank holds
+buffers.py        parameters packed into padded buckets, each rank's shard and its pieces (ZeRO's arithmetic)
 shards.py         Shard: the block of a global tensor a rank holds
 config.py         the typed config sections Hydra composes into
 composed.py       Composed (a composed run config) and the config tree's location

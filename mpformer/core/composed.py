@@ -37,7 +37,7 @@ def config_dir() -> Path:
 @dataclass
 class Composed:
     cfg: Config
-    raw: DictConfig  # resolved, without the hydra node: what resolved_config.yaml holds
+    raw: DictConfig  # the composed tree, resolved, without the hydra node
     run_dir: str
     overrides: list[str]
 

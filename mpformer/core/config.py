@@ -7,8 +7,8 @@ Entry points turn the composed config into these objects and hand each component
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, get_type_hints
 
 from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.layout import ParallelLayout
@@ -19,31 +19,27 @@ DECAYS = ("cosine", "linear", "constant")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-@dataclass
-class ParallelConfig:
-    dp: int = -1  # -1: world_size / (tp * pp * cp)
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    cp_kind: str = "ring"
-    vpp: int = 1
-    sequence_parallel: bool = False
-    zero: int = 0
-    schedule: str = "1f1b"
-    recompute: str = "none"
-    pp_split: list[int] | None = None  # transformer layers per global stage (pp*vpp entries)
-    pp_partition: str = "uniform"  # uniform | balanced (by compute: fewer layers next to the LM head)
-    grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dtype data-parallel gradient reductions travel in
-    # parallel=auto: the auto-configurator picks the layout (and train.micro_batch_size) for the world
-    # size; the fields above that are set on the command line stay as given (pinned).
-    auto: bool = False
+def _parallel_layout(self) -> ParallelLayout:
+    """The layout these keys describe."""
+    values = {f.name: getattr(self, f.name) for f in fields(ParallelLayout)}
+    if self.pp_split is not None:
+        values["pp_split"] = tuple(self.pp_split)
+    return ParallelLayout(**values)
 
-    def layout(self) -> ParallelLayout:
-        """The layout these keys describe (every ParallelLayout field is a key here of the same name)."""
-        values = {f.name: getattr(self, f.name) for f in fields(ParallelLayout)}
-        if self.pp_split is not None:
-            values["pp_split"] = tuple(self.pp_split)
-        return ParallelLayout(**values)
+
+def _parallel_config() -> type:
+    """``parallel.*``: every ParallelLayout field under its own name, type and default (derived, so the
+    two never drift; pp_split is a list, as YAML gives it), and ``auto``: parallel=auto lets the
+    auto-configurator pick the layout (and train.micro_batch_size) for the world size, keys set on
+    the command line staying as given (pinned)."""
+    hints = get_type_hints(ParallelLayout)
+    keys = [(f.name, list[int] | None if f.name == "pp_split" else hints[f.name], field(default=f.default))
+            for f in fields(ParallelLayout)]
+    return make_dataclass("ParallelConfig", [*keys, ("auto", bool, field(default=False))],
+                          namespace={"layout": _parallel_layout, "__module__": __name__})
+
+
+ParallelConfig = _parallel_config()
 
 
 @dataclass

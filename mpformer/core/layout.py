@@ -29,7 +29,7 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the dtype gradients travel in (Megatron
 class ParallelLayout:
     """How one training job is split. dp=-1 means "whatever the world size leaves"."""
 
-    dp: int = -1
+    dp: int = -1  # -1: world size / (tp * pp * cp)
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -39,7 +39,7 @@ class ParallelLayout:
     zero: int = 0
     schedule: str = "1f1b"
     recompute: str = "none"
-    pp_split: tuple[int, ...] | None = None
+    pp_split: tuple[int, ...] | None = None  # transformer layers per global stage (pp * vpp entries)
     pp_partition: str = "uniform"  # without pp_split: equal layer counts, or balanced by compute cost
     grad_reduce_dtype: str = "fp32"  # data-parallel gradient reductions in fp32 or bf16 (accumulation: fp32)
 

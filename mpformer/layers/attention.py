@@ -48,10 +48,6 @@ class RotaryEmbedding(nn.Module):
         self.cfg = cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
-    def reset(self) -> None:
-        """Recompute the table after materialising a model built on the meta device."""
-        self.inv_freq = rope_inv_freq(self.cfg).to(self.inv_freq.device)
-
     def forward(self, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         pos_s = torch.arange(offset, offset + seq_len, device=self.inv_freq.device, dtype=torch.float32)
         freqs_sd = torch.outer(pos_s, self.inv_freq.float())

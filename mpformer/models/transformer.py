@@ -6,9 +6,12 @@ Tokens come in batch-first ``[b, s]`` like Hugging Face; inside, activations are
 ``[s, b, h]`` (see layers/attention.py for why).
 
 Parameters live in fused modules (one QKV and one gate/up matmul per layer) for speed, and are
-exposed under layout-free *canonical* names by :meth:`Transformer.canonical_tensors` (views, no
-copies). Checkpoints, HF conversion and initialisation all work on the canonical names, so a
-tensor's value never depends on how the model is laid out.
+exposed under layout-free *canonical* names: every module reports its own blocks, and
+:meth:`Transformer.canonical_shards` composes them (``canonical_tensors``: the whole-tensor views of a
+model without tensor parallelism, no copies). Checkpoints, HF conversion, ZeRO's state rows and
+initialisation all work on the canonical names, so a tensor's value never depends on the layout.
+Handed a TPContext, each module builds its tensor-parallel layers itself (models/parallelize.py
+checks the result against the TP plan).
 """
 
 from __future__ import annotations
@@ -114,10 +117,6 @@ class Transformer(nn.Module):
         self.tp, self.store = tp, store
         if seed is not None and device != "meta":
             self.init_weights(seed)
-
-    def reset_buffers(self) -> None:
-        if self.rotary is not None:
-            self.rotary.reset()
 
     # ---- forward ---------------------------------------------------------------------------
     def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:

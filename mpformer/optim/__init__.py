@@ -1,6 +1,7 @@
 """Optimizers and the gradient engine.
 
 engine.py      GradEngine: bucketed gradient reduction and the optimizer step for every ZeRO stage
+bucket.py      one flat bucket and the state machine of its reduction
 gather.py      ZeRO-3's per-unit parameter gathering
 state.py       the engine's weights and optimizer state in a checkpoint
 builder.py     optimizers by name, parameter groups, build_engine

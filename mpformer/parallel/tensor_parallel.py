@@ -106,7 +106,6 @@ class GradSpec:
     rows: tuple[int, int] | None = None
     replicas: int = 1
     sync: Comm | None = None
-    in_norm: bool = True  # False for a copy counted elsewhere (the last stage's tied embedding)
 
     def grad(self) -> torch.Tensor | None:
         g = self.param.grad
@@ -121,21 +120,3 @@ def sync_tp_grads(specs: list[GradSpec]) -> None:
         g = s.grad()
         if s.sync is not None and g is not None:
             s.sync.all_reduce(g)
-
-
-def grad_norm_sq(specs: list[GradSpec], tp: Comm | None, pp: Comm | None = None) -> torch.Tensor:
-    """Sum of squared gradients over the whole model: each block weighted by 1/replicas, then summed
-    over tp and over pipeline stages, so every distinct gradient element is counted exactly once."""
-    total = None
-    for s in specs:
-        g = s.grad()
-        if g is None or not s.in_norm:
-            continue
-        sq = g.detach().float().pow(2).sum() / s.replicas
-        total = sq if total is None else total + sq
-    if total is None:  # no gradients here: a zero on the parameters' device (NCCL reduces no CPU tensor)
-        total = torch.zeros((), device=specs[0].param.device if specs else None)
-    for comm in (tp, pp):
-        if comm is not None and comm.size > 1:
-            comm.all_reduce(total)
-    return total

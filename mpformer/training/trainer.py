@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mpformer.checkpoint.checkpointer import Checkpointer, Manifest, Part
+from mpformer.core.layout import ParallelLayout
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.models.parallelize import build_rank, grad_specs
@@ -59,7 +60,8 @@ class Trainer:
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
         tied = None
         if self.plan is not None and cfg.model.tie_embeddings:  # the embedding's copy on the last stage
-            tied = TiedCopy(self.model.embed.weight, groups.embedding_comm(), owner=self.plan.has_embedding)
+            pair = groups.embedding_comm()  # collective; None on the stages between the first and the last
+            tied = TiedCopy(self.model.embed.weight, pair, owner=self.plan.has_embedding) if pair else None
         red = Reduction(groups.comm("dp"), self.tp.comm, groups.comm("pp") if self.plan is not None else None,
                         grad_specs(self.model), tied, self.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype])
         self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
@@ -77,8 +79,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=groups.rank, keep=cfg.checkpoint.keep,
                                          extra=lambda: self._manifest(tok),
                                          populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
-        if cfg.checkpoint.load:
-            self.checkpointer.load(cfg.checkpoint.load)
+        if spec.manifest is not None:
+            self.checkpointer.load(spec.manifest)
         else:
             self.rng.reseed(0)
         self.is_logger = groups.is_logging_rank
@@ -239,7 +241,9 @@ class Trainer:
 
     def _load_rng(self, saved: dict | None, manifest: Manifest) -> None:
         """The saved streams when this rank continues the same rank of the same layout, else fresh ones."""
-        if saved is None or not self.progress.step or manifest.get("layout") != self.layout.to_dict():
+        saved_layout = manifest.get("layout")  # as a layout: a key added since then takes its default
+        same = saved_layout is not None and ParallelLayout(**saved_layout).to_dict() == self.layout.to_dict()
+        if saved is None or not self.progress.step or not same:
             self.rng.reseed(self.progress.step)
         else:
             self.rng.load(saved)

@@ -36,6 +36,7 @@ RUNS["pp2_tp2"] = (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_pa
 RUNS["pp2_dp2"] = (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.schedule": "interleaved", "parallel.vpp": 2})
 RUNS["gpt2_pp2_dp2"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 2, "parallel.dp": 2,
                              "parallel.schedule": "zb-h1"})  # the tied head's weight gradient deferred
+RUNS["gpt2_pp4"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 4})  # tied, stages between
 
 
 EVAL = ("ref", "pp2_split")  # validation during training (eval.interval) through the pipeline too
