@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from mpformer.checkpoint.io import save_checkpoint
+from mpformer.checkpoint.manifest import Manifest
 from mpformer.core.shards import Shard
-
-Manifest = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class Part:
 
 class Checkpointer:
     def __init__(self, save_dir: Path, parts: Sequence[Part], *, rank: int, keep: int = 0,
-                 extra: Callable[[], Manifest] | None = None,
+                 extra: Callable[[], dict[str, Any]] | None = None,
                  populate: Callable[[Path], None] | None = None) -> None:
         """``extra()``: manifest entries beside the parts' (model config, layout, ...); ``populate(dir)``
         adds files on rank 0 before the manifest is written (the tokenizer)."""
@@ -71,7 +70,7 @@ class Checkpointer:
     def load(self, manifest: Manifest) -> Manifest:
         """Restore every part from the checkpoint whose ``manifest`` preflight read and checked (its
         ``path``: the step directory), so that the model config and the weights come from one step."""
-        step_dir = str(manifest["path"])
+        step_dir = str(manifest.path)
         for p in self.parts:
             if p.load_tensors is not None:
                 p.load_tensors(step_dir, manifest)

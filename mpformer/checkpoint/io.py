@@ -22,6 +22,7 @@ from torch import nn
 
 from mpformer.checkpoint.manifest import (
     LATEST,
+    Manifest,
     check_files,
     commit_dir,
     fresh_temp_dir,
@@ -173,7 +174,7 @@ def read_all_tensors(ckpt_dir: str | Path, prefix: str = MODEL_PREFIX) -> dict[s
     return {k[len(prefix):]: v for k, v in out.items()}
 
 
-def open_checkpoint(ckpt_dir: str | Path) -> dict[str, Any]:
+def open_checkpoint(ckpt_dir: str | Path) -> Manifest:
     """The manifest of a checkpoint whose files are all present and intact (``path``: its step dir)."""
     manifest = read_manifest(ckpt_dir)
     check_files(manifest)
@@ -181,18 +182,17 @@ def open_checkpoint(ckpt_dir: str | Path) -> dict[str, Any]:
 
 
 def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load weights (and optimizer state if the checkpoint has it); returns the manifest."""
+                    optimizer: torch.optim.Optimizer | None = None) -> Manifest:
+    """Load weights (and optimizer state if the checkpoint has it); returns the manifest, with
+    ``loaded_optimizer`` saying which."""
     manifest = open_checkpoint(ckpt_dir)
-    d = manifest["path"]
-    load_tensors(d, model_state(model))
-    manifest["loaded_optimizer"] = False
-    if optimizer is not None and manifest.get("has_optimizer"):
+    load_tensors(manifest.path, model_state(model))
+    loaded = optimizer is not None and manifest.has_optimizer
+    if loaded:
         targets = optimizer_state(model, optimizer)
-        load_tensors(d, targets)
+        load_tensors(manifest.path, targets)
         set_optimizer_step(optimizer, targets[OPTIM_PREFIX + "step"].local)
-        manifest["loaded_optimizer"] = True
-    return manifest
+    return manifest.with_entries(loaded_optimizer=loaded)
 
 
 def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, Shard],

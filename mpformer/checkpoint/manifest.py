@@ -19,7 +19,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +122,45 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
                       f"'{LATEST}' (a save directory)")
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Manifest(Mapping[str, Any]):
+    """A checkpoint's manifest.json as read and checked: what mpformer reads of it, typed, over the
+    JSON object itself. As a read-only Mapping it is that object (a part's state is the value under
+    the part's name, and ``path`` the step directory), for the parts and for tools reading raw keys."""
+
+    path: Path  # the step directory
+    step: int
+    model: dict[str, Any]
+    has_optimizer: bool
+    layout: dict[str, Any] | None
+    tokenizer: str | None  # the tokenizer folder inside the checkpoint, if it carries one
+    files: dict[str, dict[str, Any]]  # relative path -> sha256 and bytes
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def parse(cls, step_dir: Path, m: dict[str, Any]) -> Manifest:
+        try:
+            return cls(step_dir, int(m["step"]), dict(m["model"]), bool(m.get("has_optimizer")), m.get("layout"),
+                       m.get("tokenizer"), dict(m.get("files", {})), {**m, "path": str(step_dir)})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"checkpoint {step_dir}: {MANIFEST} lacks or mangles {e}; it is not a complete "
+                              f"{FORMAT}") from None
+
+    def with_entries(self, **entries: Any) -> Manifest:
+        """The same manifest with extra entries (what a load did, say), this one unchanged."""
+        return replace(self, raw={**self.raw, **entries})
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
     d = resolve_checkpoint_dir(path)
     try:
         m = json.loads((d / MANIFEST).read_text())
@@ -129,14 +169,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if m.get("format") != FORMAT or m.get("version") != VERSION:
         raise ConfigError(f"checkpoint {d}: format {m.get('format')} v{m.get('version')} is not "
                           f"{FORMAT} v{VERSION}")
-    m["path"] = str(d)
-    return m
+    return Manifest.parse(d, m)
 
 
-def check_files(manifest: dict[str, Any], *, checksums: bool = False) -> None:
+def check_files(manifest: Manifest, *, checksums: bool = False) -> None:
     """Every file the manifest lists exists with its size (and, if asked, its sha256)."""
-    d = Path(manifest["path"])
-    for rel, info in manifest["files"].items():
+    d = manifest.path
+    for rel, info in manifest.files.items():
         p = d / rel
         if not p.is_file():
             raise ConfigError(f"checkpoint {d}: file {rel} listed in the manifest is missing")
@@ -147,12 +186,12 @@ def check_files(manifest: dict[str, Any], *, checksums: bool = False) -> None:
             raise ConfigError(f"checkpoint {d}: file {rel} fails its sha256 check (corrupt)")
 
 
-def check_model_matches(manifest: dict[str, Any], model: ModelConfig) -> None:
+def check_model_matches(manifest: Manifest, model: ModelConfig) -> None:
     """A checkpoint of another model shape fails with the first differing field named."""
-    saved = ModelConfig.from_dict(manifest["model"]).shape_signature()
+    saved = ModelConfig.from_dict(manifest.model).shape_signature()
     want = model.shape_signature()
     diff = [k for k in want if saved.get(k) != want.get(k)]
     if diff:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)} vs config {want.get(k)}" for k in diff)
-        raise ConfigError(f"checkpoint {manifest['path']} holds another model shape ({details}); use the "
+        raise ConfigError(f"checkpoint {manifest.path} holds another model shape ({details}); use the "
                           f"model config it was saved with or another checkpoint")

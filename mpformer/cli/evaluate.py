@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = ProcessGroups.build(layout, device)
         rank = build_rank(model_cfg, layout, groups, seq_length=tokens.shape[1] - 1, seed=0)
         model, plan = rank.model.eval(), rank.plan if layout.pp > 1 else None
-        load_checkpoint(manifest["path"], model)
+        load_checkpoint(manifest.path, model)
         if plan is None:
             loss, count = evaluate_loss(model, tokens, cfg.eval.micro_batch_size, device.torch_device,
                                         groups.comm("dp"))

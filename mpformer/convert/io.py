@@ -25,7 +25,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mpformer.checkpoint.io import MODEL_PREFIX, quiet_dcp, read_all_tensors
-from mpformer.checkpoint.manifest import check_files, commit_dir, fresh_temp_dir, read_manifest, write_manifest
+from mpformer.checkpoint.manifest import (
+    Manifest,
+    check_files,
+    commit_dir,
+    fresh_temp_dir,
+    read_manifest,
+    write_manifest,
+)
 from mpformer.convert import adapter_for_arch, adapter_for_hf_config
 from mpformer.convert.base import hf_dtype_name
 from mpformer.convert.hf_io import (
@@ -128,9 +135,9 @@ def mpformer_to_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     _check_out(out, "--out")
     tok_src = _tokenizer_source(manifest, tokenizer)
-    cfg = ModelConfig.from_dict(manifest["model"]).validate()
+    cfg = ModelConfig.from_dict(manifest.model).validate()
     adapter = adapter_for_arch(cfg.arch)
-    canonical = read_all_tensors(manifest["path"])
+    canonical = read_all_tensors(manifest.path)
     hf_state = adapter.to_hf(canonical, cfg)
     hf_cfg, notes = adapter.config_to_hf(cfg)
     hf_cfg["dtype"] = hf_cfg["torch_dtype"] = hf_dtype_name(hf_state)  # 5.x and 4.x spellings
@@ -166,7 +173,7 @@ def _token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
     return {k: getattr(tok, k, None) for k in TOKEN_ID_KEYS}
 
 
-def _tokenizer_source(manifest: dict[str, Any], tokenizer: str | os.PathLike | None) -> Path | None:
+def _tokenizer_source(manifest: Manifest, tokenizer: str | os.PathLike | None) -> Path | None:
     if tokenizer is not None:
         src = Path(tokenizer)
         if not src.is_dir():
@@ -175,9 +182,9 @@ def _tokenizer_source(manifest: dict[str, Any], tokenizer: str | os.PathLike | N
             raise ConfigError(f"--tokenizer {src} holds no tokenizer files; expected any of "
                               f"{format_choices(TOKENIZER_FILES)}")
         return src
-    name = manifest.get("tokenizer")
-    if name and (Path(manifest["path"]) / name).is_dir():
-        return Path(manifest["path"]) / name
+    name = manifest.tokenizer
+    if name and (manifest.path / name).is_dir():
+        return manifest.path / name
     return None
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpformer.checkpoint.manifest import check_files, check_model_matches, read_manifest
+from mpformer.checkpoint.manifest import Manifest, check_files, check_model_matches, read_manifest
 from mpformer.core.composed import Composed
 from mpformer.core.config import Config, check_training_config
 from mpformer.core.errors import ConfigError
@@ -45,11 +45,11 @@ class RunSpec:
     resolved: dict[str, Any]  # cfg as resolved_config.yaml holds it
     dataset: GPTDataset | BlendedDataset
     eval_tokens: np.ndarray | None  # eval.tokens, when validation runs during training
-    manifest: dict[str, Any] | None  # the checkpoint to load: read, its files checked
+    manifest: Manifest | None  # the checkpoint to load: read, its files checked
     prediction: Prediction | None  # the cost model's, when a cluster is named or parallel=auto chose
 
 
-def adopt_checkpoint_model(composed: Composed) -> tuple[ModelConfig, dict[str, Any] | None]:
+def adopt_checkpoint_model(composed: Composed) -> tuple[ModelConfig, Manifest | None]:
     """The model config and, with checkpoint.load, its manifest. With a checkpoint the model is the
     checkpoint's, with any ``model.<key>=`` overrides applied on top; a preset chosen on the command
     line (model=..., experiment=...) is used as is. Either way the shapes must match the checkpoint's."""
@@ -61,16 +61,16 @@ def adopt_checkpoint_model(composed: Composed) -> tuple[ModelConfig, dict[str, A
     check_files(manifest, checksums=os.environ.get("RANK", "0") == "0")
     model = cfg.model
     if not (composed.overridden_group("model") or composed.overridden_group("experiment")):
-        saved = ModelConfig.from_dict(manifest["model"])
+        saved = ModelConfig.from_dict(manifest.model)
         model = replace(saved, **{key: getattr(cfg.model, key) for key in composed.overridden_keys("model")})
     check_model_matches(manifest, model)
     return model, manifest
 
 
-def check_resume_data(manifest: dict[str, Any], cfg: Config) -> None:
+def check_resume_data(manifest: Manifest, cfg: Config) -> None:
     """A resume continues the saved sample stream; a changed stream must be asked for (finetune)."""
     saved = (manifest.get("trainer") or {}).get("data")
-    if saved is None or cfg.checkpoint.finetune or not manifest.get("has_optimizer"):
+    if saved is None or cfg.checkpoint.finetune or not manifest.has_optimizer:
         return
     now = {"paths": [str(Path(p).resolve()) for p in cfg.data.paths], "weights": cfg.data.weights,
            "seq_length": cfg.train.seq_length, "seed": cfg.train.seed}

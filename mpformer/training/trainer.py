@@ -73,8 +73,8 @@ class Trainer:
         self.progress = Progress()
         self.rng = DropoutStreams(self.device, self.tp.rng, t.seed, groups.coords["dp"], groups.coords["pp"])
         tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
-        if tok is None and spec.manifest is not None and spec.manifest.get("tokenizer"):
-            tok = Path(spec.manifest["path"]) / spec.manifest["tokenizer"]  # keep carrying it
+        if tok is None and spec.manifest is not None and spec.manifest.tokenizer:
+            tok = spec.manifest.path / spec.manifest.tokenizer  # keep carrying it
         self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else spec.run_dir / "checkpoints"
         self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=groups.rank, keep=cfg.checkpoint.keep,
                                          extra=lambda: self._manifest(tok),
@@ -207,7 +207,7 @@ class Trainer:
         self.metrics.message(f"saved checkpoint {path}")
         return path
 
-    def _manifest(self, tokenizer: Path | None) -> Manifest:
+    def _manifest(self, tokenizer: Path | None) -> dict:
         out = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
                "world_size": self.layout.world_size, "config": self.spec.resolved}
         if tokenizer is not None:
@@ -225,7 +225,7 @@ class Trainer:
 
     def _resuming(self, manifest: Manifest) -> bool:
         """A resume continues the saved run (optimizer state, counters); a fine-tune takes the weights."""
-        return bool(manifest.get("has_optimizer")) and not self.cfg.checkpoint.finetune
+        return manifest.has_optimizer and not self.cfg.checkpoint.finetune
 
     def _load_tensors(self, step_dir: str, manifest: Manifest) -> None:
         self.engine.load(step_dir, optimizer=self._resuming(manifest))
@@ -241,7 +241,7 @@ class Trainer:
 
     def _load_rng(self, saved: dict | None, manifest: Manifest) -> None:
         """The saved streams when this rank continues the same rank of the same layout, else fresh ones."""
-        saved_layout = manifest.get("layout")  # as a layout: a key added since then takes its default
+        saved_layout = manifest.layout  # as a layout: a key added since then takes its default
         same = saved_layout is not None and ParallelLayout(**saved_layout).to_dict() == self.layout.to_dict()
         if saved is None or not self.progress.step or not same:
             self.rng.reseed(self.progress.step)
