@@ -114,6 +114,17 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def cpu_model() -> str:
+    """The CPU's name as the kernel reports it (machines of one kind differ: AVX2-only EPYC, AMX Xeons)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict[str, Any]:
     """What the numbers depend on: versions, threads, the CPU's vector ISA as torch sees it."""
     env: dict[str, Any] = {
@@ -123,6 +134,7 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": cpu_model(),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     try:

@@ -8,14 +8,27 @@ on the schedule itself, data-parallel reduction with its overlap, and the optimi
               elementwise work (norms, activations, dropout, residuals) as memory traffic over HBM
     TP / SP   2 all-reduces (or all-gather + reduce-scatter) of s b h per layer in forward and 2 in
               backward, not overlapped (Megatron)
+    CP        per layer, what each cp kind exposes (``cp_layer_times``; every kind shares the zigzag split,
+              s/cp positions per rank, the same attention FLOPs as one rank's queries against all keys):
+              ring      K/V (kv heads only) hop cp-1 times in forward, each hop hidden behind one block of
+                        attention (exposed: max(0, hop - block) per hop); in backward K/V hop cp-1 times
+                        again and dK/dV cp times, behind the blocks' backward, the last dK/dV hop exposed
+              allgather one all-gather of K/V over cp in forward, one reduce-scatter of dK/dV in
+                        backward, not overlapped (Llama 3)
+              ulysses   all-to-all of q, k, v in and of the output back, four more in backward, over
+                        U = cp ranks; kv heads replicated to U when U exceeds them (more bytes)
+              hybrid    Ulysses over U = cp_ulysses ranks inside a ring over cp / U ranks that carries
+                        the post-all-to-all K/V (heads / U per rank, U s/cp positions)
+              selective or full recompute reruns the attention core and with it its forward's traffic
     PP        per-stage F / B / W costs into ``simulate`` with the actual schedule; p2p over the link
               between stages
     DP / ZeRO gradient reduce-scatter or all-reduce overlapped with the backward of the last
               micro-batch; parameter all-gather after the step (stages 1-2) or per layer (stage 3)
     step      the optimizer reads and writes its shard's state, masters and gradients: HBM-bound
 
-Rank order (topology.py): tp fastest, then cp, dp, pp; a group whose ranks span more than one node
-runs at the inter-node link's rate.
+Rank order (topology.py): tp fastest, then cp (its Ulysses ranks fastest inside it: cp rank = u + U r),
+dp, pp; a group whose ranks span more than one node runs at the inter-node link's rate. Gradients of
+the weights (replicated over dp and cp) reduce, and ZeRO shards, over dp x cp ranks.
 
 A CPU host (a cluster with ``cores``, local-cpu) runs several ranks on shared cores. Its measured
 profile (profile.py) gives kernel rates by shape, attention's fused kernel, the slowdown of each rank
@@ -39,7 +52,7 @@ from mpformer.autoconfig.calibration import SPLIT, Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
 from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
-from mpformer.core.layout import ParallelLayout
+from mpformer.core.layout import CP_KINDS, ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
 from mpformer.pipeline.actions import Schedule
@@ -57,6 +70,7 @@ ELEMENTWISE_PASSES = 4.0  # reads + writes of the layer's activation bytes by no
 class Breakdown:
     compute_s: float = 0.0
     tp_comm_s: float = 0.0
+    cp_comm_s: float = 0.0  # context-parallel traffic not hidden behind attention (on the slowest rank)
     pp_bubble_s: float = 0.0
     p2p_s: float = 0.0
     dp_comm_exposed_s: float = 0.0
@@ -83,7 +97,7 @@ def _gemm_time(c: Cluster, dtype: str, m: int, n: int, k: int, batch: int = 1) -
     return batch * 2.0 * m * n * k / (c.peak(dtype) * gemm_efficiency(c, dtype, m, n, k))
 
 
-RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 
 def _attention_time(c: Cluster, dtype: str, s_q: int, s_k: int, d: int, heads: int) -> float:
@@ -99,8 +113,9 @@ def _attention_time(c: Cluster, dtype: str, s_q: int, s_k: int, d: int, heads: i
 
 
 def _collective(c: Cluster, kind: str, nbytes: float, n: int, spans_nodes: bool) -> float:
-    """Ring time: all-reduce moves 2 (n-1)/n of the buffer, all-gather / reduce-scatter (n-1)/n. A
-    measured profile's alpha-beta fit of this op and group size (taken with every rank busy) wins."""
+    """Ring time: all-reduce moves 2 (n-1)/n of the buffer, all-gather / reduce-scatter / all-to-all
+    (n-1)/n (docs/formulas.md section 5; all-to-all: every rank keeps 1/n of its buffer). A measured
+    profile's alpha-beta fit of this op and group size (taken with every rank busy) wins."""
     if n <= 1:
         return 0.0
     fit = c.measured.get("fits", {}).get(f"{kind}/{n}")
@@ -120,7 +135,14 @@ def _p2p(c: Cluster, nbytes: float, spans_nodes: bool) -> float:
 
 
 def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float, float]:
-    """(F, BI, BW, TP communication) seconds of one layer for one micro-batch on one rank."""
+    """(F, BI, BW, TP + CP communication) seconds of one layer for one micro-batch on one rank."""
+    f, bi, bw_, tp_comm, attn = layer_times_parts(m, L, w, c)
+    return f, bi, bw_, tp_comm + sum(cp_layer_times(m, L, w, c, attn))
+
+
+def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
+                      ) -> tuple[float, float, float, float, float]:
+    """(F, BI, BW, TP communication, attention forward) seconds of one layer, one micro-batch, one rank."""
     dt = w.precision if w.precision != "fp32" else "fp32"
     t, s, b, h = L.tp, w.seq_length // L.cp, w.micro_batch_size, m.hidden_size
     d, tokens = m.head_size, s * b
@@ -146,12 +168,62 @@ def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> t
     kinds = ("all_gather", "reduce_scatter") if L.sequence_parallel else ("all_reduce", None)
     per = sum(_collective(c, k, act, t, spans) for k in kinds if k)  # one AR, or one AG + one RS
     tp_comm = (6 if L.recompute == "full" else 4) * per  # 2 in forward, 2 in backward, 2 more to recompute
-    if L.cp > 1:  # ring attention: cp-1 K/V blocks in, overlapped with the blocks' attention compute
-        kv_block = 2 * s * b * kv * BYTES[w.precision]
-        bw_cp, lat_cp = c.link(t * L.cp > c.devices_per_node)
-        ring = (L.cp - 1) * (lat_cp + kv_block / bw_cp)
-        tp_comm += max(ring - attn, 0.0) + max(2 * ring - 2 * attn, 0.0)  # forward; backward (dK, dV too)
-    return f, bi, bw_, tp_comm
+    return f, bi, bw_, tp_comm, attn
+
+
+def cp_layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, attn: float | None = None
+                   ) -> tuple[float, float]:
+    """Exposed context-parallel communication of one layer for one micro-batch: (forward, backward).
+    ``attn``: the rank's attention forward (its queries against every key), which ring hops hide behind
+    block by block; on a CPU host whose ranks share the cores nothing hides (no core is free).
+
+    Bytes per rank, S = s/cp positions, b micro-batch, d head size, k and n kv and query heads per tp
+    rank, B bytes per activation element. Ring hop: 2 S b k d B (dK/dV hops: 2 S b k d fp32 values, exact partial sums).
+    All-gather / reduce-scatter: the gathered 2 s b k d B. Ulysses all-to-all of a tensor of H heads:
+    S b max(H, U) d B, of which (U-1)/U leaves the rank (kv heads repeated to U when U exceeds them:
+    every rank receives whole heads). Megatron-LM's context parallelism (--cp-comm-type p2p |
+    allgather | a2a | a2a+p2p) and DeepSpeed-Ulysses (Jacobs et al. 2023: 4 N h / P elements per link
+    for q, k, v and the output) move the same volumes; shared/reference/formulas.md has no cp formula."""
+    if L.cp == 1:
+        return 0.0, 0.0
+    if L.cp_kind not in _CP_PRICED:
+        raise ValueError(f"cp_kind={L.cp_kind!r} has no cost model; priced: {', '.join(_CP_PRICED)}")
+    if attn is None:
+        attn = layer_times_parts(m, L, w, c)[4]
+    wb, b, d = BYTES[w.precision], w.micro_batch_size, m.head_size
+    seq, heads, kv = w.seq_length // L.cp, m.num_attention_heads // L.tp, max(m.kv_heads // L.tp, 1)
+    u = ulysses_degree(L)
+    spans_cp = L.tp * L.cp > c.devices_per_node
+    fwd = bwd = 0.0
+    if u > 1:  # q, k, v scattered by heads and gathered by sequence; the output back; the same four in backward
+        spans_u = L.tp * u > c.devices_per_node
+
+        def a2a(h: int) -> float:
+            return _collective(c, "all_to_all", seq * b * max(h, u) * d * wb, u, spans_u)
+
+        fwd = bwd = 2 * a2a(heads) + 2 * a2a(kv)
+        seq, kv = seq * u, max(kv, u) // u  # what the ring (hybrid) then carries
+    ring = L.cp // u
+    if L.cp_kind == "allgather":
+        gathered = 2 * L.cp * seq * b * kv * d * wb
+        fwd += _collective(c, "all_gather", gathered, L.cp, spans_cp)
+        bwd += _collective(c, "reduce_scatter", gathered, L.cp, spans_cp)
+    elif ring > 1:  # ring, or hybrid's ring of Ulysses groups
+        hop = _p2p(c, 2 * seq * b * kv * d * wb, spans_cp)
+        dhop = _p2p(c, 2 * seq * b * kv * d * 4, spans_cp)  # dK/dV partial sums travel in fp32 (ring.py)
+        block = attn / ring if slowdowns(c) is None else 0.0
+        fwd += (ring - 1) * max(hop - block, 0.0)
+        # backward step j: K/V in for step j+1 (j < R-1), dK/dV of step j-1 out (j > 0), behind the
+        # block's backward (twice its forward); then the last block's dK/dV home, exposed
+        bwd += (max(hop - 2 * block, 0.0) + max(dhop - 2 * block, 0.0)
+                + (ring - 2) * max(hop + dhop - 2 * block, 0.0) + dhop)
+    if L.recompute != "none":  # the checkpointed attention core runs its forward again, traffic included
+        bwd += fwd
+    return fwd, bwd
+
+
+_CP_PRICED = ("ring", "allgather", "ulysses", "hybrid")
+assert set(_CP_PRICED) == set(CP_KINDS), "cost.py must price exactly the cp kinds the runtime has (CP_KINDS)"
 
 
 def head_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> float:
@@ -235,13 +307,19 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     compute = micro * compute_per_micro / L.pp
     tp_step = tp_step_time(m, L, c, cal)
     pipe += tp_step
-    tp_comm = micro * max(sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)) + tp_step
+    waits = [sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)]
+    slowest = max(range(L.pp), key=waits.__getitem__)
+    tp_comm = micro * waits[slowest] + tp_step
+    mine = [counts[chunk * L.pp + slowest] for chunk in range(L.vpp)]
+    cp_comm = micro * sum(sum(ns) * sum(cp_layer_times(m, lay, w, c)) for lay, ns in _recompute_split(L, mine)) \
+        if L.cp > 1 else 0.0
     dp_exposed = _dp_time(m, L, w, c, params_per_rank, micro, bs[-1] + wc[-1], slow is not None)
-    shard = params_per_rank / (L.dp if L.zero >= 1 else 1)
+    shard = params_per_rank / (L.dp * L.cp if L.zero >= 1 else 1)  # ZeRO shards over dp x cp
     optimizer = shard * (2 * (4 + 4 + 8) + 4 + BYTES[w.precision]) / c.memory_bandwidth
     if slow is not None:
         optimizer *= interpolate(slow, c.devices_per_node)
-    return Breakdown(compute_s=compute, tp_comm_s=tp_comm, pp_bubble_s=max(pipe - compute - tp_comm, 0.0), p2p_s=p2p,
+    return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm,
+                     pp_bubble_s=max(pipe - compute - tp_comm, 0.0), p2p_s=p2p,
                      dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
                      extra={"microbatches": micro, "params": params_per_rank})
 
@@ -250,20 +328,26 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
                 counts: list[int] | None = None, cal: Calibration | None = None
                 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per (chunk) stage and micro-batch: forward, backward (input), weight-gradient compute (the last
-    two merged unless the schedule splits them), and the tensor-parallel collectives waited in."""
+    two merged unless the schedule splits them), and the tensor- and context-parallel collectives
+    waited in (the profile's tensor-parallel correction scales only the first)."""
     counts = stage_counts(m, L, w.seq_length) if counts is None else counts
-    f, bi, bw_, tp_comm = layer_times(m, L, w, c)
     cal = calibration(c) if cal is None else cal
     k, split_factor = cal.compute, cal.split
     split = L.schedule in ("zb-h1", "zb-h2")
-    f, bi, bw_ = k * f, k * bi * (split_factor if split else 1), k * bw_ * (split_factor if split else 1)
-    fc = [n * f for n in counts]
-    bc = [n * (bi + (0 if split else bw_)) for n in counts]
-    wc = [n * bw_ if split else 0.0 for n in counts]
+    fc, bc, wc, tps, cps = ([0.0] * len(counts) for _ in range(5))
+    for lay, ns in _recompute_split(L, counts):  # recomputed layers and the others cost differently
+        f, bi, bw_, tp_comm, attn = layer_times_parts(m, lay, w, c)
+        cp = sum(cp_layer_times(m, lay, w, c, attn))
+        f, bi, bw_ = k * f, k * bi * (split_factor if split else 1), k * bw_ * (split_factor if split else 1)
+        for i, n in enumerate(ns):
+            fc[i] += n * f
+            bc[i] += n * (bi + (0 if split else bw_))
+            wc[i] += n * bw_ if split else 0.0
+            tps[i] += n * tp_comm
+            cps[i] += n * cp
     head = k * head_time(m, L, w, c)
     fc[-1] += head / 3
     bc[-1] += 2 * head / 3
-    tps = [n * tp_comm for n in counts]
     if L.tp > 1:  # the vocabulary-parallel embedding and head, and the cross-entropy's three reductions
         tokens = w.seq_length // L.cp * w.micro_batch_size
         act = tokens * m.hidden_size * BYTES[w.precision]
@@ -271,7 +355,16 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
         edge = sum(_collective(c, k, act, L.tp, L.tp > c.devices_per_node) for k in kinds)
         tps[0] += edge
         tps[-1] += edge + 3 * _collective(c, "all_reduce", tokens * 4, L.tp, L.tp > c.devices_per_node)
-    return fc, bc, wc, [cal.tp_factor(L.tp) * t for t in tps]
+    return fc, bc, wc, [cal.tp_factor(L.tp) * t + x for t, x in zip(tps, cps)]
+
+
+def _recompute_split(L: ParallelLayout, counts: list[int]) -> list[tuple[ParallelLayout, list[int]]]:
+    """(layout, layers per chunk) pairs: parallel.recompute_layers=K recomputes the first K layers of
+    each chunk, the rest run as without recompute."""
+    if L.recompute == "none" or L.recompute_layers is None:
+        return [(L, list(counts))]
+    done = [min(L.recompute_layers, n) for n in counts]
+    return [(L, done), (replace(L, recompute="none", recompute_layers=None), [n - d for n, d in zip(counts, done)])]
 
 
 def tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster, cal: Calibration | None = None) -> float:

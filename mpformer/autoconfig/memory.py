@@ -1,12 +1,15 @@
 """Memory per device of a plan, per pipeline stage: model state, activations, transients, overhead.
 
-    model state   the ZeRO table (docs/formulas.md) for the parameters this rank holds: its stage's layers
+    model state   the ZeRO table (docs/formulas.md, N_d = dp x cp: cp ranks hold the same weights) for
+                  the parameters this rank holds: its stage's layers
                   cut by tp (blocks tp replicates - norm gains, kv heads when tp > kv heads - counted
                   whole), the embedding on the first stage, the LM head (or the tied embedding's
                   copy) on the last; bytes per parameter from the precision (16-bit: fp32 main
                   gradients and masters, as mpformer keeps them)
     activations   Korthikanti et al.'s bytes per layer for 16-bit activations (x2 for fp32), with
-                  tp / sp / cp and the recompute mode, times the layers of one pipeline chunk, times
+                  tp / sp / cp (s/cp positions per rank) and the recompute mode, plus what a cp kind
+                  saves beyond its own K/V (``cp_extra_bytes_per_layer``: allgather the gathered
+                  sequence's K/V, Ulysses kv heads repeated to U), times the layers of one pipeline chunk, times
                   the chunks in flight that the chosen schedule really keeps on this rank (verified
                   from the schedule's own action lists), plus the first stage's embedding output and
                   the last stage's fp32 logits and their gradient
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from mpformer.core.layout import ParallelLayout
+from mpformer.core.layout import ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
 from mpformer.optim.memory import zero_formula_bytes
@@ -79,7 +82,9 @@ def stage_params(m: ModelConfig, L: ParallelLayout, stage_layers: int, first: bo
 
 
 def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
-    """Korthikanti et al. Table 2 (16-bit activations and 1-byte dropout masks), scaled for fp32."""
+    """Korthikanti et al. Table 2 (16-bit activations and 1-byte dropout masks), scaled for fp32; s is
+    the rank's s/cp positions. Under cp > 1 no score matrix is kept (context_parallel/ saves only
+    q, k, v, the output and the log-sum-exp rows), so without recompute the s^2 term goes."""
     s, b, h, a, t = w.seq_length // L.cp, w.micro_batch_size, m.hidden_size, m.num_attention_heads, L.tp
     if L.recompute == "full":
         per = 2.0  # the layer input only
@@ -87,9 +92,27 @@ def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -
         per = 34.0 / t
     else:
         per = 10.0 + 24.0 / t
-    if L.recompute == "none":
+    if L.recompute == "none" and L.cp == 1:  # cp attention runs blockwise: q, k, v, output, row statistics
         per += 5.0 * a * s / (h * t)  # attention scores, softmax and its dropout mask (s^2 per head)
     return s * b * h * per * BYTES[w.precision] / 2
+
+
+def cp_extra_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
+    """Bytes a cp kind keeps per layer for the backward beyond the rank's own K/V (which the layer's
+    activations already count), without recompute (a recomputed attention core keeps only its inputs).
+
+    allgather  the K/V gathered over the whole sequence: 2 s b k d, less the rank's own 2 (s/cp) b k d
+    ulysses    after the all-to-all each rank keeps q, k, v of U s/cp positions and 1/U of the heads;
+               with kv heads repeated to U (U > k): 2 (s/cp) b (U - k) d more
+    hybrid     the same for its Ulysses degree; the ring keeps only the rank's own K/V
+    (k kv heads per tp rank, d head size, s the whole sequence.)"""
+    if L.cp == 1 or L.recompute != "none":
+        return 0.0
+    seq, b, d, wb = w.seq_length // L.cp, w.micro_batch_size, m.head_size, BYTES[w.precision]
+    kv, u = max(m.kv_heads // L.tp, 1), ulysses_degree(L)
+    if L.cp_kind == "allgather":
+        return 2.0 * (L.cp - 1) * seq * b * kv * d * wb
+    return 2.0 * seq * b * (max(kv, u) - kv) * d * wb
 
 
 def inflight_closed_form(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...] | None:
@@ -119,23 +142,32 @@ def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, 
 def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str = "cuda",
                 bucket_mb: float = 25.0) -> list[StageMemory]:
     """Per pipeline rank (pp entries): the bytes one device of that stage needs."""
+    if L.recompute_layers == 0:  # no layer recomputes
+        L = replace(L, recompute="none", recompute_layers=None)
     wb = BYTES[w.precision]
     g, master = 4, (4 if wb < 4 else 0)
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     peaks = inflight(L.schedule, L.pp, micro, L.vpp) if L.pp > 1 else (1,)
     counts = stage_counts(m, L, w.seq_length)
-    act_layer = activation_bytes_per_layer(m, L, w)
+    act_layer = activation_bytes_per_layer(m, L, w) + cp_extra_bytes_per_layer(m, L, w)
+    plain = replace(L, recompute="none", recompute_layers=None)  # layers past recompute_layers keep everything
+    act_plain = activation_bytes_per_layer(m, plain, w) + cp_extra_bytes_per_layer(m, plain, w)
     s, b = w.seq_length // L.cp, w.micro_batch_size
+    recomputing = 0.0  # live while one layer is recomputed: its activations (full), its cp buffers (allgather)
+    if L.recompute == "full":
+        recomputing += activation_bytes_per_layer(m, replace(L, recompute="selective"), w)
+    if L.recompute != "none" and L.cp > 1:
+        recomputing += cp_extra_bytes_per_layer(m, replace(L, recompute="none"), w)
     out = []
     for r in range(L.pp):
         layers = sum(counts[c * L.pp + r] for c in range(L.vpp))
         first, last = r == 0, r == L.pp - 1
         n = stage_params(m, L, layers, first, last)
-        state = zero_formula_bytes(L.zero, n, L.dp, w=wb, g=g, m=master, k=8)
+        state = zero_formula_bytes(L.zero, n, L.dp * L.cp, w=wb, g=g, m=master, k=8)
         chunk_layers = layers / L.vpp
-        act = peaks[r] * chunk_layers * act_layer
-        if L.recompute == "full":  # one layer's activations live again while it is recomputed
-            act += activation_bytes_per_layer(m, replace(L, recompute="selective"), w)
+        done = chunk_layers if L.recompute == "none" or L.recompute_layers is None else \
+            min(L.recompute_layers, chunk_layers)
+        act = peaks[r] * (done * act_layer + (chunk_layers - done) * act_plain) + recomputing
         seq_rank = s // L.tp if L.sequence_parallel else s
         if first:
             act += peaks[r] * seq_rank * b * m.hidden_size * wb

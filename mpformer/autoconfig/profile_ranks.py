@@ -151,7 +151,7 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
         groups = ProcessGroups.build(layout, device)
         part = build_rank(cfg, layout, groups, seq_length=REFERENCE_SEQ, seed=1)
         model, plan = part.model, part.plan
-        boundary = (REFERENCE_SEQ // (layout.tp if layout.sequence_parallel else 1), 1, cfg.hidden_size)
+        boundary = (layout.local_positions(REFERENCE_SEQ), 1, cfg.hidden_size)
         p2p = P2P(groups.pp, groups.ledger, boundary, torch.float32, device.torch_device) if layout.pp > 1 else None
         micro = 2 * world // layout.dp
         schedule = build_schedule(layout.schedule, layout.pp, micro, 1)

@@ -1,33 +1,44 @@
 """Search the parallel layout: enumerate, reject with the runtime's own validate(), then by memory,
 rank by predicted iteration time; return the top plans with breakdowns and why the rest failed.
 
-Enumerated: tp (up to a node), pp, dp (what the world leaves), vpp and schedule, micro-batch size,
-ZeRO stage, recompute, sequence parallelism (always on with tp > 1: same traffic, less memory),
-cp when pinned. Any field can be pinned (``fixed``). Ranking uses the pipeline's closed form
-(bubble (p-1)/(v m + p-1) of each stage's work); the best ``resimulate`` plans are then re-timed
-with simulate.py on their actual schedules and re-ranked.
+Enumerated: tp (up to a node), cp, pp, dp (what the world leaves), vpp and schedule, micro-batch
+size, ZeRO stage, recompute, sequence parallelism (always on with tp > 1: same traffic, less memory).
+Any field can be pinned (``fixed``). Ranking uses the pipeline's closed form (bubble
+(p-1)/(v m + p-1) of each stage's work); the best ``resimulate`` plans are then re-timed with
+simulate.py on their actual schedules and re-ranked.
+
+Context parallelism: cp in powers of two that leave each rank at least ``MIN_CP_TOKENS`` positions
+(a pruning bound: on shorter sequences cp saves little activation memory, its attention blocks are
+short to hide traffic behind, and dp or tp do the same work without that traffic; pin cp to go
+below it), every cp kind of CP_KINDS (hybrid with each Ulysses degree that properly
+divides cp); validate() drops what the model cannot run (Ulysses degrees must divide the heads per
+tp rank). The kind changes only the attention's traffic and a few saved bytes, so per layout and
+recompute mode the kinds are tried fastest first (by their exposed per-layer traffic) and the
+first that fits is timed, as recompute modes are.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster
-from mpformer.autoconfig.cost import Breakdown, iteration_time
+from mpformer.autoconfig.cost import Breakdown, cp_layer_times, iteration_time
 from mpformer.autoconfig.memory import Workload, plan_memory
 from mpformer.core.config import FixedPlan
 from mpformer.core.errors import ConfigError
-from mpformer.core.layout import ParallelLayout, validate
+from mpformer.core.layout import CP_KINDS, ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig, divisors
 
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
-# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice.
-NOT_SEARCHED = ("pp_split", "grad_reduce_dtype")
+# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
+# recompute_layers refines the recompute mode by hand.
+NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "recompute_layers")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
 assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"
+MIN_CP_TOKENS = 2048  # the fewest positions per cp rank the search tries cp at (unless cp is pinned)
 
 
 @dataclass
@@ -94,9 +105,10 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: d
         return [fixed[name]] if name in fixed else values
 
     tps = options("tp", [t for t in divisors(cluster.devices_per_node) if model.num_attention_heads % t == 0])
-    cps = options("cp", [1])
     for tp in tps:
-        for cp in cps:
+        # cp attention has no dropout: a model with attention dropout trains at cp=1 (or cp pinned: explained)
+        cps = cp_values(world // tp, workload.seq_length) if model.attention_dropout == 0 else [1]
+        for cp in options("cp", cps):
             pps = [p for p in divisors(world // (tp * cp)) if p <= model.num_layers]
             for pp in options("pp", pps):
                 dp = world // (tp * cp * pp)
@@ -109,6 +121,35 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: d
     best = sorted((replace(c, time=_retime(model, c, workload, cluster)) for c in best),  # the real timeline
                   key=lambda c: c.time.iteration_s)
     return result.finished(best[:top_k], time.perf_counter() - t0)
+
+
+def cp_values(ranks: int, seq_length: int) -> list[int]:
+    """cp degrees worth trying on ``ranks`` devices (the world over tp): 1, and powers of two that
+    divide them and leave every rank two zigzag chunks of at least MIN_CP_TOKENS / 2 positions."""
+    out, cp = [1], 2
+    while cp <= ranks and seq_length // cp >= MIN_CP_TOKENS:
+        if ranks % cp == 0 and seq_length % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def cp_kinds(cp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    """(cp_kind, cp_ulysses) pairs to try at this cp: every kind of CP_KINDS, hybrid at each Ulysses
+    degree strictly between 1 and cp that divides it; pinned fields narrow them (validate() explains
+    a pinned pair that cannot run). At cp=1 the kind is moot: the default (or the pinned one)."""
+    kinds = [fixed["cp_kind"]] if "cp_kind" in fixed else list(CP_KINDS)
+    if fixed.get("cp_ulysses", 1) != 1 and "cp_kind" not in fixed:
+        kinds = ["hybrid"]  # only hybrid has a Ulysses degree of its own
+    if cp == 1:
+        return [(kinds[0] if "cp_kind" in fixed else "ring", fixed.get("cp_ulysses", 1))]
+    out = []
+    for kind in kinds:
+        degrees = [u for u in divisors(cp) if 1 < u < cp] if kind == "hybrid" else [1]
+        if "cp_ulysses" in fixed or (not degrees and "cp_kind" in fixed):  # validate() says what is wrong
+            degrees = [fixed.get("cp_ulysses", 1)]
+        out += [(kind, u) for u in degrees]
+    return out
 
 
 def _retime(model: ModelConfig, c: Candidate, w: Workload, cluster: Cluster) -> Breakdown:
@@ -127,6 +168,7 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
         result.reject("batch", f"global batch {gbs} does not split over dp={dp}")
         return
     schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2"]
+    kinds = cp_kinds(cp, fixed)
     for schedule in options("schedule", schedules):
         vpps = [1] if schedule != "interleaved" else [v for v in (2, 3, 4) if pp * v <= model.num_layers]
         for vpp in options("vpp", vpps):
@@ -136,35 +178,51 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
                     for zero in options("zero", stages):
                         # Layers that do not split evenly go to stages balanced by compute (partition.py).
                         part = "uniform" if model.num_layers % (pp * vpp) == 0 else "balanced"
-                        _recompute_choice(model, cluster, w, result, fixed, options, device,
-                                          ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, vpp=vpp, schedule=schedule,
-                                                         sequence_parallel=sp, zero=zero, pp_partition=part), mbs)
+                        base = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, vpp=vpp, schedule=schedule,
+                                              sequence_parallel=sp, zero=zero, pp_partition=part)
+                        _recompute_choice(model, cluster, w, result, options, device,
+                                          [replace(base, cp_kind=k, cp_ulysses=u) for k, u in kinds], mbs)
 
 
-def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, fixed: dict,
-                      options, device: str, base: ParallelLayout, mbs: int) -> None:
-    """The cheapest recompute mode that fits (none < selective < full in time), unless pinned."""
+def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, options,
+                      device: str, bases: list[ParallelLayout], mbs: int) -> None:
+    """The cheapest recompute mode that fits (none < selective < full in time), unless pinned; at
+    each, the layout's cp kinds (``bases``, alike but for cp_kind / cp_ulysses) fastest first."""
     ww = _with_mbs(w, mbs)
-    for rec in options("recompute", ["none", "selective", "full"]):
-        L = ParallelLayout(**{**asdict(base), "recompute": rec})
-        result.count()
+
+    def invalid(L: ParallelLayout) -> str | None:
         try:
-            # A pinned cp > 1 is modelled although the runtime cannot run it yet (published layouts).
             validate(L, model, cluster.world_size, global_batch_size=w.global_batch_size, micro_batch_size=mbs,
-                     seq_length=w.seq_length, check_implemented=fixed.get("cp", 1) == 1)
+                     seq_length=w.seq_length)
         except ConfigError as e:
+            result.count()
             result.reject("invalid layout", str(e))
-            return
-        stages = plan_memory(model, L, ww, device=device)
-        need = max(s.total for s in stages)
-        params = max(s.params for s in stages)
-        if need > cluster.memory_bytes:
-            result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
-            result.reject("out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
-            continue
-        b = iteration_time(model, L, ww, cluster, params_per_rank=params, simulate_pipeline=False)
-        result.add(Candidate(L, mbs, need, b))
+            return str(e)
+        return None
+
+    # Every rule a ring layout must meet binds every other kind too (they add rules of their own):
+    # one check rejects the whole batch of kinds for a reason none of them can fix.
+    if len(bases) > 1 and invalid(replace(bases[0], cp_kind="ring", cp_ulysses=1)):
         return
+    valid = [L for L in bases if not invalid(L)]
+    if not valid:
+        return
+    for rec in options("recompute", ["none", "selective", "full"]):
+        layouts = [replace(L, recompute=rec) for L in valid]
+        if len(layouts) > 1:  # the kinds differ only in the attention's exposed traffic
+            layouts.sort(key=lambda L: sum(cp_layer_times(model, L, ww, cluster)))
+        for L in layouts:
+            result.count()
+            stages = plan_memory(model, L, ww, device=device)
+            need = max(s.total for s in stages)
+            params = max(s.params for s in stages)
+            if need > cluster.memory_bytes:
+                result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
+                result.reject("out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
+                continue
+            b = iteration_time(model, L, ww, cluster, params_per_rank=params, simulate_pipeline=False)
+            result.add(Candidate(L, mbs, need, b))
+            return
 
 
 def no_plan_error(res: SearchResult, cluster: Cluster) -> ConfigError:
@@ -191,5 +249,6 @@ def evaluate_plan(model: ModelConfig, layout: ParallelLayout, w: Workload, clust
 
 
 def _short(L: ParallelLayout, mbs: int) -> str:
-    return (f"dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} vpp={L.vpp} {L.schedule} mbs={mbs} zero={L.zero} "
+    kind = "" if L.cp == 1 else f" {L.cp_kind}" + (f" cp_ulysses={L.cp_ulysses}" if L.cp_kind == "hybrid" else "")
+    return (f"dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp}{kind} vpp={L.vpp} {L.schedule} mbs={mbs} zero={L.zero} "
             f"recompute={L.recompute}" + (" sp" if L.sequence_parallel else ""))

@@ -84,19 +84,28 @@ def _print(res, model, cluster, w) -> None:
 
     table = Table(title=f"{len(res.feasible)} feasible of {res.evaluated} evaluated on {cluster.name} x "
                         f"{cluster.nodes} ({res.seconds:.1f} s)")
-    for col in ("dp", "tp", "pp", "cp", "vpp", "schedule", "mbs", "zero", "recompute", "sp", "iter s", "GB/dev",
-                "TFLOP/s/dev", "compute", "tp comm", "bubble", "dp comm"):
+    for col in ("dp", "tp", "pp", "cp", "cp kind", "vpp", "schedule", "mbs", "zero", "recompute", "sp", "iter s",
+                "GB/dev", "TFLOP/s/dev", "compute", "tp comm", "cp comm", "bubble", "dp comm"):
         table.add_column(col, justify="right")
     for c in res.top:
         p, b = c.plan(), c.time
         pred = _predicted(c, model, cluster.world_size, w)
-        table.add_row(*map(str, (p["dp"], p["tp"], p["pp"], p["cp"], p["vpp"], p["schedule"], p["micro_batch_size"],
-                                 p["zero"], p["recompute"], "y" if p["sequence_parallel"] else "n")),
+        sp = "y" if p["sequence_parallel"] else "n"
+        table.add_row(*map(str, (p["dp"], p["tp"], p["pp"], p["cp"], _cp_kind(p), p["vpp"], p["schedule"],
+                                 p["micro_batch_size"], p["zero"], p["recompute"], sp)),
                       f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}", f"{pred['model_tflops_per_device']:.0f}",
-                      f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}", f"{b.dp_comm_exposed_s:.3g}")
+                      f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.cp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}",
+                      f"{b.dp_comm_exposed_s:.3g}")
     Console(width=max(160, Console().width)).print(table)
     for cls, r in res.rejected.items():
         print(f"rejected {r['count']} as {cls}, e.g. {r['example']}")
+
+
+def _cp_kind(plan: dict[str, Any]) -> str:
+    """The cp kind as the table shows it: '-' without cp, hybrid with its Ulysses degree."""
+    if plan["cp"] == 1:
+        return "-"
+    return f"hybrid u={plan['cp_ulysses']}" if plan["cp_kind"] == "hybrid" else plan["cp_kind"]
 
 
 def _plot(res, path: Path) -> None:

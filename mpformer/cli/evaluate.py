@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 from mpformer.cli.compose import compose_config
 from mpformer.core.errors import ConfigError, user_errors_to_exit
@@ -22,7 +23,7 @@ from mpformer.training.evaluation import (
     load_eval_tokens,
     pipeline_evaluate_loss,
 )
-from mpformer.training.preflight import adopt_checkpoint_model
+from mpformer.training.preflight import adopt_checkpoint_model, check_eval_rows, document_eos
 
 
 @user_errors_to_exit
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = load_eval_tokens(cfg.eval.tokens, model_cfg.vocab_size,
                               model_cfg.max_position_embeddings if model_cfg.learned_positions else None)
     layout = validate(cfg.parallel.layout(), model_cfg, world_size_from_env(), seq_length=tokens.shape[1] - 1)
+    check_eval_rows(layout, tokens, cfg.eval.tokens)
+    eos = document_eos(replace(cfg, model=model_cfg))
     if layout.pp > 1:
         check_pipeline_eval(layout, tokens.shape[0], cfg.eval.micro_batch_size)
     from mpformer.checkpoint.io import load_checkpoint
@@ -47,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
         groups = ProcessGroups.build(layout, device)
-        rank = build_rank(model_cfg, layout, groups, seq_length=tokens.shape[1] - 1, seed=0)
+        rank = build_rank(model_cfg, layout, groups, seq_length=tokens.shape[1] - 1, seed=0, document_eos=eos)
         model, plan = rank.model.eval(), rank.plan if layout.pp > 1 else None
         load_checkpoint(manifest.path, model)
         if plan is None:
             loss, count = evaluate_loss(model, tokens, cfg.eval.micro_batch_size, device.torch_device,
-                                        groups.comm("dp"))
+                                        groups.data_comm(), layout.cp)
         else:
             loss, count = pipeline_evaluate_loss(model, plan, layout, groups, tokens, cfg.eval.micro_batch_size)
         if groups.is_logging_rank:

@@ -84,6 +84,9 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # indexed-dataset prefixes (P for P.bin / P.idx)
     weights: list[float] | None = None  # blending weights, one per path
     tokenizer: str | None = None  # HF tokenizer folder, copied into checkpoints for export
+    # Packed sequences hold several documents: attend only inside each (a document ends with its EOS token).
+    document_mask: bool = False
+    eos_token_id: int | None = None  # the EOS id for document_mask (None: the tokenizer's)
 
 
 @dataclass
@@ -126,6 +129,7 @@ class FixedPlan:
     pp: int | None = None
     cp: int | None = None
     cp_kind: str | None = None
+    cp_ulysses: int | None = None
     vpp: int | None = None
     micro_batch_size: int | None = None
     zero: int | None = None
@@ -188,6 +192,10 @@ def check_training_config(cfg: Config) -> None:
                           f"shards of each tensor and {o.name} keeps statistics of whole matrices; valid with "
                           f"zero > 0 or 16-bit: {', '.join(ELEMENTWISE_OPTIMIZERS)} (or zero=0 with fp32)")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    if cfg.parallel.cp > 1 and cfg.model.attention_dropout > 0:  # training only: evaluation runs without dropout
+        raise ConfigError(f"model.attention_dropout={cfg.model.attention_dropout} with parallel.cp={cfg.parallel.cp}: "
+                          "context-parallel attention has no dropout inside the attention core; valid: "
+                          "model.attention_dropout=0 (or cp=1)")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
     if t.seq_length < 1:

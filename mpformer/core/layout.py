@@ -16,7 +16,7 @@ from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.model_config import ModelConfig, divisors
 from mpformer.core.topology import Topology
 
-CP_KINDS = ("ring", "ulysses", "hybrid")
+CP_KINDS = ("ring", "allgather", "ulysses", "hybrid")  # Megatron --cp-comm-type p2p | allgather | a2a | a2a+p2p
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 SPLIT_BACKWARD = ("zb-h1", "zb-h2")  # schedules that run a backward as BI then BW (a WeightGradStore)
 RECOMPUTE = ("none", "selective", "full")
@@ -34,11 +34,13 @@ class ParallelLayout:
     pp: int = 1
     cp: int = 1
     cp_kind: str = "ring"
+    cp_ulysses: int = 1  # cp_kind=hybrid: the Ulysses degree inside a ring of cp / cp_ulysses
     vpp: int = 1
     sequence_parallel: bool = False
     zero: int = 0
     schedule: str = "1f1b"
     recompute: str = "none"
+    recompute_layers: int | None = None  # recompute only the first K layers of each pipeline chunk (None: all)
     pp_split: tuple[int, ...] | None = None  # transformer layers per global stage (pp * vpp entries)
     pp_partition: str = "uniform"  # without pp_split: equal layer counts, or balanced by compute cost
     grad_reduce_dtype: str = "fp32"  # data-parallel gradient reductions in fp32 or bf16 (accumulation: fp32)
@@ -53,6 +55,11 @@ class ParallelLayout:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    def local_positions(self, seq_length: int) -> int:
+        """Positions of a sequence one rank's activations hold between layers: 1/cp of it, and 1/tp of
+        that under sequence parallelism (the pipeline's boundary shape is [this, b, h])."""
+        return seq_length // self.cp // (self.tp if self.sequence_parallel else 1)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["pp_split"] = list(self.pp_split) if self.pp_split is not None else None
@@ -60,9 +67,12 @@ class ParallelLayout:
 
 
 # (predicate, key, what) for features whose config exists but whose runtime lands in a later issue.
-NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = [
-    (lambda L: L.cp > 1, "cp", "context parallelism", "1"),
-]
+NOT_IMPLEMENTED: list[tuple[Callable[[ParallelLayout], bool], str, str, str]] = []
+
+
+def ulysses_degree(L: ParallelLayout) -> int:
+    """Over how many ranks heads are scattered by all-to-all: all of cp (ulysses), cp_ulysses (hybrid), else 1."""
+    return {"ulysses": L.cp, "hybrid": L.cp_ulysses}.get(L.cp_kind, 1) if L.cp > 1 else 1
 
 
 def valid_tp_values(model: ModelConfig) -> list[int]:
@@ -103,7 +113,7 @@ def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:
 
 
 def _check_values(L: ParallelLayout) -> None:
-    for key in ("tp", "pp", "cp", "vpp"):
+    for key in ("tp", "pp", "cp", "vpp", "cp_ulysses"):
         v = getattr(L, key)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"parallel.{key}={v} must be an integer >= 1")
@@ -114,6 +124,21 @@ def _check_values(L: ParallelLayout) -> None:
                          ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
         if getattr(L, key) not in choices:
             raise ConfigError(f"parallel.{key}={getattr(L, key)!r} is unknown; valid: {format_choices(choices)}")
+    if L.recompute_layers is not None and (not isinstance(L.recompute_layers, int) or L.recompute_layers < 0):
+        raise ConfigError(f"parallel.recompute_layers={L.recompute_layers} must be an integer >= 0, or null for "
+                          "every layer")
+    if L.recompute_layers is not None and L.recompute == "none":
+        raise ConfigError(f"parallel.recompute_layers={L.recompute_layers} chooses which layers recompute, but "
+                          "parallel.recompute=none; valid: recompute=selective or full, or recompute_layers=null")
+    if L.cp_kind == "hybrid" and L.cp > 1:
+        ok = [u for u in divisors(L.cp) if 1 < u < L.cp]
+        if L.cp_ulysses not in ok:
+            raise ConfigError(f"parallel.cp_ulysses={L.cp_ulysses} at cp={L.cp}: hybrid needs a Ulysses degree that "
+                              f"divides cp and lies strictly between 1 and cp; valid: "
+                              f"{format_choices(ok) if ok else 'none at this cp (use cp_kind ring or ulysses)'}")
+    elif L.cp_ulysses != 1:
+        raise ConfigError(f"parallel.cp_ulysses={L.cp_ulysses} applies only to cp_kind=hybrid with cp > 1; valid "
+                          f"here: cp_ulysses=1")
 
 
 def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) -> None:
@@ -135,14 +160,28 @@ def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) 
         raise ConfigError(f"train.seq_length={seq_length} must be divisible by parallel.tp={L.tp} under sequence "
                           f"parallelism (each rank keeps seq_length/tp positions); valid: multiples of {L.tp}")
     _check_pipeline(L, model)
-    if L.cp > 1 and seq_length is not None:
-        if L.cp_kind in ("ring", "hybrid") and seq_length % (2 * L.cp):
-            raise ConfigError(f"train.seq_length={seq_length} must be divisible by 2*cp={2 * L.cp} for the "
-                              "load-balanced causal split of ring attention")
-        if L.cp_kind == "ulysses" and heads % (L.tp * L.cp):
-            raise ConfigError(f"parallel.cp={L.cp} with cp_kind=ulysses needs tp*cp to divide "
-                              f"num_attention_heads={heads}; valid cp: "
-                              f"{format_choices([c for c in divisors(heads // L.tp)])}")
+    if L.cp > 1:
+        _check_context_parallel(L, model, seq_length)
+
+
+def _check_context_parallel(L: ParallelLayout, model: ModelConfig, seq_length: int | None) -> None:
+    """Every cp kind shares one zigzag split of 2*cp chunks; Ulysses scatters this tp rank's heads."""
+    heads, kv = model.num_attention_heads // L.tp, max(1, model.kv_heads // L.tp)
+    if seq_length is not None and seq_length % (2 * L.cp * (L.tp if L.sequence_parallel else 1)):
+        sp = " * tp (sequence parallelism splits each rank's part again)" if L.sequence_parallel else ""
+        step = 2 * L.cp * (L.tp if L.sequence_parallel else 1)
+        raise ConfigError(f"train.seq_length={seq_length} must be divisible by 2*cp{sp} = {step} (the load-balanced "
+                          f"split gives each cp rank chunks i and 2cp-1-i); valid: multiples of {step}")
+    u = ulysses_degree(L)
+    if u > 1 and heads % u:
+        key = "cp" if L.cp_kind == "ulysses" else "cp_ulysses"
+        valid = [d for d in divisors(heads) if d > 1]
+        raise ConfigError(f"parallel.{key}={u} with cp_kind={L.cp_kind} does not divide the {heads} attention heads "
+                          f"per tp rank (num_attention_heads / tp); valid Ulysses degrees: {format_choices(valid)}")
+    if u > 1 and kv % u and u % kv:
+        key = "cp" if L.cp_kind == "ulysses" else "cp_ulysses"
+        raise ConfigError(f"parallel.{key}={u} with cp_kind={L.cp_kind} neither divides the {kv} kv heads per tp "
+                          f"rank nor is a multiple of them (kv heads are split or replicated)")
 
 
 def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:

@@ -10,12 +10,16 @@ scatter/gather later works on dim 0, which gloo/NCCL collectives concatenate alo
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.context_parallel.blockwise import local_attention
+from mpformer.context_parallel.context import CPContext, SeqShard
+from mpformer.context_parallel.context import attention as cp_attention
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.shards import Shard
 from mpformer.layers.linear import Linear, WeightGradStore
@@ -49,8 +53,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
     def forward(self, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        pos_s = torch.arange(offset, offset + seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        freqs_sd = torch.outer(pos_s, self.inv_freq.float())
+        return self.at(torch.arange(offset, offset + seq_len, device=self.inv_freq.device))
+
+    def at(self, pos_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables at global positions ``pos_s`` (a context-parallel rank's chunks)."""
+        freqs_sd = torch.outer(pos_s.to(self.inv_freq.device, torch.float32), self.inv_freq.float())
         emb_sd = torch.cat((freqs_sd, freqs_sd), dim=-1)
         return emb_sd.cos(), emb_sd.sin()
 
@@ -66,27 +73,32 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
 
 
 def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, *,
-                   dropout_p: float, sliding_window: int | None) -> torch.Tensor:
-    """Causal SDPA; kv heads are shared by groups of n/k query heads (enable_gqa, no copies)."""
+                   dropout_p: float, sliding_window: int | None, docs_bs: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal SDPA; kv heads are shared by groups of n/k query heads (enable_gqa, no copies). With
+    ``docs_bs`` (the document id of every position) a query sees only keys of its own document."""
     s_q, s_k = q_bnsd.shape[2], k_bksd.shape[2]
     gqa = q_bnsd.shape[1] != k_bksd.shape[1]
-    if sliding_window is None or s_k <= sliding_window:
+    if docs_bs is None and (sliding_window is None or s_k <= sliding_window):
         return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p,
                                               is_causal=True, enable_gqa=gqa)
     i = torch.arange(s_q, device=q_bnsd.device)[:, None] + (s_k - s_q)
     j = torch.arange(s_k, device=q_bnsd.device)[None, :]
-    mask_ss = (j <= i) & (i - j < sliding_window)
-    return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, attn_mask=mask_ss, dropout_p=dropout_p,
+    mask_ss = j <= i
+    if sliding_window is not None:
+        mask_ss = mask_ss & (i - j < sliding_window)
+    mask = mask_ss if docs_bs is None else mask_ss & (docs_bs[:, None, -s_q:, None] == docs_bs[:, None, None, :])
+    return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, attn_mask=mask, dropout_p=dropout_p,
                                           enable_gqa=gqa)
 
 
 class Attention(nn.Module):
     """Self-attention with one fused QKV projection laid out [q (n*d) | k (k*d) | v (k*d)]."""
 
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, store: WeightGradStore | None = None,
-                 selective_recompute: bool = False, device: DeviceLike = None, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, cp: CPContext | None = None,
+                 store: WeightGradStore | None = None, device: DeviceLike = None, dtype: torch.dtype | None = None):
         """With ``tp``: this rank's heads (kv heads replicated when tp exceeds them), a column-parallel
-        qkv and a row-parallel output projection."""
+        qkv and a row-parallel output projection. With ``cp``: this rank's queries attend over every cp
+        rank's keys (context_parallel/context.py)."""
         super().__init__()
         t, d = (tp.size if tp is not None else 1), cfg.head_size
         self.n_heads, self.n_kv, self.d = cfg.num_attention_heads // t, max(1, cfg.kv_heads // t), d
@@ -103,10 +115,10 @@ class Attention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         self.sliding_window = cfg.sliding_window
         self.rope = not cfg.learned_positions
-        self.selective_recompute = selective_recompute
-        self.tp = tp
+        self.tp, self.cp = tp, (cp if cp is not None and cp.size > 1 else None)
 
-    def forward(self, x_sbh: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x_sbh: torch.Tensor, seq: SeqShard, recompute_core: bool = False) -> torch.Tensor:
+        """``recompute_core``: keep only the core's inputs and recompute it in backward (selective recompute)."""
         qkv = self.qkv(x_sbh)  # under sequence parallelism the input is s/t long, qkv is all-gathered to s
         s, b = qkv.shape[:2]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -114,23 +126,37 @@ class Attention(nn.Module):
         k_bksd = k.view(s, b, self.n_kv, self.d).permute(1, 2, 0, 3)
         v_bksd = v.view(s, b, self.n_kv, self.d).permute(1, 2, 0, 3)
         if self.rope:
-            assert rope_cos_sin is not None
-            q_bnsd = apply_rope(q_bnsd, *rope_cos_sin)
-            k_bksd = apply_rope(k_bksd, *rope_cos_sin)
+            assert seq.rope is not None
+            q_bnsd = apply_rope(q_bnsd, *seq.rope)
+            k_bksd = apply_rope(k_bksd, *seq.rope)
         p = self.dropout_p if self.training else 0.0
+        core = functools.partial(self._core, seq=seq, dropout_p=p)
         # Heads differ per tp rank, so their dropout masks come from the tp-rank stream.
         rng = self.tp.fork_rng(p > 0) if self.tp is not None else contextlib.nullcontext()
         with rng:
-            if self.selective_recompute and self.training:
+            if recompute_core and self.training:
                 # Korthikanti et al.'s selective recompute: keep the core's inputs, recompute its internals.
                 # (checkpoint saves and restores the generator it runs under: the forked one here.)
-                out_bnsd = torch.utils.checkpoint.checkpoint(
-                    attention_core, q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window,
-                    use_reentrant=False)
+                out_bnsd = torch.utils.checkpoint.checkpoint(core, q_bnsd, k_bksd, v_bksd, use_reentrant=False)
             else:
-                out_bnsd = attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=p, sliding_window=self.sliding_window)
+                out_bnsd = core(q_bnsd, k_bksd, v_bksd)
         out_sbh = out_bnsd.permute(2, 0, 1, 3).reshape(s, b, self.q_size)
         return self.o(out_sbh)
+
+    def _core(self, q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, *, seq: SeqShard,
+              dropout_p: float) -> torch.Tensor:
+        if self.cp is not None:
+            if dropout_p > 0:
+                raise ValueError(f"attention dropout {dropout_p} under context parallelism: the cp kernels have "
+                                 "none; set model.attention_dropout=0 to train with cp")
+            return cp_attention(q_bnsd, k_bksd, v_bksd, self.cp, seq, self.sliding_window, self.d ** -0.5)
+        if seq.docs is not None and dropout_p == 0:
+            # Document masks over blocks of keys (no [b, s, s] mask: O(s) memory, as under cp). With
+            # dropout, SDPA and a dense mask.
+            return local_attention(q_bnsd, k_bksd, v_bksd, seq.segments, seq.segments, seq.docs,
+                                   self.sliding_window, self.d ** -0.5)
+        return attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, sliding_window=self.sliding_window,
+                              docs_bs=seq.docs)
 
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         """q, k, v and o under ``prefix`` as separate tensors (row slices of the fused qkv: views)."""

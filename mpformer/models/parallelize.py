@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mpformer.context_parallel.context import CPContext
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import StagePlan, stage_plan
@@ -80,16 +81,17 @@ def grad_specs(model: nn.Module) -> list[GradSpec]:
 
 
 def build_model(cfg: ModelConfig, *, tp: TPContext | None, device: torch.device, seed: int,
-                recompute: str = "none", use_apex: bool = False, stage: StagePlan | None = None,
-                store: WeightGradStore | None = None) -> nn.Module:
+                recompute: str = "none", recompute_layers: int | None = None, use_apex: bool = False,
+                stage: StagePlan | None = None, store: WeightGradStore | None = None, cp: CPContext | None = None,
+                document_eos: int | None = None) -> nn.Module:
     """The model for this rank: its pipeline stage's layers, embedding and head (``stage``), its
     tensor-parallel blocks (``tp``), initialised shard by shard from the same per-name generators
     as the single-device model; ``store`` for a zero-bubble pipeline's split backward."""
     part = {} if stage is None else {"layer_ids": stage.layer_ids, "embedding": stage.has_embedding,
                                      "head": stage.has_head}
     tp = tp if tp is not None and tp.size > 1 else None
-    model = Transformer(cfg, recompute=recompute, use_apex=use_apex, tp=tp, store=store, device=device, seed=seed,
-                        **part)
+    model = Transformer(cfg, recompute=recompute, recompute_layers=recompute_layers, use_apex=use_apex, tp=tp, cp=cp,
+                        store=store, document_eos=document_eos, device=device, seed=seed, **part)
     if tp is not None:
         check_tp_plan(model, tp)
     return model
@@ -97,22 +99,38 @@ def build_model(cfg: ModelConfig, *, tp: TPContext | None, device: torch.device,
 
 @dataclass(frozen=True)
 class RankModel:
-    """What one rank holds of the model: its module, its tensor-parallel context, its pipeline stage
-    (the whole model at pp=1) and, for a zero-bubble schedule, the store its linear layers defer into."""
+    """What one rank holds of the model: its module, its tensor- and context-parallel contexts, its
+    pipeline stage (the whole model at pp=1) and, for a zero-bubble schedule, the store its linear
+    layers defer into."""
 
     model: nn.Module
     tp: TPContext
     plan: StagePlan | None
     store: WeightGradStore | None
+    cp: CPContext | None = None
+
+
+def cp_context(layout: ParallelLayout, groups: ProcessGroups) -> CPContext | None:
+    """The context-parallel context of ``layout`` (None at cp=1). Collective for hybrid."""
+    if layout.cp == 1:
+        return None
+    comm = groups.comm("cp")
+    if layout.cp_kind == "hybrid":
+        a2a, ring = groups.cp_subgroups(layout.cp_ulysses)
+        return CPContext("hybrid", comm, ulysses=a2a, ring=ring)
+    return CPContext(layout.cp_kind, comm, ulysses=comm if layout.cp_kind == "ulysses" else None,
+                     ring=comm if layout.cp_kind == "ring" else None)
 
 
 def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups, *, seq_length: int, seed: int = 0,
-               use_apex: bool = False) -> RankModel:
+               use_apex: bool = False, document_eos: int | None = None) -> RankModel:
     """This rank's part of the model for ``layout``, built the one way the trainer, evaluation and the
-    profile share: tp context (collective), stage plan, store, then the model."""
+    profile share: tp and cp contexts (collective), stage plan, store, then the model."""
     tp = groups.tp_context(kv_replicas(layout.tp, cfg.kv_heads), seed=seed)
+    cp = cp_context(layout, groups)
     plan = stage_plan(cfg, layout, groups.coords["pp"], seq_length)
     store = WeightGradStore() if layout.pp > 1 and layout.schedule in SPLIT_BACKWARD else None
     model = build_model(cfg, tp=tp, device=groups.device.torch_device, seed=seed, recompute=layout.recompute,
-                        use_apex=use_apex, stage=plan, store=store)
-    return RankModel(model, tp, plan, store)
+                        recompute_layers=layout.recompute_layers, use_apex=use_apex, stage=plan, store=store, cp=cp,
+                        document_eos=document_eos)
+    return RankModel(model, tp, plan, store, cp)

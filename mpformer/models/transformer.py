@@ -26,8 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mpformer.context_parallel.blockwise import segment_index
+from mpformer.context_parallel.context import CPContext, SeqShard, document_ids
 from mpformer.core.layout import RECOMPUTE
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.attention import Attention, RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
@@ -48,19 +51,20 @@ def sp_rng(tp: TPContext | None, active: bool) -> contextlib.AbstractContextMana
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, recompute: str, use_apex: bool, tp: TPContext | None = None,
+    def __init__(self, cfg: ModelConfig, *, use_apex: bool, tp: TPContext | None = None, cp: CPContext | None = None,
                  store: WeightGradStore | None = None, device: DeviceLike = None, dtype: torch.dtype | None = None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.attn = Attention(cfg, tp=tp, store=store, selective_recompute=recompute == "selective", **kw)
+        self.attn = Attention(cfg, tp=tp, cp=cp, store=store, **kw)
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
         self.mlp = MLP(cfg, tp=tp, store=store, **kw)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.tp = tp
 
-    def forward(self, x_sbh: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x_sbh = x_sbh + self._dropout(self.attn(self.attn_norm(x_sbh), rope))
+    def forward(self, x_sbh: torch.Tensor, seq: SeqShard, recompute_core: bool = False) -> torch.Tensor:
+        """``recompute_core``: selective recompute of the attention core (Korthikanti et al.)."""
+        x_sbh = x_sbh + self._dropout(self.attn(self.attn_norm(x_sbh), seq, recompute_core))
         return x_sbh + self._dropout(self.mlp(self.mlp_norm(x_sbh)))
 
     def _dropout(self, x_sbh: torch.Tensor) -> torch.Tensor:
@@ -80,8 +84,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward(tokens_bs)`` gives logits ``[b, s, v]``; with labels, the mean loss."""
 
-    def __init__(self, cfg: ModelConfig, *, recompute: str = "none", use_apex: bool = False,
-                 tp: TPContext | None = None, store: WeightGradStore | None = None,
+    def __init__(self, cfg: ModelConfig, *, recompute: str = "none", recompute_layers: int | None = None,
+                 use_apex: bool = False, tp: TPContext | None = None, cp: CPContext | None = None,
+                 store: WeightGradStore | None = None, document_eos: int | None = None,
                  device: DeviceLike = None, dtype: torch.dtype | None = None,
                  seed: int | None = 1234, layer_ids: list[int] | None = None, embedding: bool = True,
                  head: bool = True) -> None:
@@ -89,7 +94,11 @@ class Transformer(nn.Module):
         Layers keep their global indices in canonical names; with tied embeddings the last stage
         holds its own copy of the embedding for the head (kept equal by the gradient engine).
         ``tp``: every module builds its tensor-parallel layers (models/parallelize.py checks the plan);
-        ``store``: the zero-bubble pipeline's WeightGradStore for every linear layer's weights."""
+        ``store``: the zero-bubble pipeline's WeightGradStore for every linear layer's weights.
+        ``cp``: this rank holds its context-parallel part of every sequence (it is given whole micro-batches
+        and picks its positions itself); ``document_eos``: attention stays inside each document of a
+        packed sequence (documents end with this token). ``recompute`` (none | selective | full) applies
+        to the first ``recompute_layers`` layers of each pipeline chunk (None: all of them)."""
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
@@ -107,68 +116,100 @@ class Transformer(nn.Module):
         self.rotary = None if cfg.learned_positions else RotaryEmbedding(cfg, device=device)
         self.embed_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(
-            Block(cfg, recompute=recompute, use_apex=use_apex, tp=tp, store=store, **kw) for _ in self.layer_ids)
+            Block(cfg, use_apex=use_apex, tp=tp, cp=cp, store=store, **kw) for _ in self.layer_ids)
         self.final_norm = (build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
                            if head else None)
         self.lm_head = None
         if head and not cfg.tie_embeddings:
             self.lm_head = nn.Linear(h, v, bias=False, **kw) if tp is None else VocabParallelHead(h, v, tp, **kw)
-        self.full_recompute = recompute == "full"
+        self.recompute, self.recompute_layers = recompute, recompute_layers
         self.tp, self.store = tp, store
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.document_eos = document_eos
         if seed is not None and device != "meta":
             self.init_weights(seed)
 
     # ---- forward ---------------------------------------------------------------------------
-    def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        """Final-norm output ``[s, b, h]`` (the whole model on one pipeline stage)."""
+    def sequence(self, tokens_bs: torch.Tensor) -> SeqShard:
+        """What this rank holds of the micro-batch's sequence: its context-parallel positions (all of
+        them without cp), the document ids (document masks) and the rotary tables at its positions."""
         s = tokens_bs.shape[1]
-        x_sbh = self.run_layers(self.embed_tokens(tokens_bs), range(len(self.layers)), s)
+        segments = self.cp.segments(s) if self.cp is not None else (Segment(0, s),)
+        index = segment_index(segments, tokens_bs.device) if self.cp is not None else None
+        docs = document_ids(tokens_bs, self.document_eos) if self.document_eos is not None else None
+        rope = None
+        if self.rotary is not None:
+            rope = self.rotary(s) if index is None else self.rotary.at(index)
+        return SeqShard(s, segments, index, docs, rope)
+
+    def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        """Final-norm output ``[s, b, h]`` (the whole model on one pipeline stage; cp: this rank's positions)."""
+        seq = self.sequence(tokens_bs)
+        x_sbh = self.run_layers(self.embed_tokens(tokens_bs, seq), range(len(self.layers)), seq)
         return self.final_norm(x_sbh)
 
-    def embed_tokens(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        """The first stage's input: token (and position) embeddings, ``[s(/t), b, h]``."""
+    def embed_tokens(self, tokens_bs: torch.Tensor, seq: SeqShard) -> torch.Tensor:
+        """The first stage's input: token (and position) embeddings of this rank's positions, ``[s(/cp)(/t), b, h]``."""
         s = tokens_bs.shape[1]
+        if seq.index is not None:
+            tokens_bs = tokens_bs.index_select(1, seq.index)
         x_sbh = self.embed(tokens_bs.t())
         if self.pos_embed is not None:
             if s > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
                                  f"{self.cfg.max_position_embeddings}")
-            # Under sequence parallelism this rank holds the sequence chunk [start, start + len).
-            start = self.tp.rank * x_sbh.shape[0] if self.tp is not None and self.tp.sequence_parallel else 0
-            x_sbh = x_sbh + self.pos_embed.weight[start:start + x_sbh.shape[0], None, :]
+            pos = seq.index if seq.index is not None else torch.arange(s, device=x_sbh.device)
+            if self.tp is not None and self.tp.sequence_parallel:  # this tp rank's part of the positions
+                pos = pos.chunk(self.tp.size)[self.tp.rank]
+            x_sbh = x_sbh + self.pos_embed.weight[pos][:, None, :]
         with sp_rng(self.tp, self.embed_dropout.p > 0 and self.training):
             return self.embed_dropout(x_sbh)
 
-    def run_layers(self, x_sbh: torch.Tensor, local: Iterable[int], seq_len: int) -> torch.Tensor:
-        """The layers at positions ``local`` of this module (a pipeline chunk) on ``x``."""
-        rope = self.rotary(seq_len) if self.rotary is not None else None
-        for i in local:
+    def run_layers(self, x_sbh: torch.Tensor, local: Iterable[int], seq: SeqShard) -> torch.Tensor:
+        """The layers at positions ``local`` of this module (a pipeline chunk) on ``x``; recompute on the
+        chunk's first ``recompute_layers`` layers."""
+        for n, i in enumerate(local):
             layer = self.layers[i]
-            if self.full_recompute and self.training:
+            mode = self.recompute if self.training and (self.recompute_layers is None or n < self.recompute_layers) \
+                else "none"
+            if mode == "full":
                 kw = {"context_fn": self.tp.checkpoint_context_fn()} if self.tp is not None else {}
-                x_sbh = checkpoint(layer, x_sbh, rope, use_reentrant=False, **kw)
+                x_sbh = checkpoint(layer, x_sbh, seq, use_reentrant=False, **kw)
             else:
-                x_sbh = layer(x_sbh, rope)
+                x_sbh = layer(x_sbh, seq, mode == "selective")
         return x_sbh
 
-    def head_output(self, x_sbh: torch.Tensor, labels_bs: torch.Tensor | None) -> torch.Tensor:
-        """The last stage: final norm, then the loss (or logits ``[b, s, v]`` without labels)."""
+    def head_output(self, x_sbh: torch.Tensor, labels_bs: torch.Tensor | None, seq: SeqShard) -> torch.Tensor:
+        """The last stage: final norm, then the loss (or logits ``[b, s, v]`` without labels; under cp
+        ``[b, s/cp, v]`` at this rank's positions, ``seq.index``, in its storage order). Under cp the
+        loss is this rank's share of the micro-batch's mean (its tokens' summed loss over every cp rank's
+        token count): the shares sum to the mean, and their gradients sum over cp to its gradient."""
         hidden_sbh = self.final_norm(x_sbh)
+        local = labels_bs if labels_bs is None or seq.index is None else labels_bs.index_select(1, seq.index)
         if self.tp is not None:
-            return self._tp_output(hidden_sbh, labels_bs)
-        logits_sbv = linear(hidden_sbh, self.output_weight(), store=self.store)
-        if labels_bs is None:
-            return logits_sbv.transpose(0, 1)
-        # Mean next-token cross entropy over every labelled token, computed in fp32.
-        return F.cross_entropy(logits_sbv.float().flatten(0, 1), labels_bs.t().reshape(-1), ignore_index=-100)
+            loss = self._tp_output(hidden_sbh, local)
+        else:
+            logits_sbv = linear(hidden_sbh, self.output_weight(), store=self.store)
+            if labels_bs is None:
+                return logits_sbv.transpose(0, 1)
+            # Mean next-token cross entropy over every labelled token, computed in fp32; under cp the
+            # sum over this rank's tokens divided by the count over all (a rank with none gives 0, not nan).
+            flat = (logits_sbv.float().flatten(0, 1), local.t().reshape(-1))
+            if seq.index is None:
+                return F.cross_entropy(*flat, ignore_index=-100)
+            return F.cross_entropy(*flat, ignore_index=-100, reduction="sum") / (labels_bs != -100).sum()
+        if labels_bs is None or seq.index is None:
+            return loss
+        return loss * ((local != -100).sum() / (labels_bs != -100).sum())  # the vocab-parallel mean, as a share
 
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
         """The whole model (a module holding every layer, the embedding and the head)."""
-        x_sbh = self.run_layers(self.embed_tokens(tokens_bs), range(len(self.layers)), tokens_bs.shape[1])
-        return self.head_output(x_sbh, labels_bs)
+        seq = self.sequence(tokens_bs)
+        x_sbh = self.run_layers(self.embed_tokens(tokens_bs, seq), range(len(self.layers)), seq)
+        return self.head_output(x_sbh, labels_bs, seq)
 
     def _tp_output(self, hidden_sbh: torch.Tensor, labels_bs: torch.Tensor | None) -> torch.Tensor:
         """Logits of this rank's vocabulary block; the loss without gathering them (vocab-parallel

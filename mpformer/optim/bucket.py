@@ -49,10 +49,12 @@ class Bucket:
         self.ready.add(id(p))
         return len(self.ready) == len(self.params)
 
-    def launch(self, comm: Comm, stage: int, dtype: torch.dtype, persistent: bool) -> None:
-        """Start the reduction: divided by dp first (gloo has no AVG), in ``dtype``; all-reduced in place
-        at stage 0 (the "shard" is the whole buffer), reduce-scattered into a fresh shard otherwise."""
-        src = self.full_grads().div_(comm.size).to(dtype)
+    def launch(self, comm: Comm, stage: int, dtype: torch.dtype, persistent: bool, replicas: int) -> None:
+        """Start the reduction: divided by the data replicas first (gloo has no AVG; under context
+        parallelism the group's cp ranks hold partial sums of one replica's gradient), in ``dtype``;
+        all-reduced in place at stage 0 (the "shard" is the whole buffer), reduce-scattered into a
+        fresh shard otherwise."""
+        src = self.full_grads().div_(replicas).to(dtype)
         if stage == 0:
             self.pending = (comm.all_reduce(src, async_op=True), src, src)
         else:

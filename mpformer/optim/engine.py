@@ -65,8 +65,10 @@ class TiedCopy:
 
 @dataclass(frozen=True)
 class Reduction:
-    """Over what gradients are made final: the data-parallel group (data x context parallel next),
-    the tp and pp groups of the norm, the tensor-parallel specs, a tied copy, fp16's loss scaler."""
+    """Over what gradients are made final: the data-parallel group (data x context parallel: the cp
+    ranks of a replica hold partial sums of its gradient), the tp and pp groups of the norm, the
+    tensor-parallel specs, a tied copy, fp16's loss scaler; ``replicas``: how many data replicas
+    the group holds (dp; None: the group's size), the divisor that makes the sum a mean."""
 
     dp: Comm
     tp: Comm | None = None
@@ -75,6 +77,7 @@ class Reduction:
     tied: TiedCopy | None = None
     scaler: LossScaler | None = None
     reduce_dtype: torch.dtype = torch.float32
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ class GradEngine:
         if b.pending is not None:  # stages 2-3: this bucket's previous micro-batch is still reducing
             self._in_flight.remove(b)
             b.complete(self.stage, self.persistent)
-        b.launch(self.comm, self.stage, self.red.reduce_dtype, self.persistent)
+        b.launch(self.comm, self.stage, self.red.reduce_dtype, self.persistent, self.red.replicas or self.comm.size)
         if self.gather is not None:
             self.gather.release(b.index)
         self._in_flight.append(b)

@@ -31,6 +31,7 @@ class ProcessGroups:
     rank: int
     coords: dict[str, int]
     ledger: CommLedger = field(default_factory=CommLedger)
+    data_group: dist.ProcessGroup | None = None  # dp x cp (the dp group when cp == 1)
 
     @classmethod
     def build(cls, layout: ParallelLayout, device: Device) -> ProcessGroups:
@@ -44,7 +45,8 @@ class ProcessGroups:
         shape = tuple(getattr(topo, d) for d in MESH_DIMS)
         mesh = init_device_mesh(device.kind, shape, mesh_dim_names=MESH_DIMS)
         rank = dist.get_rank()
-        groups = cls(layout=layout, device=device, mesh=mesh, rank=rank, coords=topo.coords(rank))
+        data = mesh.get_group("dp") if topo.cp == 1 else _new_groups(topo.groups("dp", "cp"), rank)
+        groups = cls(layout=layout, device=device, mesh=mesh, rank=rank, coords=topo.coords(rank), data_group=data)
         groups._check_against_topology(topo)
         return groups
 
@@ -60,6 +62,29 @@ class ProcessGroups:
     def comm(self, dim: str) -> Comm:
         """A byte-counting communicator over ``dim``; all of them write to ``self.ledger``."""
         return Comm(self.group(dim), self.ledger, tag=f"{dim}.")
+
+    def data_comm(self) -> Comm:
+        """Over what gradients of replicated weights are reduced and ZeRO shards: dp x cp (the cp ranks
+        of a replica each hold part of its sequence), and metrics summed over both."""
+        return Comm(self.data_group, self.ledger, tag="dp.")
+
+    def dropout_offset(self) -> int:
+        """Added to the seed of this rank's dropout streams: distinct for every (cp, dp, pp) coordinate
+        (tp ranks share the default stream; the tp-rank stream adds its tp rank). Megatron's offsets,
+        10 per data replica, with the stages after every replica, so no two ranks collide."""
+        L, c = self.layout, self.coords
+        return 10 * (c["cp"] + L.cp * (c["dp"] + L.dp * c["pp"]))
+
+    def cp_subgroups(self, ulysses: int) -> tuple[Comm, Comm]:
+        """(all-to-all group, ring group) for hybrid context parallelism: ``ulysses`` consecutive cp
+        ranks exchange heads, and the ranks at the same place in each such block form a ring.
+        Collective: every rank creates every group, in the same order."""
+        blocks, rings = [], []
+        for cp_ranks in self.layout.topology.groups("cp"):  # ascending global rank = ascending cp rank
+            blocks += [cp_ranks[i:i + ulysses] for i in range(0, len(cp_ranks), ulysses)]
+            rings += [cp_ranks[u::ulysses] for u in range(ulysses)]
+        return (Comm(_new_groups(blocks, self.rank), self.ledger, tag="cp.ulysses."),
+                Comm(_new_groups(rings, self.rank), self.ledger, tag="cp.ring."))
 
     def embedding_comm(self) -> Comm | None:
         """The first and last pipeline stage of this rank's pp group (they hold the two copies of a
@@ -78,8 +103,7 @@ class ProcessGroups:
         """The tensor-parallel context; with ``kv_replicas`` > 1 (tp exceeds the kv heads), also the
         groups of consecutive tp ranks that share a kv head. Collective: every rank calls it."""
         ctx = TPContext(self.comm("tp"), sequence_parallel=self.layout.sequence_parallel,
-                        rng=TPRandom(seed + 100 * self.coords["pp"] + 10 * self.coords["dp"], self.coords["tp"],
-                                     self.device))
+                        rng=TPRandom(seed + self.dropout_offset(), self.coords["tp"], self.device))
         if kv_replicas > 1:
             topo, mine = self.layout.topology, []
             for tp_ranks in topo.groups("tp"):  # every rank creates every group, in the same order
@@ -118,3 +142,14 @@ class ProcessGroups:
     def is_logging_rank(self) -> bool:
         """Rank 0 logs, shows the progress bar and talks to wandb."""
         return self.rank == 0
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
+    """Create a group for each rank list (every rank creates every one, in order); return ``rank``'s."""
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    assert mine is not None, f"rank {rank} is in none of {rank_lists}"
+    return mine

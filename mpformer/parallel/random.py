@@ -75,12 +75,13 @@ class TPRandom:
 
 class DropoutStreams:
     """This rank's dropout streams as one checkpoint part: the default generator and, with tp, the
-    tp-rank stream. Seeds differ per data-parallel replica and pipeline stage (Megatron's offsets)
-    and, after a resume that cannot reuse the saved states, per step, so no mask sequence repeats."""
+    tp-rank stream. ``seed`` already differs per data-parallel replica, cp rank and pipeline stage
+    (ProcessGroups.dropout_offset) and, after a resume that cannot reuse the saved states, the seed
+    moves on per step, so no mask sequence repeats."""
 
-    def __init__(self, device: Device, tp_rng: TPRandom | None, seed: int, dp_rank: int, pp_rank: int) -> None:
+    def __init__(self, device: Device, tp_rng: TPRandom | None, seed: int) -> None:
         self.device, self.tp_rng = device, tp_rng
-        self.base = seed + 100 * pp_rank + 10 * dp_rank
+        self.base = seed
 
     def reseed(self, step: int) -> None:
         seed = self.base + 1_000_003 * step

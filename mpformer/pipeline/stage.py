@@ -13,10 +13,11 @@ def chunk_forward(model: nn.Module, plan: StagePlan, chunk: int, x: torch.Tensor
                   labels_bs: torch.Tensor | None) -> torch.Tensor:
     """Chunk ``chunk`` of this rank: its input activation (or the tokens, on stage 0) to its output
     activation (or, on the last stage, the mean loss; the logits when ``labels_bs`` is None)."""
+    seq = model.sequence(tokens_bs)  # every stage holds the micro-batch's tokens (cp: picks its positions)
     if plan.is_first(chunk):
-        x = model.embed_tokens(tokens_bs)
+        x = model.embed_tokens(tokens_bs, seq)
     assert x is not None
-    x = model.run_layers(x, plan.local_indices(chunk), tokens_bs.shape[1])
+    x = model.run_layers(x, plan.local_indices(chunk), seq)
     if plan.is_last(chunk):
-        return model.head_output(x, labels_bs)
+        return model.head_output(x, labels_bs, seq)
     return x

@@ -47,13 +47,14 @@ def load_eval_tokens(path: str | None, vocab_size: int, max_positions: int | Non
 
 
 def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, micro_batch: int, device: torch.device,
-                  dp: Comm | None = None,
+                  dp: Comm | None = None, cp: int = 1,
                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                   ) -> tuple[float, int]:
-    """Sum of token losses over this dp rank's rows, all-reduced over ``dp``: (mean loss, token count)."""
+    """Sum of token losses over this dp rank's rows, all-reduced over ``dp`` (dp x cp: each cp rank's
+    loss is its share of the batch's, so the sum over them is the batch's): (mean loss, token count)."""
     import torch
 
-    dp_rank, dp_size = (dp.rank, dp.size) if dp is not None else (0, 1)
+    dp_rank, dp_size = (dp.rank // cp, dp.size // cp) if dp is not None else (0, 1)
     parts = np.array_split(np.arange(tokens.shape[0]), dp_size)
     rows = parts[dp_rank]
     # Every rank runs as many forward passes as the rank with most rows (ZeRO-3 gathers parameters
@@ -118,14 +119,14 @@ def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: Para
         batches.append((b[:, :-1], b[:, 1:]))
     seq = tokens.shape[1] - 1
     dtype = next(model.parameters()).dtype  # the residual stream's: 16-bit under bf16/fp16 parameters
-    p2p = P2P(groups.pp, groups.ledger, (seq // layout.tp if layout.sequence_parallel else seq, micro_batch,
-                                         model.cfg.hidden_size), dtype, device)
+    p2p = P2P(groups.pp, groups.ledger, (layout.local_positions(seq), micro_batch, model.cfg.hidden_size), dtype,
+              device)
     engine = PipelineEngine(model, plan, build_schedule(layout.schedule, layout.pp, len(batches), layout.vpp), p2p,
                             autocast=autocast)
     with torch.no_grad():
         means = engine.run(batches, forward_only=True)
     total = torch.tensor(sum(means) * micro_batch * seq, dtype=torch.float64, device=device)
-    for comm in (Comm(groups.pp, groups.ledger, "eval.pp."), groups.comm("dp")):
+    for comm in (Comm(groups.pp, groups.ledger, "eval.pp."), Comm(groups.data_group, groups.ledger, "eval.dp.")):
         comm.all_reduce(total)
     count = tokens.shape[0] * seq
     return float(total.item() / count), count
@@ -143,6 +144,6 @@ def validation_loss(model: torch.nn.Module, plan: StagePlan | None, layout: Para
         if plan is not None:
             return pipeline_evaluate_loss(model, plan, layout, groups, tokens, micro_batch, autocast=autocast)[0]
         return evaluate_loss(model, tokens, micro_batch, groups.device.torch_device,
-                             Comm(groups.dp, groups.ledger, tag="eval.dp."), autocast=autocast)[0]
+                             Comm(groups.data_group, groups.ledger, tag="eval.dp."), layout.cp, autocast=autocast)[0]
     finally:
         model.train()

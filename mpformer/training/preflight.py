@@ -47,6 +47,7 @@ class RunSpec:
     eval_tokens: np.ndarray | None  # eval.tokens, when validation runs during training
     manifest: Manifest | None  # the checkpoint to load: read, its files checked
     prediction: Prediction | None  # the cost model's, when a cluster is named or parallel=auto chose
+    document_eos: int | None = None  # data.document_mask: the token that ends each document
 
 
 def adopt_checkpoint_model(composed: Composed) -> tuple[ModelConfig, Manifest | None]:
@@ -118,6 +119,40 @@ def check_data(cfg_data_paths: list[str], tokenizer: str | None) -> None:
         raise ConfigError(f"data.tokenizer={tokenizer}: no such directory (a Hugging Face tokenizer folder)")
 
 
+def document_eos(cfg: Config) -> int | None:
+    """The EOS id that bounds documents under data.document_mask (data.eos_token_id, else the tokenizer's)."""
+    d = cfg.data
+    if not d.document_mask:
+        if d.eos_token_id is not None:
+            raise ConfigError(f"data.eos_token_id={d.eos_token_id} bounds documents only under data.document_mask="
+                              "true; valid: data.document_mask=true, or no data.eos_token_id")
+        return None
+    if d.eos_token_id is not None:
+        if not 0 <= d.eos_token_id < cfg.model.vocab_size:
+            raise ConfigError(f"data.eos_token_id={d.eos_token_id} is outside the vocabulary [0, "
+                              f"{cfg.model.vocab_size - 1}]")
+        return d.eos_token_id
+    if d.tokenizer:
+        from mpformer.data.tokenizer import eos_id, load_tokenizer
+
+        return eos_id(load_tokenizer(d.tokenizer))
+    raise ConfigError("data.document_mask=true needs the token that ends each document: give data.eos_token_id=ID "
+                      "or data.tokenizer=DIR (its EOS token)")
+
+
+def check_eval_rows(layout: ParallelLayout, rows: np.ndarray, path: str | None) -> None:
+    """Eval rows split like training sequences: over tp under sequence parallelism, into 2*cp chunks."""
+    sp, cp = layout.tp if layout.sequence_parallel else 1, 2 * layout.cp if layout.cp > 1 else 1
+    seq, parts = rows.shape[1] - 1, []
+    if sp > 1:
+        parts.append(f"tp={layout.tp} (sequence parallelism)")
+    if cp > 1:
+        parts.append(f"2*cp={cp} chunks (context parallelism)")
+    if seq % (sp * cp):
+        raise ConfigError(f"eval.tokens={path}: rows of {seq} inputs do not split over {' and '.join(parts)}; valid: "
+                          f"multiples of {sp * cp}")
+
+
 def preflight_train(composed: Composed, world_size: int) -> RunSpec:
     """Validate everything pretrain needs and resolve it into a RunSpec."""
     model, manifest = adopt_checkpoint_model(composed)
@@ -129,10 +164,12 @@ def preflight_train(composed: Composed, world_size: int) -> RunSpec:
 
         prediction = choose_layout(cfg, composed, world_size)
         cfg = apply_plan(cfg, composed, prediction)
+        check_training_config(cfg)  # the rules that involve the layout, on the chosen one
     t = cfg.train
     layout = validate(cfg.parallel.layout(), cfg.model, world_size, global_batch_size=t.global_batch_size,
                       micro_batch_size=t.micro_batch_size, seq_length=t.seq_length)
     check_data(list(cfg.data.paths), cfg.data.tokenizer)
+    eos = document_eos(cfg)
     if cfg.data.tokenizer:
         check_tokenizer_fits(cfg.data.tokenizer, cfg.model.vocab_size)
     if manifest is not None:
@@ -147,9 +184,7 @@ def preflight_train(composed: Composed, world_size: int) -> RunSpec:
     if rows is not None:
         if layout.pp > 1:
             check_pipeline_eval(layout, rows.shape[0], cfg.eval.micro_batch_size)
-        if layout.sequence_parallel and (rows.shape[1] - 1) % layout.tp:
-            raise ConfigError(f"eval.tokens={cfg.eval.tokens}: rows of {rows.shape[1] - 1} inputs do not split over "
-                              f"parallel.tp={layout.tp} under sequence parallelism; valid: multiples of {layout.tp}")
+        check_eval_rows(layout, rows, cfg.eval.tokens)
     if prediction is None and cfg.autoconfig.cluster is not None:
         from mpformer.autoconfig.plan import predict
 
@@ -157,4 +192,4 @@ def preflight_train(composed: Composed, world_size: int) -> RunSpec:
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
-    return RunSpec(cfg, layout, Path(composed.run_dir), resolved, dataset, rows, manifest, prediction)
+    return RunSpec(cfg, layout, Path(composed.run_dir), resolved, dataset, rows, manifest, prediction, eos)

@@ -54,7 +54,8 @@ class Trainer:
                           else contextlib.nullcontext())
         self.scaler = (LossScaler(t.initial_loss_scale, t.loss_scale_window, t.min_loss_scale)
                        if t.precision == "fp16" else None)
-        self.rank = build_rank(cfg.model, layout, groups, seq_length=t.seq_length, seed=t.seed, use_apex=t.use_apex)
+        self.rank = build_rank(cfg.model, layout, groups, seq_length=t.seq_length, seed=t.seed, use_apex=t.use_apex,
+                               document_eos=spec.document_eos)
         self.model, self.tp = self.rank.model, self.rank.tp
         self.plan = self.rank.plan if layout.pp > 1 else None
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
@@ -62,8 +63,10 @@ class Trainer:
         if self.plan is not None and cfg.model.tie_embeddings:  # the embedding's copy on the last stage
             pair = groups.embedding_comm()  # collective; None on the stages between the first and the last
             tied = TiedCopy(self.model.embed.weight, pair, owner=self.plan.has_embedding) if pair else None
-        red = Reduction(groups.comm("dp"), self.tp.comm, groups.comm("pp") if self.plan is not None else None,
-                        grad_specs(self.model), tied, self.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype])
+        # Over dp x cp: a replica's cp ranks hold partial sums of its gradient (each its part of the sequence).
+        red = Reduction(groups.data_comm(), self.tp.comm, groups.comm("pp") if self.plan is not None else None,
+                        grad_specs(self.model), tied, self.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype],
+                        replicas=layout.dp)
         self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
                                    self.param_dtype)
         self.pipeline = self._build_pipeline() if self.plan is not None else None
@@ -71,7 +74,7 @@ class Trainer:
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                                    decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
         self.progress = Progress()
-        self.rng = DropoutStreams(self.device, self.tp.rng, t.seed, groups.coords["dp"], groups.coords["pp"])
+        self.rng = DropoutStreams(self.device, self.tp.rng, t.seed + groups.dropout_offset())
         tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if tok is None and spec.manifest is not None and spec.manifest.tokenizer:
             tok = spec.manifest.path / spec.manifest.tokenizer  # keep carrying it
@@ -89,11 +92,12 @@ class Trainer:
                                      progress=cfg.logging.progress, wandb_cfg=cfg.logging.wandb,
                                      wandb_run_id=self.progress.wandb_run_id, config=spec.resolved)
         self.progress.adopt_wandb(self.metrics.wandb_run_id)
-        self.metrics_comm = Comm(groups.dp, groups.ledger, tag="metrics.dp.")
+        self.metrics_comm = Comm(groups.data_group, groups.ledger, tag="metrics.dp.")
 
     # ---- one optimizer step -----------------------------------------------------------------------
     def _micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This data-parallel rank's share of the step's samples, as (inputs, labels) per micro-batch."""
+        """This data-parallel rank's share of the step's samples, as (inputs, labels) per micro-batch
+        (whole sequences: under cp the model keeps its own positions)."""
         t, out = self.cfg.train, []
         for j in range(self.micro_steps):
             offsets = micro_batch_sample_indices(0, j, dp_rank=self.groups.dp_rank, dp_size=self.layout.dp,
@@ -124,8 +128,8 @@ class Trainer:
     def _build_pipeline(self) -> PipelineEngine:
         t, L = self.cfg.train, self.layout
         schedule = build_schedule(L.schedule, L.pp, self.micro_steps, L.vpp)
-        seq = t.seq_length // L.tp if L.sequence_parallel else t.seq_length
-        p2p = P2P(self.groups.pp, self.groups.ledger, (seq, t.micro_batch_size, self.cfg.model.hidden_size),
+        p2p = P2P(self.groups.pp, self.groups.ledger,
+                  (L.local_positions(t.seq_length), t.micro_batch_size, self.cfg.model.hidden_size),
                   self.param_dtype, self.device.torch_device)
         # A stage's data-parallel reduction starts right after its last backward (engine.start).
         return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
@@ -154,7 +158,7 @@ class Trainer:
         loss_mean = torch.tensor(loss_sum / self.micro_steps, device=self.device.torch_device)
         if self.pipeline is not None:  # the loss lives on the last stage
             Comm(self.groups.pp, self.groups.ledger, tag="metrics.pp.").all_reduce(loss_mean)
-        if self.layout.dp > 1:
+        if self.metrics_comm.size > 1:  # cp ranks hold shares of a replica's loss: summed, then dp's mean
             self.metrics_comm.all_reduce(loss_mean)
             loss_mean /= self.layout.dp
         return float(loss_mean)

@@ -23,8 +23,8 @@ def test_plan_json_and_parallel_config(tmp_path):
                "train.seq_length=4096", "train.precision=bf16", "autoconfig.fixed.tp=2", f"autoconfig.output={out}")
     assert res.returncode == 0, res.stderr[-2000:]
     d = json.loads(out.read_text())
-    assert set(d["plan"]) == {"dp", "tp", "pp", "cp", "cp_kind", "vpp", "micro_batch_size", "zero", "recompute",
-                              "schedule", "sequence_parallel"}
+    assert set(d["plan"]) == {"dp", "tp", "pp", "cp", "cp_kind", "cp_ulysses", "vpp", "micro_batch_size", "zero",
+                              "recompute", "schedule", "sequence_parallel"}
     assert d["plan"]["tp"] == 2 and d["plan"]["dp"] * d["plan"]["tp"] * d["plan"]["pp"] == 16
     assert {"iteration_time_s", "memory_gb_per_device", "model_tflops_per_device", "breakdown"} <= set(d["predicted"])
     assert d["predicted"]["memory_gb_per_device"] <= 80
@@ -33,6 +33,23 @@ def test_plan_json_and_parallel_config(tmp_path):
     assert times == sorted(times)
     yaml = (tmp_path / "plan.parallel.yaml").read_text()
     assert "tp: 2" in yaml and "pretrain with: parallel.dp=" in res.stdout
+    assert f"cp_kind: {d['plan']['cp_kind']}\n" in yaml and f"cp_ulysses: {d['plan']['cp_ulysses']}\n" in yaml
+
+
+def test_long_sequence_plan_uses_context_parallelism(tmp_path):
+    """128k tokens of Llama 3 8B on one 8 x H100 node: the plan splits the sequence (cp > 1); the table,
+    the JSON, the overrides line and the parallel config name its cp kind."""
+    out = tmp_path / "long.json"
+    res = _run("model=llama3-8b", "cluster=dgx-h100", "train.global_batch_size=8", "train.seq_length=131072",
+               "train.precision=bf16", "model.max_position_embeddings=131072", f"autoconfig.output={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    plan = json.loads(out.read_text())["plan"]
+    assert plan["cp"] > 1 and plan["cp_kind"] in ("ring", "allgather", "ulysses", "hybrid")
+    assert "cp kind" in res.stdout and "cp comm" in res.stdout
+    assert f"parallel.cp={plan['cp']} parallel.cp_kind={plan['cp_kind']} parallel.cp_ulysses={plan['cp_ulysses']}" \
+        in res.stdout
+    yaml = (tmp_path / "long.parallel.yaml").read_text()
+    assert f"cp: {plan['cp']}\ncp_kind: {plan['cp_kind']}\ncp_ulysses: {plan['cp_ulysses']}\n" in yaml
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -228,14 +228,17 @@ def test_bad_inputs_exit_2_with_one_error_line(hf_dirs, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name,ranks,tp,pp", [
-    ("gpt2", None, 1, 1), ("llama", 2, 1, 1), ("mistral-window8", None, 1, 1), ("qwen2", None, 1, 1),
-    ("llama", 4, 4, 1), ("gpt2", 2, 2, 1), ("qwen2", 4, 4, 1), ("llama", 2, 1, 2), ("gpt2", 4, 2, 2)])
-def test_evaluate_cli_gives_the_hf_loss(name, ranks, tp, pp, hf_dirs, tmp_path):
+@pytest.mark.parametrize("name,ranks,tp,pp,cp", [
+    ("gpt2", None, 1, 1, ""), ("llama", 2, 1, 1, ""), ("mistral-window8", None, 1, 1, ""), ("qwen2", None, 1, 1, ""),
+    ("llama", 4, 4, 1, ""), ("gpt2", 2, 2, 1, ""), ("qwen2", 4, 4, 1, ""), ("llama", 2, 1, 2, ""),
+    ("gpt2", 4, 2, 2, ""), ("llama", 2, 1, 1, "2 ring"), ("mistral-window8", 2, 1, 1, "2 allgather"),
+    ("qwen2", 4, 2, 1, "2 ulysses"), ("gpt2", 4, 1, 2, "2 ring"), ("llama", 4, 1, 1, "4 hybrid")])
+def test_evaluate_cli_gives_the_hf_loss(name, ranks, tp, pp, cp, hf_dirs, tmp_path):
     """The documented evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5),
     also under tensor parallelism with a vocabulary (123) that tp does not divide and, for tp=4,
-    fewer kv heads (2) than tp ranks, and through a 2-stage pipeline (also with tp=2 and tied GPT-2
-    embeddings split between the first and last stage)."""
+    fewer kv heads (2) than tp ranks, through a 2-stage pipeline (also with tp=2 and tied GPT-2
+    embeddings split between the first and last stage), and under context parallelism ("cp kind":
+    each kind, with Mistral's sliding window, with tp and with pp)."""
     from mpformer.testing.cli import run_cli
 
     ckpt = tmp_path / "ckpt"
@@ -250,6 +253,9 @@ def test_evaluate_cli_gives_the_hf_loss(name, ranks, tp, pp, hf_dirs, tmp_path):
         ref = hf(input_ids=tokens, labels=tokens).loss.item()
     args = ["tools/evaluate.py", f"checkpoint.load={ckpt}", f"eval.tokens={np_path}",
             f"eval.micro_batch_size={2 if pp == 1 else 1}", f"parallel.tp={tp}", f"parallel.pp={pp}"]
+    if cp:
+        n, kind = cp.split()
+        args += [f"parallel.cp={n}", f"parallel.cp_kind={kind}", f"parallel.cp_ulysses={2 if kind == 'hybrid' else 1}"]
     res = run_cli(args, torchrun=ranks, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -108,12 +108,32 @@ def test_enum_values():
     assert "needs parallel.tp > 1" in _err(ParallelLayout(sequence_parallel=True))
 
 
-@pytest.mark.parametrize("layout,world,key", [
-    (ParallelLayout(cp=2), 2, "cp"),
-])
-def test_unimplemented_features_are_rejected_not_ignored(layout, world, key):
-    msg = _err(layout, world=world)
-    assert f"parallel.{key}=" in msg and "not implemented yet" in msg
+def test_context_parallelism_is_implemented_for_every_kind():
+    for kind, extra in (("ring", {}), ("allgather", {}), ("ulysses", {}), ("hybrid", {"cp_ulysses": 2})):
+        L = validate(ParallelLayout(cp=4, cp_kind=kind, **extra), LLAMA, 8, seq_length=64)
+        assert (L.cp, L.cp_kind, L.dp) == (4, kind, 2)
+
+
+def test_context_parallel_bad_input_names_the_valid_values():
+    # Every kind shares the zigzag split into 2*cp chunks.
+    msg = _err(ParallelLayout(cp=4, cp_kind="allgather"), world=4, seq_length=36)
+    assert "train.seq_length=36" in msg and "2*cp = 8" in msg and "valid: multiples of 8" in msg
+    msg = _err(ParallelLayout(cp=2, tp=2, sequence_parallel=True), world=4, seq_length=12)
+    assert "valid: multiples of 8" in msg
+    # Ulysses scatters this tp rank's heads: 8 heads / tp 2 = 4, which cp=8 does not divide.
+    msg = _err(ParallelLayout(cp=8, tp=2, cp_kind="ulysses"), world=16, seq_length=64)
+    assert "parallel.cp=8 with cp_kind=ulysses" in msg and "valid Ulysses degrees: 2, 4" in msg
+    msg = _err(ParallelLayout(cp=6, cp_kind="hybrid", cp_ulysses=3), world=6, seq_length=72)
+    assert "parallel.cp_ulysses=3 with cp_kind=hybrid does not divide the 8" in msg
+    msg = _err(ParallelLayout(cp=4, cp_kind="hybrid", cp_ulysses=3), world=4)
+    assert "parallel.cp_ulysses=3 at cp=4" in msg and "valid: 2" in msg
+    assert "valid: none at this cp" in _err(ParallelLayout(cp=2, cp_kind="hybrid", cp_ulysses=2), world=2)
+    assert "applies only to cp_kind=hybrid" in _err(ParallelLayout(cp=4, cp_ulysses=2), world=4)
+    assert "valid: ring, allgather, ulysses, hybrid" in _err(ParallelLayout(cp=2, cp_kind="p2p"), world=2)
+    assert "recompute_layers=-1 must be an integer >= 0" in _err(ParallelLayout(recompute_layers=-1))
+    for msg in (_err(ParallelLayout(cp=4, cp_kind="allgather"), world=4, seq_length=36),
+                _err(ParallelLayout(cp=2, cp_kind="p2p"), world=2)):
+        assert "\n" not in msg
 
 
 def test_recompute_is_implemented():

@@ -1,0 +1,1 @@
+"""Context parallelism: the sequence dimension split over ``parallel.cp`` ranks (context.py)."""

@@ -1,0 +1,131 @@
+"""The context-parallel context and what one rank holds of a micro-batch's sequence.
+
+Every cp kind shares the zigzag split of core/sequence.py; they differ only in how a rank's queries
+meet the other ranks' keys (``attention``):
+
+    ring       K/V travel around the cp ring (ring.py)
+    allgather  K/V all-gathered once per layer, dK/dV reduce-scattered (Llama 3's choice at long context)
+    ulysses    all-to-all from sequence-sharded to head-sharded, full-sequence attention on cp-th of the
+               heads, all-to-all back (DeepSpeed-Ulysses); kv heads replicated when cp exceeds them
+    hybrid     Ulysses over ``cp_ulysses`` consecutive cp ranks inside a ring over the rest (USP, LoongTrain)
+
+Inside the cp group the Ulysses ranks are the fastest dimension (cp rank = u + U * r): all-to-all
+moves the most bytes and so gets the closest links.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mpformer.context_parallel.blockwise import group_queries, local_attention, segment_index
+from mpformer.context_parallel.ring import Ring, ring_attention
+from mpformer.core.sequence import Segment, Segments, concat, merge, rank_segments
+from mpformer.parallel.comm import Comm, all_gather_seq, all_to_all
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """The cp group, and for Ulysses and hybrid the all-to-all group and the ring of such groups."""
+
+    kind: str
+    comm: Comm
+    ulysses: Comm | None = None
+    ring: Comm | None = None
+    overlap: bool = True  # ring: post the next K/V hop before computing the current block
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def segments(self, seq_len: int) -> Segments:
+        return rank_segments(seq_len, self.size, self.rank)
+
+
+@dataclass(frozen=True)
+class SeqShard:
+    """This rank's part of a micro-batch's sequence of ``total`` positions: its ``segments``, their
+    positions as a tensor (``index``; None without cp: every position in order), the document id of
+    every position of the whole sequence (``docs`` ``[b, total]``, document masks only; each rank
+    holds the whole micro-batch's tokens, so other ranks' ids need no communication) and the rotary
+    tables at this rank's positions."""
+
+    total: int
+    segments: Segments
+    index: torch.Tensor | None = None
+    docs: torch.Tensor | None = None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def document_ids(tokens_bs: torch.Tensor, eos: int) -> torch.Tensor:
+    """Document id of every position: the number of EOS tokens before it (an EOS ends its document)."""
+    ends = (tokens_bs == eos).to(torch.int32)
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def _kv_for_ulysses(x_bksd: torch.Tensor, u: int) -> torch.Tensor:
+    """Replicate kv heads when the Ulysses degree exceeds them, so every rank receives whole heads."""
+    kv = x_bksd.shape[1]
+    return x_bksd if kv % u == 0 else x_bksd.repeat_interleave(u // kv, dim=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _sorting(received: Segments, device: torch.device) -> torch.Tensor:
+    """The permutation that puts positions received in rank order into position order."""
+    return torch.argsort(segment_index(received, device), stable=True)
+
+
+def attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, cp: CPContext, seq: SeqShard,
+              window: int | None, scale: float) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence: ``[b, n, s/cp, d]``."""
+    parts = [rank_segments(seq.total, cp.size, i) for i in range(cp.size)]
+    if cp.kind == "ring":
+        ring = Ring(cp.comm, tuple(parts), seq.docs, window, scale, cp.overlap)
+        return ring_attention(group_queries(q_bnsd, k_bksd.shape[1]), k_bksd, v_bksd, ring).flatten(1, 2)
+    if cp.kind == "allgather":
+        kv_s = torch.stack([k_bksd, v_bksd]).movedim(3, 0)  # the sequence first: the gather concatenates it
+        k_all, v_all = all_gather_seq(kv_s.contiguous(), cp.comm).movedim(0, 3).unbind(0)
+        return local_attention(q_bnsd, k_all, v_all, parts[cp.rank], concat(parts), seq.docs, window, scale)
+    return _ulysses(q_bnsd, k_bksd, v_bksd, cp, seq, parts, window, scale)
+
+
+def _ulysses(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, cp: CPContext, seq: SeqShard,
+             parts: list[Segments], window: int | None, scale: float) -> torch.Tensor:
+    """All-to-all over the Ulysses group (heads scattered, sequence gathered), then attention over the
+    group's part of the sequence in position order (a ring over the groups for hybrid), and back."""
+    a2a = cp.ulysses
+    assert a2a is not None
+    u = a2a.size
+    q = all_to_all(q_bnsd, a2a, scatter_dim=1, gather_dim=2)
+    k = all_to_all(_kv_for_ulysses(k_bksd, u), a2a, scatter_dim=1, gather_dim=2)
+    v = all_to_all(_kv_for_ulysses(v_bksd, u), a2a, scatter_dim=1, gather_dim=2)
+
+    def group_part(r: int) -> tuple[Segments, Segments]:
+        """Ring member r's gathered segments as received, and sorted by position (merged)."""
+        got = tuple(seg for i in range(u) for seg in parts[i + u * r])
+        return got, merge(tuple(sorted(got, key=lambda s: s.start)))
+
+    received, ordered = group_part(cp.rank // u)
+    order = _sorting(received, q.device)
+    q, k, v = (t.index_select(2, order) for t in (q, k, v))
+    if cp.kind == "ulysses":
+        assert ordered == (Segment(0, seq.total),)
+        if seq.docs is None and window is None:  # the whole sequence in order: torch's fused kernel
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = local_attention(q, k, v, ordered, ordered, seq.docs, window, scale)
+    else:
+        assert cp.ring is not None
+        ring = Ring(cp.ring, tuple(group_part(r)[1] for r in range(cp.ring.size)), seq.docs, window, scale,
+                    cp.overlap)
+        out = ring_attention(group_queries(q, k.shape[1]), k, v, ring).flatten(1, 2)
+    out = out.index_select(2, torch.argsort(order))
+    return all_to_all(out, a2a, scatter_dim=2, gather_dim=1)
