@@ -83,8 +83,9 @@ def stage_params(m: ModelConfig, L: ParallelLayout, stage_layers: int, first: bo
 
 def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
     """Korthikanti et al. Table 2 (16-bit activations and 1-byte dropout masks), scaled for fp32; s is
-    the rank's s/cp positions. Under cp > 1 no score matrix is kept (context_parallel/ saves only
-    q, k, v, the output and the log-sum-exp rows), so without recompute the s^2 term goes."""
+    the rank's s/cp positions. Their s^2 terms (scores, softmax, its dropout mask) count only for an
+    attention that writes its scores (``w.flash_attention=False``, as the Megatron runs they measured):
+    SDPA and the cp block kernels save q, k, v, the output and the log-sum-exp rows."""
     s, b, h, a, t = w.seq_length // L.cp, w.micro_batch_size, m.hidden_size, m.num_attention_heads, L.tp
     if L.recompute == "full":
         per = 2.0  # the layer input only
@@ -92,7 +93,10 @@ def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -
         per = 34.0 / t
     else:
         per = 10.0 + 24.0 / t
-    if L.recompute == "none" and L.cp == 1:  # cp attention runs blockwise: q, k, v, output, row statistics
+    # Flash-style kernels (SDPA, and the cp block kernels) keep q, k, v, the output and row statistics;
+    # only an attention that writes its scores (flash_attention=False: Megatron before FlashAttention)
+    # keeps the s^2 terms.
+    if L.recompute == "none" and L.cp == 1 and not w.flash_attention:
         per += 5.0 * a * s / (h * t)  # attention scores, softmax and its dropout mask (s^2 per head)
     return s * b * h * per * BYTES[w.precision] / 2
 

@@ -36,7 +36,7 @@ def test_activation_bytes_follow_korthikanti():
     s, b, h, a = 2048, 1, 12288, 96
     m = ModelConfig(arch="gpt2", num_layers=2, hidden_size=h, num_attention_heads=a, vocab_size=51200,
                     activation="gelu_tanh", attention_bias=True, mlp_bias=True, max_position_embeddings=s)
-    w = Workload(1, b, s, "bf16")
+    w = Workload(1, b, s, "bf16", flash_attention=False)  # the paper's attention writes its s^2 scores
     base = s * b * h
     assert activation_bytes_per_layer(m, ParallelLayout(), w) == pytest.approx(base * (34 + 5 * a * s / h))
     assert activation_bytes_per_layer(m, ParallelLayout(tp=8), w) == pytest.approx(
@@ -46,6 +46,8 @@ def test_activation_bytes_follow_korthikanti():
     assert activation_bytes_per_layer(m, ParallelLayout(recompute="full"), w) == pytest.approx(2 * base)
     assert activation_bytes_per_layer(m, ParallelLayout(recompute="full"), Workload(1, b, s, "fp32")) == \
         pytest.approx(4 * base)
+    # Flash-style attention (the runtime's SDPA and cp kernels) keeps no score matrix.
+    assert activation_bytes_per_layer(m, ParallelLayout(), Workload(1, b, s, "bf16")) == pytest.approx(base * 34)
 
 
 def test_inflight_closed_forms_equal_the_verifier():
