@@ -8,18 +8,8 @@ on the schedule itself, data-parallel reduction with its overlap, and the optimi
               elementwise work (norms, activations, dropout, residuals) as memory traffic over HBM
     TP / SP   2 all-reduces (or all-gather + reduce-scatter) of s b h per layer in forward and 2 in
               backward, not overlapped (Megatron)
-    CP        per layer, what each cp kind exposes (``cp_layer_times``; every kind shares the zigzag split,
-              s/cp positions per rank, the same attention FLOPs as one rank's queries against all keys):
-              ring      K/V (kv heads only) hop cp-1 times in forward, each hop hidden behind one block of
-                        attention (exposed: max(0, hop - block) per hop); in backward K/V hop cp-1 times
-                        again and dK/dV cp times, behind the blocks' backward, the last dK/dV hop exposed
-              allgather one all-gather of K/V over cp in forward, one reduce-scatter of dK/dV in
-                        backward, not overlapped (Llama 3)
-              ulysses   all-to-all of q, k, v in and of the output back, four more in backward, over
-                        U = cp ranks; kv heads replicated to U when U exceeds them (more bytes)
-              hybrid    Ulysses over U = cp_ulysses ranks inside a ring over cp / U ranks that carries
-                        the post-all-to-all K/V (heads / U per rank, U s/cp positions)
-              selective or full recompute reruns the attention core and with it its forward's traffic
+    CP        per layer, the traffic each cp kind does not hide behind attention (cp_cost.py); selective
+              or full recompute reruns the attention core and with it its forward's traffic
     PP        per-stage F / B / W costs into ``simulate`` with the actual schedule; p2p over the link
               between stages
     DP / ZeRO gradient reduce-scatter or all-reduce overlapped with the backward of the last
@@ -50,9 +40,11 @@ from functools import lru_cache
 
 from mpformer.autoconfig.calibration import SPLIT, Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
+from mpformer.autoconfig.cp_cost import cp_traffic
+from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p  # noqa: F401  (RING_FACTOR: re-exported)
 from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
 from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
-from mpformer.core.layout import CP_KINDS, ParallelLayout, ulysses_degree
+from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
 from mpformer.pipeline.actions import Schedule
@@ -97,9 +89,6 @@ def _gemm_time(c: Cluster, dtype: str, m: int, n: int, k: int, batch: int = 1) -
     return batch * 2.0 * m * n * k / (c.peak(dtype) * gemm_efficiency(c, dtype, m, n, k))
 
 
-RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
-
-
 def _attention_time(c: Cluster, dtype: str, s_q: int, s_k: int, d: int, heads: int) -> float:
     """Forward time of attention over ``heads`` (batch x heads) heads: from the profile's measured fused
     kernel (forward + backward, a third of it; scaled by s_q s_k d from the nearest shape), else its
@@ -110,28 +99,6 @@ def _attention_time(c: Cluster, dtype: str, s_q: int, s_k: int, d: int, heads: i
         scale = s_q * s_k * d / (row["seq"] ** 2 * row["head_dim"])
         return heads * row["seconds_per_head"] * scale / 3
     return 2 * _gemm_time(c, dtype, s_q, s_k, d, batch=heads)
-
-
-def _collective(c: Cluster, kind: str, nbytes: float, n: int, spans_nodes: bool) -> float:
-    """Ring time: all-reduce moves 2 (n-1)/n of the buffer, all-gather / reduce-scatter / all-to-all
-    (n-1)/n (docs/formulas.md section 5; all-to-all: every rank keeps 1/n of its buffer). A measured
-    profile's alpha-beta fit of this op and group size (taken with every rank busy) wins."""
-    if n <= 1:
-        return 0.0
-    fit = c.measured.get("fits", {}).get(f"{kind}/{n}")
-    if fit is not None and not spans_nodes:
-        return fit["alpha_s"] + RING_FACTOR[kind] * nbytes * (n - 1) / n / fit["beta_bytes_per_s"]
-    bw, lat = c.link(spans_nodes)
-    return RING_FACTOR[kind] * ((n - 1) * lat + nbytes * (n - 1) / n / bw)
-
-
-def _p2p(c: Cluster, nbytes: float, spans_nodes: bool) -> float:
-    """One send/receive between pipeline stages: a measured 2-rank all-gather moves the same bytes."""
-    fit = c.measured.get("fits", {}).get("all_gather/2")
-    if fit is not None and not spans_nodes:
-        return fit["alpha_s"] + nbytes / fit["beta_bytes_per_s"]
-    bw, lat = c.link(spans_nodes)
-    return lat + nbytes / bw
 
 
 def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float, float]:
@@ -173,57 +140,11 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
 
 def cp_layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, attn: float | None = None
                    ) -> tuple[float, float]:
-    """Exposed context-parallel communication of one layer for one micro-batch: (forward, backward).
-    ``attn``: the rank's attention forward (its queries against every key), which ring hops hide behind
-    block by block; on a CPU host whose ranks share the cores nothing hides (no core is free).
-
-    Bytes per rank, S = s/cp positions, b micro-batch, d head size, k and n kv and query heads per tp
-    rank, B bytes per activation element. Ring hop: 2 S b k d B (dK/dV hops: 2 S b k d fp32 values, exact partial sums).
-    All-gather / reduce-scatter: the gathered 2 s b k d B. Ulysses all-to-all of a tensor of H heads:
-    S b max(H, U) d B, of which (U-1)/U leaves the rank (kv heads repeated to U when U exceeds them:
-    every rank receives whole heads). Megatron-LM's context parallelism (--cp-comm-type p2p |
-    allgather | a2a | a2a+p2p) and DeepSpeed-Ulysses (Jacobs et al. 2023: 4 N h / P elements per link
-    for q, k, v and the output) move the same volumes; shared/reference/formulas.md has no cp formula."""
+    """Exposed context-parallel communication of one layer for one micro-batch: (forward, backward),
+    priced in cp_cost.py; ``attn``: the rank's attention forward (computed when not given)."""
     if L.cp == 1:
         return 0.0, 0.0
-    if L.cp_kind not in _CP_PRICED:
-        raise ValueError(f"cp_kind={L.cp_kind!r} has no cost model; priced: {', '.join(_CP_PRICED)}")
-    if attn is None:
-        attn = layer_times_parts(m, L, w, c)[4]
-    wb, b, d = BYTES[w.precision], w.micro_batch_size, m.head_size
-    seq, heads, kv = w.seq_length // L.cp, m.num_attention_heads // L.tp, max(m.kv_heads // L.tp, 1)
-    u = ulysses_degree(L)
-    spans_cp = L.tp * L.cp > c.devices_per_node
-    fwd = bwd = 0.0
-    if u > 1:  # q, k, v scattered by heads and gathered by sequence; the output back; the same four in backward
-        spans_u = L.tp * u > c.devices_per_node
-
-        def a2a(h: int) -> float:
-            return _collective(c, "all_to_all", seq * b * max(h, u) * d * wb, u, spans_u)
-
-        fwd = bwd = 2 * a2a(heads) + 2 * a2a(kv)
-        seq, kv = seq * u, max(kv, u) // u  # what the ring (hybrid) then carries
-    ring = L.cp // u
-    if L.cp_kind == "allgather":
-        gathered = 2 * L.cp * seq * b * kv * d * wb
-        fwd += _collective(c, "all_gather", gathered, L.cp, spans_cp)
-        bwd += _collective(c, "reduce_scatter", gathered, L.cp, spans_cp)
-    elif ring > 1:  # ring, or hybrid's ring of Ulysses groups
-        hop = _p2p(c, 2 * seq * b * kv * d * wb, spans_cp)
-        dhop = _p2p(c, 2 * seq * b * kv * d * 4, spans_cp)  # dK/dV partial sums travel in fp32 (ring.py)
-        block = attn / ring if slowdowns(c) is None else 0.0
-        fwd += (ring - 1) * max(hop - block, 0.0)
-        # backward step j: K/V in for step j+1 (j < R-1), dK/dV of step j-1 out (j > 0), behind the
-        # block's backward (twice its forward); then the last block's dK/dV home, exposed
-        bwd += (max(hop - 2 * block, 0.0) + max(dhop - 2 * block, 0.0)
-                + (ring - 2) * max(hop + dhop - 2 * block, 0.0) + dhop)
-    if L.recompute != "none":  # the checkpointed attention core runs its forward again, traffic included
-        bwd += fwd
-    return fwd, bwd
-
-
-_CP_PRICED = ("ring", "allgather", "ulysses", "hybrid")
-assert set(_CP_PRICED) == set(CP_KINDS), "cost.py must price exactly the cp kinds the runtime has (CP_KINDS)"
+    return cp_traffic(m, L, w, c, layer_times_parts(m, L, w, c)[4] if attn is None else attn)
 
 
 def head_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> float:

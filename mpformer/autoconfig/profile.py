@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mpformer.autoconfig.cost import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
+from mpformer.autoconfig.links import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
 from mpformer.autoconfig.profile_ranks import profile_reference, profile_shared
 
 # Transformer-like GEMMs (tokens x out x in), and attention's per-head products (s x s x d, s x d x s).

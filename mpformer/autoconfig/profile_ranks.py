@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from mpformer.autoconfig.cost import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
+from mpformer.autoconfig.links import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
 
 SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 16 * 2**20]  # collective message bytes
 
