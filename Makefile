@@ -17,7 +17,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPFORMER_DEMO_DIR := $(DEMO_DATA)
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint clean gpu-wheels
 
 venv: $(VENV)/.installed
 
@@ -44,6 +44,14 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/hadolint docker/Dockerfile
+
+# Pure-Python dependencies for an offline GPU machine whose image has torch and transformers but not
+# these (benchmarks/gpu_check.sh installs .whl/ when it finds it). antlr4 4.9 ships only as an sdist.
+gpu-wheels: venv
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: -d .whl \
+		"hydra-core==$$($(BIN)/python -c 'import hydra; print(hydra.__version__)')" \
+		"omegaconf==$$($(BIN)/python -c 'import omegaconf; print(omegaconf.__version__)')"
+	$(BIN)/python -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3
 
 clean:
 	rm -rf $(DEMO_RUN) .pytest_cache .ruff_cache

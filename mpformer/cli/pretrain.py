@@ -37,6 +37,8 @@ def run_pretraining(composed: Composed) -> list[float]:
         raise ConfigError(f"train.precision=bf16 but this {device.kind} device has no bf16 support; valid: fp32")
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        device.make_deterministic()
     owns_group = not dist.is_initialized()  # tests spawn ranks with a group already up
     init_distributed(device, cfg.train.dist_timeout_s)
     try:

@@ -61,13 +61,13 @@ class _Hop:
         t = t.contiguous()
         self.buf = torch.empty_like(t)
         self._keep = t  # referenced until the send completes
+        self.ledger, self.kind = comm.ledger, comm.tag + "wait"
         comm.ledger.record(comm.tag + "send", t.numel() * t.element_size())
         self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt, group, tag),
                                              dist.P2POp(dist.irecv, self.buf, prv, group, tag)])
 
     def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
+        self.ledger.blocked(self.kind, lambda: [w.wait() for w in self.works])  # exposed when the block ran short
         self._keep = None
         return self.buf
 

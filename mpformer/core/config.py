@@ -54,6 +54,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     threads: int | None = None  # CPU threads per rank (torch.set_num_threads); None keeps torch's default
     use_apex: bool = False  # apex fused kernels when installed (optional fast path)
+    compile: bool = False  # torch.compile each transformer block (Transformer.compile_layers; benchmarks/README)
+    deterministic: bool = False  # kernels with the same bits every run (CUDA: a bit-exact resume; slower)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
     initial_loss_scale: float = 65536.0  # fp16: dynamic loss scaling starts here (2^16) ...
@@ -87,6 +89,7 @@ class DataConfig:
     # Packed sequences hold several documents: attend only inside each (a document ends with its EOS token).
     document_mask: bool = False
     eos_token_id: int | None = None  # the EOS id for document_mask (None: the tokenizer's)
+    prefetch: int = 2  # steps of batches read ahead in a background thread (pinned on cuda); 0: read in the step
 
 
 @dataclass

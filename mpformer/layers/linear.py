@@ -5,8 +5,9 @@ GEMM whose second operand is row-major ``W [out, in]`` (the "NN" layout). On CPU
 bf16 matmul units (AVX2 only) oneDNN runs that layout ~20x slower than the transposed one
 (measured 0.7-1.3 vs 15-24 GFLOP/s, benchmarks/bench_throughput.py). Computing it as
 ``dY @ (W^T contiguous)^T`` costs one small copy of W and puts the GEMM in the fast layout; the
-values are the same products summed in the same precision. fp32 and GPU paths are untouched:
-there the copy only costs time.
+values are the same products summed in the same precision. Whether this CPU needs it is measured
+once per process (kernels.py: on AMX or AVX512-BF16 machines the NN layout is fast and the copy
+only costs time). fp32 and GPU paths are untouched.
 
 Why a weight-gradient store: the zero-bubble schedules (ZB-H1/H2, Qi et al. 2023) run a
 micro-batch's backward as two actions, BI (input gradients, which the previous stage is waiting
@@ -25,6 +26,8 @@ from collections.abc import Callable, Hashable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mpformer.layers.kernels import cpu_kernels
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -112,7 +115,8 @@ class _SplitLinear(torch.autograd.Function):
         dy = dy.to(wc.dtype)
         dx = None
         if ctx.needs_input_grad[0]:
-            w_fast = wc.t().contiguous().t() if wc.device.type == "cpu" and wc.dtype in _LOW else wc
+            transposed = wc.device.type == "cpu" and wc.dtype in _LOW and cpu_kernels().dgrad_transposed
+            w_fast = wc.t().contiguous().t() if transposed else wc
             dx = torch.matmul(dy, w_fast).to(ctx.x_dtype)
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
 
@@ -138,7 +142,8 @@ class _SplitLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            store: WeightGradStore | None = None) -> torch.Tensor:
-    """F.linear, except on CPU under bf16/fp16 autocast where the input gradient uses the fast layout,
+    """F.linear, except on CPU under bf16/fp16 autocast where the input gradient takes the layout the
+    probe found fast,
     and with a ``store`` whose captures defer the weight gradients (``weight`` must then be a leaf)."""
     if store is not None:
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
@@ -146,7 +151,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return _SplitLinear.apply(x, weight, bias, store, dt)
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dt = torch.get_autocast_dtype("cpu")
-        if dt in _LOW:
+        if dt in _LOW and cpu_kernels().dgrad_transposed:
             with torch.autocast("cpu", enabled=False):
                 # Casting outside the Function keeps autograd's cast back to fp32 for the master weights.
                 b = bias.to(dt) if bias is not None else None

@@ -129,6 +129,16 @@ class Transformer(nn.Module):
         if seed is not None and device != "meta":
             self.init_weights(seed)
 
+    def compile_layers(self, **options) -> None:
+        """torch.compile every block's ``forward`` (train.compile). Per block, not the whole model:
+        the blocks share one code object, so they share one compiled graph and compiling costs one
+        block's time whatever the depth (Megatron-style per-layer regional compilation, as torchtitan
+        does); hooks on the blocks (ZeRO-3's gathers), activation checkpointing around them and the
+        collectives between stages stay outside the graph. Inductor draws its own dropout masks, so a
+        compiled run with dropout matches an eager one in distribution, not bit for bit."""
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, **options)
+
     # ---- forward ---------------------------------------------------------------------------
     def sequence(self, tokens_bs: torch.Tensor) -> SeqShard:
         """What this rank holds of the micro-batch's sequence: its context-parallel positions (all of

@@ -8,7 +8,12 @@ into a :class:`CommLedger`, ring-adjusted (what a bandwidth-optimal ring sends p
     reduce-scatter of N bytes      (n-1)/n N
     all-to-all of N bytes          (n-1)/n N
 
-so the ledger can be compared with the analytic volumes of docs/formulas.md.
+so the ledger can be compared with the analytic volumes of docs/formulas.md. It also keeps the host
+seconds this rank spent blocked in communication, per kind (``blocked``): a synchronous collective from
+call to return, an asynchronous one from ``wait()`` to its return. What overlaps compute never blocks,
+so the sum is the communication a step did not hide (the trainer's ``exposed_comm_s``). On gloo that is
+exact; NCCL calls return once queued on the GPU, so on CUDA it counts only host waits (a lower bound:
+the profiler's NCCL kernels tell the rest).
 
 The autograd pairs follow Megatron's mappings.py; each backward calls its dual::
 
@@ -26,7 +31,10 @@ once, by moving the dim to the front.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,14 +50,41 @@ class CommLedger:
 
     def __init__(self) -> None:
         self.bytes: dict[str, float] = defaultdict(float)
+        self.seconds: dict[str, float] = defaultdict(float)
 
     def record(self, kind: str, nbytes: float) -> None:
         self.bytes[kind] += nbytes  # fractional: (n-1)/n of a buffer; rounded once, in take()
 
+    def blocked(self, kind: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, its duration counted as time blocked in ``kind``."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds[kind] += time.perf_counter() - t0
+
     def take(self) -> dict[str, int]:
+        """Bytes per kind since the last take (the blocked seconds: ``take_seconds``)."""
         out = {k: round(v) for k, v in self.bytes.items()}
         self.bytes = defaultdict(float)
         return out
+
+    def take_seconds(self) -> dict[str, float]:
+        out, self.seconds = dict(self.seconds), defaultdict(float)
+        return out
+
+
+class TimedWork:
+    """An asynchronous collective's work whose ``wait`` counts as blocked time in the ledger."""
+
+    def __init__(self, work: dist.Work, ledger: CommLedger, kind: str) -> None:
+        self.work, self.ledger, self.kind = work, ledger, kind
+
+    def wait(self) -> bool:
+        return self.ledger.blocked(self.kind, self.work.wait)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class Comm:
@@ -65,13 +100,19 @@ class Comm:
     def _note(self, kind: str, nbytes: int, factor: float) -> None:
         self.ledger.record(self.tag + kind, factor * nbytes * (self.size - 1) / self.size)
 
+    def _run(self, kind: str, call: Callable[..., Any], *args: Any, async_op: bool = False, **kw: Any) -> Any:
+        """Issue a collective: a synchronous one timed as blocked, an asynchronous one's wait likewise."""
+        if async_op:
+            return TimedWork(call(*args, group=self.group, async_op=True, **kw), self.ledger, self.tag + kind)
+        return self.ledger.blocked(self.tag + kind, lambda: call(*args, group=self.group, **kw))
+
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = False) -> dist.Work | None:
         """In place. Ring-adjusted: 2 (n-1)/n of the buffer."""
         if self.size == 1:
             return None
         self._note("all_reduce", t.numel() * t.element_size(), 2.0)
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
+        return self._run("all_reduce", dist.all_reduce, t, op=op, async_op=async_op)
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim``."""
@@ -80,7 +121,7 @@ class Comm:
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         self._note("all_gather", out.numel() * out.element_size(), 1.0)
-        _all_gather(out, src, group=self.group)
+        self._run("all_gather", _all_gather, out, src)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -92,7 +133,7 @@ class Comm:
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((src.shape[0] // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
         self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
-        _reduce_scatter(out, src, group=self.group)
+        self._run("reduce_scatter", _reduce_scatter, out, src)
         return out.movedim(0, dim)
 
     def reduce_scatter_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
@@ -101,7 +142,7 @@ class Comm:
             out.copy_(src)
             return None
         self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
-        return _reduce_scatter(out, src, group=self.group, async_op=async_op)
+        return self._run("reduce_scatter", _reduce_scatter, out, src, async_op=async_op)
 
     def all_gather_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """Every rank's flat ``src`` concatenated into ``out`` (ZeRO's parameter shards)."""
@@ -109,7 +150,7 @@ class Comm:
             out.copy_(src)
             return None
         self._note("all_gather", out.numel() * out.element_size(), 1.0)
-        return _all_gather(out, src, group=self.group, async_op=async_op)
+        return self._run("all_gather", _all_gather, out, src, async_op=async_op)
 
     def all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` along ``scatter_dim`` into one chunk per rank, exchange, concatenate along ``gather_dim``."""
@@ -122,7 +163,7 @@ class Comm:
         src = torch.stack(chunks)  # [n, ...chunk]: dim 0 is the destination rank
         out = torch.empty_like(src)
         self._note("all_to_all", src.numel() * src.element_size(), 1.0)
-        dist.all_to_all_single(out, src, group=self.group)
+        self._run("all_to_all", dist.all_to_all_single, out, src)
         return torch.cat(out.unbind(0), dim=gather_dim)
 
     def chunk(self, t: torch.Tensor, dim: int) -> torch.Tensor:

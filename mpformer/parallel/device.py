@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ DeviceLike = torch.device | str | None
 @dataclass(frozen=True)
 class Device:
     kind: str  # "cpu" or "cuda"
-    local_rank: int = 0
+    index: int = 0  # the CUDA device this process drives, among those visible to it
 
     @property
     def backend(self) -> str:
@@ -25,47 +26,103 @@ class Device:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if self.kind == "cuda" else torch.device("cpu")
+        return torch.device("cuda", self.index) if self.kind == "cuda" else torch.device("cpu")
 
     def activate(self) -> None:
         """Bind this process to its device (one GPU per process under torchrun)."""
         if self.kind == "cuda":
-            torch.cuda.set_device(self.local_rank)
+            torch.cuda.set_device(self.index)
+
+    def make_deterministic(self) -> None:
+        """Kernels that give the same bits on every run (train.deterministic): what a bit-exact resume
+        on CUDA needs, where some default kernels accumulate with atomics in a varying order (index_add
+        in the embedding's backward, some attention backwards). cuBLAS needs its workspace fixed before
+        its first use. CPU kernels here are deterministic already; the flag costs GPU speed."""
+        if self.kind == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True)
 
     def synchronize(self) -> None:
         if self.kind == "cuda":
-            torch.cuda.synchronize(self.local_rank)
+            torch.cuda.synchronize(self.index)
 
     def max_memory_allocated(self) -> int | None:
         """Peak bytes allocated on the device, or None where the allocator does not track it (CPU)."""
-        return torch.cuda.max_memory_allocated(self.local_rank) if self.kind == "cuda" else None
+        return torch.cuda.max_memory_allocated(self.index) if self.kind == "cuda" else None
 
     def reset_peak_memory(self) -> None:
         if self.kind == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.local_rank)
+            torch.cuda.reset_peak_memory_stats(self.index)
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         """The generators dropout draws from: the CPU one, and this GPU's when on cuda."""
         state = {"torch": torch.get_rng_state()}
         if self.kind == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.local_rank)
+            state["cuda"] = torch.cuda.get_rng_state(self.index)
         return state
 
     def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(state["torch"])
         if self.kind == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], self.local_rank)
+            torch.cuda.set_rng_state(state["cuda"], self.index)
 
     def name(self) -> str:
         """What the device is, for reports ("NVIDIA H200", or the CPU's vector ISA)."""
         if self.kind == "cuda":
-            return torch.cuda.get_device_name(self.local_rank)
+            return torch.cuda.get_device_name(self.index)
         return f"cpu ({torch.backends.cpu.get_cpu_capability()})"
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         if self.kind == "cuda" and dtype == torch.bfloat16:
             return torch.cuda.is_bf16_supported()
         return True
+
+
+class Stopwatch:
+    """Time marks in the device's own order, read as host seconds afterwards. On CPU a mark is
+    ``perf_counter`` (the work before it is done when the call returns). On CUDA it is an event
+    recorded on the current stream, resolved by ``seconds`` after the recording: synchronising at
+    every mark instead would serialise the host with the GPU and hide the very overlap a pipeline
+    trace is meant to show. CUDA times are the origin's host time plus event-measured elapsed time,
+    so ranks of one node still share perf_counter's clock."""
+
+    def __init__(self, device: Device) -> None:
+        self.cuda = device.kind == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device.index)  # once per window: fixes the origin on both clocks
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+        self.origin_s = time.perf_counter()
+
+    def mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: object) -> float:
+        if not self.cuda:
+            return float(mark)
+        mark.synchronize()
+        return self.origin_s + self.origin.elapsed_time(mark) / 1e3
+
+
+def gpu_index(local_rank: int, local_world: int, visible: int) -> int:
+    """The visible GPU a process drives. Two launch styles are normal: every process of a node sees
+    all its GPUs (torchrun's default: GPU = LOCAL_RANK), or each sees only its own (SLURM's
+    --gpus-per-task, Kubernetes, a per-rank CUDA_VISIBLE_DEVICES: one visible GPU, index 0).
+    Anything else would put two ranks on one GPU, which NCCL rejects later and less clearly."""
+    if visible <= 0:
+        raise ConfigError("train.device=cuda but no CUDA device is visible; valid here: cpu, auto")
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ConfigError(f"LOCAL_RANK={local_rank} (of {local_world} processes on this node) but this process sees "
+                      f"{visible} GPUs; valid: one visible GPU per process, or at least LOCAL_WORLD_SIZE visible")
 
 
 def resolve_device(kind: str = "auto", local_rank: int | None = None) -> Device:
@@ -79,6 +136,7 @@ def resolve_device(kind: str = "auto", local_rank: int | None = None) -> Device:
         raise ConfigError("train.device=cuda but no CUDA device is visible; valid here: cpu, auto")
     if kind == "auto":
         kind = "cuda" if has_cuda else "cpu"
-    if kind == "cuda" and local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible")
-    return Device(kind, local_rank)
+    if kind == "cpu":
+        return Device("cpu")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    return Device("cuda", gpu_index(local_rank, local_world, torch.cuda.device_count()))

@@ -38,7 +38,7 @@ class TPRandom:
         self.state = state
 
     def _devices(self) -> list[int]:
-        return [self.device.local_rank] if self.device.kind == "cuda" else []
+        return [self.device.index] if self.device.kind == "cuda" else []
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:

@@ -23,7 +23,6 @@ number of microbatches before backward, so gradients are the mean over the globa
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,7 +30,7 @@ from torch import nn
 
 from mpformer.core.pipeline_plan import StagePlan
 from mpformer.layers.linear import WeightGradStore
-from mpformer.parallel.device import Device
+from mpformer.parallel.device import Device, Stopwatch
 from mpformer.pipeline.actions import Action, Op, Schedule
 from mpformer.pipeline.p2p import P2P, Pending
 from mpformer.pipeline.stage import chunk_forward
@@ -56,7 +55,8 @@ class PipelineEngine:
         self.on_grads_done, self.on_weight_grad = on_grads_done, on_weight_grad
         self.dispatch: dict[Op, Callable[[Action, torch.Tensor | None], None]] = {
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward, Op.BW: self._backward_weight}
-        self.trace: list[TraceEvent] | None = None  # recording this rank's actions (start_trace)
+        self.trace: list[tuple[Action, object, object]] | None = None  # this rank's actions (start_trace)
+        self._watch: Stopwatch | None = None
         self.store = store
         self.loss_scale = 1.0  # fp16's dynamic loss scale, for the step run() runs
         dev = p2p.device if p2p is not None else torch.device("cpu")
@@ -64,12 +64,13 @@ class PipelineEngine:
     def start_trace(self) -> None:
         """Record every action's start and end from now on (Chrome traces, trace.py)."""
         if self.trace is None:
-            self.trace = []
+            self.trace, self._watch = [], Stopwatch(self._device)
 
     def take_trace(self) -> list[TraceEvent]:
-        """What was recorded since start_trace(); recording stops."""
-        out, self.trace = self.trace or [], None
-        return out
+        """What was recorded since start_trace(), in seconds; recording stops."""
+        marks, self.trace = self.trace or [], None
+        watch = self._watch
+        return [(a, watch.seconds(t0), watch.seconds(t1)) for a, t0, t1 in marks]
 
     def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, forward_only: bool = False,
             loss_scale: float = 1.0) -> list[float]:
@@ -118,17 +119,14 @@ class PipelineEngine:
         return [float(x) for x in torch.stack(self.losses).tolist()] if self.losses else []
 
     def _timed(self, a: Action, received: torch.Tensor | None) -> None:
-        if self.trace is None:
+        # A named range per action: torch.profiler (and its CUDA timeline) shows the schedule as run.
+        with torch.profiler.record_function(f"pp.{a.op.name} mb{a.microbatch} c{a.chunk}"):
+            if self.trace is None:
+                self.dispatch[a.op](a, received)
+                return
+            t0 = self._watch.mark()
             self.dispatch[a.op](a, received)
-            return
-        t0 = self._now()
-        self.dispatch[a.op](a, received)
-        self.trace.append((a, t0, self._now()))
-
-    def _now(self) -> float:
-        """Host time after the device has finished what was queued (traces time kernels, not launches)."""
-        self._device.synchronize()
-        return time.perf_counter()
+            self.trace.append((a, t0, self._watch.mark()))
 
     def _input_of(self, a: Action) -> torch.Tensor | None:
         """The received tensor ``a`` consumes: the activation of an F, the output gradient of a B/BI."""
@@ -177,9 +175,9 @@ class PipelineEngine:
         if self.trace is None:
             pending.wait()
         else:
-            t0 = self._now()
+            t0 = self._watch.mark()
             pending.wait()
-            self.trace.append((action, t0, self._now()))
+            self.trace.append((action, t0, self._watch.mark()))
         return buf
 
     def _communicate(self, acts: Sequence[Action]) -> None:

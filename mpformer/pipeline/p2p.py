@@ -20,17 +20,23 @@ from mpformer.parallel.comm import CommLedger
 
 class Pending:
     """Outstanding work of a posted group: the tensors it reads or writes stay referenced until
-    ``wait`` returns."""
+    ``wait`` returns; the time ``wait`` blocks is the ledger's ``pp.wait``."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
-        self.works, self.tensors = works, tensors
+    def __init__(self, works: list, tensors: list[torch.Tensor], ledger: CommLedger | None = None) -> None:
+        self.works, self.tensors, self.ledger = works, tensors, ledger
         self.done = not works
 
     def wait(self) -> None:
         if not self.done:
-            for work in self.works:
-                work.wait()
+            if self.ledger is None:
+                self._wait_all()
+            else:
+                self.ledger.blocked("pp.wait", self._wait_all)
             self.done, self.tensors = True, []
+
+    def _wait_all(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 class P2P:
@@ -38,6 +44,12 @@ class P2P:
                  device: torch.device) -> None:
         self.group, self.ledger = group, ledger
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self._ranks = dist.get_process_group_ranks(group)
+
+    def _global(self, peer: int) -> int:
+        """P2POp's ``peer`` is a global rank in every torch the project supports (``group_peer``, a
+        rank of the group, only exists from torch 2.6)."""
+        return self._ranks[peer]
 
     def buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -54,11 +66,12 @@ class P2P:
                                    f"{self.dtype}")
             t = t.contiguous()
             sent.append(t)
-            ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
+            ops.append(dist.P2POp(dist.isend, t, self._global(peer), self.group))
             self.ledger.record("pp.send", t.numel() * t.element_size())
-        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=peer) for peer, t in recvs]
+        ops += [dist.P2POp(dist.irecv, t, self._global(peer), self.group) for peer, t in recvs]
         works = list(dist.batch_isend_irecv(ops)) if ops else []
+        led = self.ledger
         if len(works) != len(ops):  # a coalesced backend (NCCL) returns one work for the whole group
-            return Pending(works, sent), [Pending(works, [t]) for _, t in recvs]
+            return Pending(works, sent, led), [Pending(works, [t], led) for _, t in recvs]
         n = len(sends)
-        return Pending(works[:n], sent), [Pending([w], [t]) for w, (_, t) in zip(works[n:], recvs)]
+        return Pending(works[:n], sent, led), [Pending([w], [t], led) for w, (_, t) in zip(works[n:], recvs)]

@@ -1,11 +1,12 @@
 """Traces of the real pipeline run: the engine's timed actions, gathered, written, and turned into costs.
 
 The engine records ``(action, start, end)`` per compute action and per receive wait, in
-``time.perf_counter`` seconds (a system-wide monotonic clock on Linux, so the ranks of one node share
-an origin; across nodes the rows are offset by the clocks' difference). ``write_trace`` writes them
-in the same Chrome-trace form as ``tools/schedule.py --trace`` writes the simulated schedule, so the
-two read side by side; ``measured_costs`` takes the median duration of each operation per global
-stage, which is what ``simulate`` needs to predict the same run.
+``time.perf_counter`` seconds (on CUDA, stream events resolved onto that clock without a synchronise
+per action: parallel/device.py's Stopwatch). perf_counter is a system-wide monotonic clock on Linux,
+so the ranks of one node share an origin; across nodes the rows are offset by the clocks' difference.
+``write_trace`` writes them in the same Chrome-trace form as ``tools/schedule.py --trace`` writes the
+simulated schedule, so the two read side by side; ``measured_costs`` takes the median duration of
+each operation per global stage, which is what ``simulate`` needs to predict the same run.
 """
 
 from __future__ import annotations

@@ -26,4 +26,5 @@ def train(args: list[str]) -> dict[str, list]:
     return {"losses": losses, "grad_norms": [m["grad_norm"] for m in rows], "steps": [m["step"] for m in rows],
             "comm_bytes": [m["comm_bytes"] for m in rows], "comm_by_kind": [m["comm_bytes_by_kind"] for m in rows],
             "grad_norms_clipped": [m["grad_norm_clipped"] for m in rows],
+            "exposed_comm": [(m["exposed_comm_s"], m["exposed_comm_s_by_kind"], m["step_time_s"]) for m in rows],
             "val_losses": [m["val_loss"] for m in rows if "val_loss" in m]}

@@ -11,6 +11,7 @@ from torch import nn
 from mpformer.core.config import Config
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout
+from mpformer.layers.kernels import cpu_kernels
 from mpformer.optim.engine import GradEngine
 from mpformer.optim.memory import format_report, write_report
 from mpformer.pipeline.engine import PipelineEngine
@@ -23,10 +24,13 @@ def banner(cfg: Config, L: ParallelLayout, micro_steps: int, device_kind: str, s
     t = cfg.train
     n = cfg.model.num_params()  # the whole model, not this rank's shard
     start = f"resuming at step {step}" if step else "starting at step 0"
+    kernels = ""
+    if device_kind == "cpu" and t.precision != "fp32":  # the probe's choice decides this run's speed
+        kernels = " | " + cpu_kernels().describe()
     return (f"mpformer: {cfg.model.arch} {n / 1e6:.2f}M params | dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} | "
             f"global batch {t.global_batch_size} x {t.seq_length} tokens, {micro_steps} micro-batches of "
             f"{t.micro_batch_size} per rank | {t.precision} on {device_kind} | {start}, training to {end} | "
-            f"run dir {run_dir}")
+            f"run dir {run_dir}{kernels}")
 
 
 def memory_report(engine: GradEngine, layout: ParallelLayout, model: nn.Module, metrics: MetricsLogger,

@@ -21,6 +21,7 @@ import torch
 
 from mpformer.checkpoint.checkpointer import Checkpointer, Manifest, Part
 from mpformer.core.layout import ParallelLayout
+from mpformer.data.loader import StepLoader
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.models.parallelize import build_rank, grad_specs
@@ -69,6 +70,8 @@ class Trainer:
                         replicas=layout.dp)
         self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
                                    self.param_dtype)
+        if t.compile:  # after the engine: its flat buffers hold the parameters the graphs read
+            self.model.compile_layers()
         self.pipeline = self._build_pipeline() if self.plan is not None else None
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
@@ -93,21 +96,27 @@ class Trainer:
                                      wandb_run_id=self.progress.wandb_run_id, config=spec.resolved)
         self.progress.adopt_wandb(self.metrics.wandb_run_id)
         self.metrics_comm = Comm(groups.data_group, groups.ledger, tag="metrics.dp.")
+        self.loader = StepLoader(self._read_step, t.global_batch_size, self.device.torch_device,
+                                 depth=cfg.data.prefetch)
 
     # ---- one optimizer step -----------------------------------------------------------------------
-    def _micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This data-parallel rank's share of the step's samples, as (inputs, labels) per micro-batch
-        (whole sequences: under cp the model keeps its own positions)."""
+    def _read_step(self, position: int) -> list[torch.Tensor]:
+        """This data-parallel rank's share of the samples of the step that starts at ``position``, one
+        [micro_batch, seq + 1] tensor per micro-batch (whole sequences: under cp the model keeps its own
+        positions). Runs in the loader's thread."""
         t, out = self.cfg.train, []
         for j in range(self.micro_steps):
             offsets = micro_batch_sample_indices(0, j, dp_rank=self.groups.dp_rank, dp_size=self.layout.dp,
                                                  global_batch_size=t.global_batch_size,
                                                  micro_batch_size=t.micro_batch_size)
-            batch = get_batch(self.spec.dataset, [self.progress.consumed_samples + i for i in offsets])
+            batch = get_batch(self.spec.dataset, [position + i for i in offsets])
             check_vocab(batch, self.cfg.model.vocab_size)
-            batch = batch.to(self.device.torch_device, non_blocking=True)
-            out.append((batch[:, :-1], batch[:, 1:]))
+            out.append(batch)
         return out
+
+    def _micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This step's (inputs, labels) per micro-batch, on the device."""
+        return [(b[:, :-1], b[:, 1:]) for b in self.loader.take(self.progress.consumed_samples)]
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Every micro-batch's forward and backward, gradients accumulated over them; the last one's
@@ -165,40 +174,55 @@ class Trainer:
 
     def fit(self) -> list[float]:
         """Train until train.steps (or train.stop_at); return the losses of the steps run here."""
-        t, ck = self.cfg.train, self.cfg.checkpoint
+        t = self.cfg.train
         end = t.stop_at if t.stop_at is not None else t.steps
-        tokens_per_step = t.global_batch_size * t.seq_length
         self.metrics.message(banner(self.cfg, self.layout, self.micro_steps, self.device.kind, self.progress.step,
                                     end, self.spec.run_dir))
         memory_report(self.engine, self.layout, self.model, self.metrics, self.spec.run_dir, self.is_logger)
         trace = TraceWindow(self.pipeline, t.pipeline_trace_steps, self.progress.step, end, self.groups.pp)
         losses: list[float] = []
         timer = StepTimer()
+        try:
+            self._loop(end, trace, timer, losses)
+        finally:
+            self.loader.close()
+        if losses:  # the final (or stop_at) checkpoint; a run that had nothing left to do writes none
+            self.save()
+        self.metrics.close()
+        return losses
+
+    def _loop(self, end: int, trace: TraceWindow, timer: StepTimer, losses: list[float]) -> None:
+        t, ck = self.cfg.train, self.cfg.checkpoint
+        tokens_per_step = t.global_batch_size * t.seq_length
         while self.progress.step < end:
             trace.before(self.progress.step)
             m = self.train_step()
             dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
             losses.append(m["loss"])
             comm = self.groups.ledger.take()  # this step's training traffic (validation's is dropped below)
+            # Host time blocked in communication: what the step did not hide behind compute (comm.py).
+            blocked = {k: v for k, v in self.groups.ledger.take_seconds().items() if not k.startswith("metrics.")}
             m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                       "comm_bytes": sum(v for k, v in comm.items() if not k.startswith("metrics.")),
-                      "comm_bytes_by_kind": comm, "consumed_samples": self.progress.consumed_samples,
+                      "comm_bytes_by_kind": comm, "exposed_comm_s": sum(blocked.values()),
+                      "exposed_comm_s_by_kind": {k: round(v, 6) for k, v in blocked.items()},
+                      "consumed_samples": self.progress.consumed_samples,
                       "eta_s": timer.eta(end - self.progress.step)})
+            peak = self.device.max_memory_allocated()  # CUDA: the allocator's peak since start-up
+            if peak is not None:
+                m["mem_peak_bytes"] = peak
             if self.spec.prediction is not None:
                 m["predicted_step_time_s"] = self.spec.prediction.step_time_s
             step = self.progress.step
             if self.spec.eval_tokens is not None and (step % self.cfg.eval.interval == 0 or step == end):
                 m["val_loss"] = self.validate()
                 self.groups.ledger.take()
+                self.groups.ledger.take_seconds()
             self.metrics.log(step, m)
             trace.after(step, self.spec.run_dir, self.layout.vpp, self.metrics if self.is_logger else None)
             if ck.save_interval and step % ck.save_interval == 0 and step != end:
                 self.save()
             timer.restart()
-        if losses:  # the final (or stop_at) checkpoint; a run that had nothing left to do writes none
-            self.save()
-        self.metrics.close()
-        return losses
 
     def validate(self) -> float:
         """Mean loss on eval.tokens (evaluation.py)."""

@@ -71,15 +71,17 @@ def _check_one_model(cfg, rank: int, world: int) -> dict:
     dp = build_engine(model, Reduction(Comm(dist.group.WORLD, ledger)), 0, OptimConfig(), "cpu", bucket_mb=0.01)
     with dp.no_sync():
         model(batches[rank][:, :-1], batches[rank][:, 1:]).mul(0.5).backward()
-    assert ledger.take() == {}, "no_sync must not communicate"
+    assert ledger.take() == {} and ledger.take_seconds() == {}, "no_sync must not communicate"
     model(batches[rank][:, :-1], batches[rank][:, 1:]).mul(0.5).backward()
     dp.finish()
     sent = ledger.take()["all_reduce"]
+    blocked = ledger.take_seconds()  # the bucket waits in finish(): the reduction backward did not hide
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=1e-7, msg=name)
     dp.zero_grad()
     assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
-    return {"buckets": len(dp.buckets), "bytes": sent, "numel": sum(p.numel() for p in model.parameters())}
+    return {"buckets": len(dp.buckets), "bytes": sent, "numel": sum(p.numel() for p in model.parameters()),
+            "blocked": blocked}
 
 
 def _worker_dp2(data: str, root: str) -> dict:
@@ -163,3 +165,14 @@ def test_gradient_buckets_reduce_to_the_mean(runs):
     assert b["bytes"] == 4 * b["numel"]
     dp2 = two[0]["dp2"]
     assert all(c == dp2["comm_bytes"][0] > 0 for c in dp2["comm_bytes"])
+    assert list(b["blocked"]) == ["all_reduce"] and b["blocked"]["all_reduce"] >= 0
+
+
+def test_exposed_communication_is_logged_per_step(runs):
+    """exposed_comm_s: host time blocked in the step's training collectives (the metrics' own
+    all-reduce of the loss excluded), at most the step time."""
+    _, _, two = runs
+    for exposed, by_kind, step_s in two[0]["dp2"]["exposed_comm"]:
+        assert 0 < exposed <= step_s
+        assert exposed == pytest.approx(sum(by_kind.values()), abs=1e-5)
+        assert "dp.all_reduce" in by_kind and not any(k.startswith("metrics.") for k in by_kind)

@@ -1,0 +1,136 @@
+"""The GPU training check of gpu_check.sh: a 1B Llama in bf16 on one GPU, MFU and peak memory.
+
+Runs the pretrain CLI (torchrun, one process) on random tokens for ``--steps`` steps, then reads its
+metrics.jsonl and prints, as a table and with ``--json``:
+
+    tokens/s            median over the steps after the first ``--skip`` (allocator and autotuning warm-up)
+    MFU                 model FLOPs per step (cli/autoconfig.py's model_flops_per_step: 6 N T + attention)
+                        / step time / the device's dense bf16 peak (its configs/cluster preset; the measured
+                        peak of an 8192^3 bf16 GEMM is printed beside it, as a ceiling the device really has)
+    peak memory         torch.cuda.max_memory_allocated of the run (mem_peak_bytes in metrics.jsonl)
+                        next to the memory model's prediction (autoconfig/memory.py plan_memory)
+
+    python benchmarks/gpu_check.py [--steps 30] [--seq 2048] [--micro-batch 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import format_table, write_json  # noqa: E402
+
+# Dense bf16 peaks per device (vendor data sheets), as the cluster presets hold them.
+PRESETS = {"H200": "h200-node", "H100": "dgx-h100", "A100": "dgx-a100-80gb"}
+
+
+def dense_peak(name: str) -> tuple[float | None, str]:
+    import yaml
+
+    for key, preset in PRESETS.items():
+        if key in name:
+            data = yaml.safe_load((ROOT / "configs" / "cluster" / f"{preset}.yaml").read_text())
+            return float(data["peak_flops"]["bf16"]), f"configs/cluster/{preset}.yaml"
+    return None, "no preset for this device"
+
+
+def measured_peak(n: int = 8192, reps: int = 10) -> float:
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
+    from mpformer.data.indexed import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix, np.int32)
+    for _ in range(-(-tokens // 4096)):  # whole 4096-token documents, at least as many tokens as asked
+        builder.add_document(rng.integers(1, vocab, size=4096))
+    builder.finalize()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--skip", type=int, default=5, help="first steps left out of the median")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a dry run of this script's plumbing (use a tiny --model), no MFU or memory")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check.py: no CUDA device visible; nothing to measure")
+        return 0
+    from mpformer.autoconfig.memory import Workload, plan_memory
+    from mpformer.cli.autoconfig import model_flops_per_step
+    from mpformer.cli.compose import compose_config
+
+    overrides = [f"model={args.model}", "train.precision=bf16", f"train.seq_length={args.seq}",
+                 f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
+                 f"train.steps={args.steps}", f"train.device={args.device}", "logging.progress=false",
+                 "optim.warmup_steps=2"]
+    cfg = compose_config(overrides).cfg
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = Path(tmp) / "random_text_document"
+        random_tokens(prefix, cfg.model.vocab_size, (args.steps + 2) * args.global_batch * (args.seq + 1))
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+               str(ROOT / "pretrain" / "pretrain_gpt.py"), *overrides, f"data.paths=[{prefix}]",
+               f"hydra.run.dir={run_dir}", f"checkpoint.save_dir={tmp}/ckpt", "checkpoint.save_interval=0"]
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wall = time.perf_counter() - t0
+        if res.returncode != 0:
+            print(f"gpu_check.py: the training run failed (exit {res.returncode})")
+            return 1
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[args.skip:] or rows
+    step_s = statistics.median(r["step_time_s"] for r in timed)
+    flops = model_flops_per_step(cfg.model, args.global_batch, args.seq)
+    cuda = args.device == "cuda"
+    name = torch.cuda.get_device_name() if cuda else "cpu (dry run)"
+    peak, source = dense_peak(name)
+    gemm = measured_peak() if cuda else float("nan")
+    mem = max(r["mem_peak_bytes"] for r in rows) if cuda else float("nan")
+    from mpformer.core.layout import ParallelLayout
+
+    predicted = plan_memory(cfg.model, ParallelLayout(), Workload(args.global_batch, args.micro_batch, args.seq,
+                                                                  "bf16"), device="cuda")[0]
+    result = {"device": name, "torch": torch.__version__, "model": args.model, "params": cfg.model.num_params(),
+              "steps": len(rows), "wall_s": wall, "step_time_s": step_s,
+              "tokens_per_s": args.global_batch * args.seq / step_s, "model_tflops": flops / step_s / 1e12,
+              "dense_bf16_peak_tflops": peak / 1e12 if peak else None, "peak_source": source,
+              "mfu": flops / step_s / peak if peak else None, "measured_gemm_tflops": gemm / 1e12,
+              "fraction_of_measured_gemm": flops / step_s / gemm, "mem_peak_gib": mem / 2**30,
+              "predicted_gib": predicted.total / 2**30, "predicted_to_measured": predicted.total / mem,
+              "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]]}
+    print(format_table(["what", "value"], [(k, v) for k, v in result.items()]))
+    if args.json:
+        write_json(args.json, {"result": result, "args": vars(args)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
