@@ -113,7 +113,8 @@ def _mpformer(name: str, mp, zero: int, comm, dtype: torch.dtype, bucket_mb: flo
     from mpformer.optim.engine import Reduction
 
     ocfg = OptimConfig()
-    engine = build_engine(mp, Reduction(comm, specs=grad_specs(mp)), zero, ocfg, "cpu", bucket_mb, dtype)
+    engine = build_engine(mp, Reduction(comm, specs=grad_specs(mp)), zero, ocfg, "cpu", bucket_mb, dtype,
+                          overlap_param_gather=True)  # as the trainer runs it (train.overlap_param_gather)
     if compile_blocks:
         mp.compile_layers()
 

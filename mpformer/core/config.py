@@ -58,6 +58,7 @@ class TrainConfig:
     deterministic: bool = False  # kernels with the same bits every run (CUDA: a bit-exact resume; slower)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
+    overlap_param_gather: bool = True  # zero 1-2: the step's parameter all-gather hides behind the next forward
     initial_loss_scale: float = 65536.0  # fp16: dynamic loss scaling starts here (2^16) ...
     loss_scale_window: int = 1000  # ... doubles after this many steps without inf/nan, halves on one
     min_loss_scale: float = 1.0

@@ -43,9 +43,10 @@ def make_optimizer(groups: list[dict], cfg: OptimConfig, device_kind: str = "cpu
 
 
 def build_engine(model: nn.Module, red: Reduction, zero: int, cfg: OptimConfig, device_kind: str,
-                 bucket_mb: float, param_dtype: torch.dtype = torch.float32) -> GradEngine:
+                 bucket_mb: float, param_dtype: torch.dtype = torch.float32,
+                 overlap_param_gather: bool = False) -> GradEngine:
     """The gradient engine for ZeRO stage ``zero``; a 16-bit ``param_dtype`` casts the model's
     parameters to it and keeps fp32 masters (any stage)."""
     return GradEngine(model, red, stage=zero, groups=param_groups(model, cfg.weight_decay),
                       make_optimizer=lambda g: make_optimizer(g, cfg, device_kind), param_dtype=param_dtype,
-                      bucket_mb=bucket_mb)
+                      bucket_mb=bucket_mb, overlap_param_gather=overlap_param_gather)

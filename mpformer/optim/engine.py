@@ -25,7 +25,8 @@ pipeline copies summed, every reduction launched and waited for, partial tensor-
 summed over tp, and for fp16 the loss scale divided out (an inf or nan anywhere skips the step).
 ``clip()`` takes one global norm over the shards, each element counted once over dp, tp and pp;
 ``step()`` runs the wrapped elementwise optimizer on this rank's shard, casts the masters back into
-16-bit parameters and all-gathers the parameters (stages 1-2). Every rank must produce gradients
+16-bit parameters and posts the parameters' all-gather (stages 1-2), which each block waits for
+when its next forward begins (param_gather.py). Every rank must produce gradients
 for the same parameters each step, so that buckets launch in the same order everywhere.
 """
 
@@ -46,6 +47,7 @@ from mpformer.optim.bucket import Bucket
 from mpformer.optim.gather import UnitGather
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.memory import model_state_bytes
+from mpformer.optim.param_gather import ParamGather
 from mpformer.optim.state import EngineState
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.tensor_parallel import GradSpec
@@ -95,7 +97,11 @@ class ShardParam:
 class GradEngine:
     def __init__(self, model: nn.Module, red: Reduction, *, stage: int, groups: Sequence[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                 param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0) -> None:
+                 param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
+                 overlap_param_gather: bool = False) -> None:
+        """``overlap_param_gather`` (stages 1-2): step() returns with the parameters' all-gather in
+        flight and each block waits for its own at its next forward; whoever else reads parameters
+        first calls ``wait_params()`` (the trainer's checkpoints and evaluation go through hooks or it)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; valid: 0, 1, 2, 3")
         self.model, self.red, self.comm, self.stage, self.param_dtype = model, red, red.dp, stage, param_dtype
@@ -122,6 +128,9 @@ class GradEngine:
         self._norm_specs = [s for s in red.specs if id(s.param) not in self.not_mine]
         self._norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
         self.gather = UnitGather(self.buckets, self.comm) if stage == 3 else None
+        # Stages 1-2: the step's parameter all-gather overlaps the next forward (param_gather.py).
+        self.param_gather = ParamGather(self.buckets, self.comm, model if overlap_param_gather else None) \
+            if stage in (1, 2) else None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.state = EngineState(self)
@@ -317,13 +326,13 @@ class GradEngine:
         self.optimizer.step()
         self.steps_taken += 1
         self.write_back()
-        if self.stage in (1, 2):
-            # The collective's input must not alias its output: a copy of the shard.
-            works = [self.comm.all_gather_into(b.param_buf, b.param_shard.clone(), async_op=True)
-                     for b in self.buckets]
-            for w in works:
-                if w is not None:
-                    w.wait()
+        if self.param_gather is not None:
+            self.param_gather.launch()  # each block waits for its own buckets in its next forward
+
+    def wait_params(self) -> None:
+        """Every parameter gathered (stages 1-2: what the step's overlapped all-gathers still owe)."""
+        if self.param_gather is not None:
+            self.param_gather.wait()
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, counted from the tensors (memory.py)."""
@@ -335,10 +344,12 @@ class GradEngine:
     # ---- checkpoint (state.py) ------------------------------------------------------------------
     def tensors(self) -> dict[str, Shard]:
         """What this rank writes: the weights and the optimizer state."""
+        self.wait_params()
         return {**self.state.weight_shards(), **self.state.state_shards()}
 
     def load(self, ckpt_dir: str, *, optimizer: bool) -> None:
         """The weights, and the optimizer state with its step count when ``optimizer``."""
+        self.wait_params()  # no gather may still be writing into the buffers being loaded
         self.state.load_weights(ckpt_dir)
         if optimizer:
             self.steps_taken = self.state.load_state(ckpt_dir)

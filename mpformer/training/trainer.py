@@ -69,7 +69,7 @@ class Trainer:
                         grad_specs(self.model), tied, self.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype],
                         replicas=layout.dp)
         self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
-                                   self.param_dtype)
+                                   self.param_dtype, overlap_param_gather=t.overlap_param_gather)
         if t.compile:  # after the engine: its flat buffers hold the parameters the graphs read
             self.model.compile_layers()
         self.pipeline = self._build_pipeline() if self.plan is not None else None
@@ -226,6 +226,7 @@ class Trainer:
 
     def validate(self) -> float:
         """Mean loss on eval.tokens (evaluation.py)."""
+        self.engine.wait_params()
         return validation_loss(self.model, self.plan, self.layout, self.groups, self.spec.eval_tokens,
                                self.cfg.eval.micro_batch_size, autocast=lambda: self.dtype_ctx)
 
