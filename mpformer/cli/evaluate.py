@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
         groups = ProcessGroups.build(layout, device)
-        rank = build_rank(model_cfg, layout, groups, seq_length=tokens.shape[1] - 1, seed=0, document_eos=eos)
+        rank = build_rank(model_cfg, layout, groups, seq_length=tokens.shape[1] - 1, seed=0, document_eos=eos,
+                          fused_cross_entropy=cfg.train.fused_cross_entropy,
+                          cross_entropy_chunk=cfg.train.cross_entropy_chunk)
         model, plan = rank.model.eval(), rank.plan if layout.pp > 1 else None
         load_checkpoint(manifest.path, model)
         if plan is None:

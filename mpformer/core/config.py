@@ -64,6 +64,10 @@ class TrainConfig:
     min_loss_scale: float = 1.0
     pipeline_trace_steps: int = 0  # pp > 1: time the actions of this many steps after the first, written
     # as a Chrome trace to <run dir>/pipeline_trace.json (compare with tools/schedule.py --trace)
+    # The LM head and its cross entropy fused, a chunk of tokens at a time, without full-vocabulary logits
+    # (layers/fused_cross_entropy.py); false: logits, then the cross entropy. Logits alone never fuse.
+    fused_cross_entropy: bool = True
+    cross_entropy_chunk: int = 1024  # tokens per chunk (= layers/fused_cross_entropy.py DEFAULT_CHUNK)
 
 
 @dataclass
@@ -217,6 +221,8 @@ def check_training_config(cfg: Config) -> None:
                           "(or null: decay until train.steps)")
     if o.clip_grad < 0:
         raise ConfigError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+    if t.cross_entropy_chunk < 1:
+        raise ConfigError(f"train.cross_entropy_chunk={t.cross_entropy_chunk} must be >= 1 (tokens per chunk)")
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"train.threads={t.threads} must be >= 1, or null for torch's default")
     if t.micro_batch_size < 1 or cfg.eval.micro_batch_size < 1:

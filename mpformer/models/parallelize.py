@@ -27,6 +27,7 @@ from mpformer.context_parallel.context import CPContext
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import StagePlan, stage_plan
+from mpformer.layers.fused_cross_entropy import DEFAULT_CHUNK
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from mpformer.models.transformer import Transformer
@@ -83,15 +84,18 @@ def grad_specs(model: nn.Module) -> list[GradSpec]:
 def build_model(cfg: ModelConfig, *, tp: TPContext | None, device: torch.device, seed: int,
                 recompute: str = "none", recompute_layers: int | None = None, use_apex: bool = False,
                 stage: StagePlan | None = None, store: WeightGradStore | None = None, cp: CPContext | None = None,
-                document_eos: int | None = None) -> nn.Module:
+                document_eos: int | None = None, fused_cross_entropy: bool = True,
+                cross_entropy_chunk: int = DEFAULT_CHUNK) -> nn.Module:
     """The model for this rank: its pipeline stage's layers, embedding and head (``stage``), its
     tensor-parallel blocks (``tp``), initialised shard by shard from the same per-name generators
-    as the single-device model; ``store`` for a zero-bubble pipeline's split backward."""
+    as the single-device model; ``store`` for a zero-bubble pipeline's split backward;
+    ``fused_cross_entropy`` / ``cross_entropy_chunk``: the head's loss (Transformer)."""
     part = {} if stage is None else {"layer_ids": stage.layer_ids, "embedding": stage.has_embedding,
                                      "head": stage.has_head}
     tp = tp if tp is not None and tp.size > 1 else None
     model = Transformer(cfg, recompute=recompute, recompute_layers=recompute_layers, use_apex=use_apex, tp=tp, cp=cp,
-                        store=store, document_eos=document_eos, device=device, seed=seed, **part)
+                        store=store, document_eos=document_eos, device=device, seed=seed,
+                        fused_cross_entropy=fused_cross_entropy, cross_entropy_chunk=cross_entropy_chunk, **part)
     if tp is not None:
         check_tp_plan(model, tp)
     return model
@@ -123,7 +127,8 @@ def cp_context(layout: ParallelLayout, groups: ProcessGroups) -> CPContext | Non
 
 
 def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups, *, seq_length: int, seed: int = 0,
-               use_apex: bool = False, document_eos: int | None = None) -> RankModel:
+               use_apex: bool = False, document_eos: int | None = None, fused_cross_entropy: bool = True,
+               cross_entropy_chunk: int = DEFAULT_CHUNK) -> RankModel:
     """This rank's part of the model for ``layout``, built the one way the trainer, evaluation and the
     profile share: tp and cp contexts (collective), stage plan, store, then the model."""
     tp = groups.tp_context(kv_replicas(layout.tp, cfg.kv_heads), seed=seed)
@@ -132,5 +137,6 @@ def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups, 
     store = WeightGradStore() if layout.pp > 1 and layout.schedule in SPLIT_BACKWARD else None
     model = build_model(cfg, tp=tp, device=groups.device.torch_device, seed=seed, recompute=layout.recompute,
                         recompute_layers=layout.recompute_layers, use_apex=use_apex, stage=plan, store=store, cp=cp,
-                        document_eos=document_eos)
+                        document_eos=document_eos, fused_cross_entropy=fused_cross_entropy,
+                        cross_entropy_chunk=cross_entropy_chunk)
     return RankModel(model, tp, plan, store, cp)

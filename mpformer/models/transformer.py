@@ -34,6 +34,7 @@ from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.attention import Attention, RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
+from mpformer.layers.fused_cross_entropy import DEFAULT_CHUNK, fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm
@@ -89,7 +90,8 @@ class Transformer(nn.Module):
                  store: WeightGradStore | None = None, document_eos: int | None = None,
                  device: DeviceLike = None, dtype: torch.dtype | None = None,
                  seed: int | None = 1234, layer_ids: list[int] | None = None, embedding: bool = True,
-                 head: bool = True) -> None:
+                 head: bool = True, fused_cross_entropy: bool = True,
+                 cross_entropy_chunk: int = DEFAULT_CHUNK) -> None:
         """``layer_ids``, ``embedding`` and ``head`` pick the part a pipeline rank holds (default: all).
         Layers keep their global indices in canonical names; with tied embeddings the last stage
         holds its own copy of the embedding for the head (kept equal by the gradient engine).
@@ -98,10 +100,14 @@ class Transformer(nn.Module):
         ``cp``: this rank holds its context-parallel part of every sequence (it is given whole micro-batches
         and picks its positions itself); ``document_eos``: attention stays inside each document of a
         packed sequence (documents end with this token). ``recompute`` (none | selective | full) applies
-        to the first ``recompute_layers`` layers of each pipeline chunk (None: all of them)."""
+        to the first ``recompute_layers`` layers of each pipeline chunk (None: all of them).
+        ``fused_cross_entropy``: the loss through layers/fused_cross_entropy.py, ``cross_entropy_chunk``
+        tokens at a time, never forming the full logits (False: logits, then the cross entropy)."""
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
+        if cross_entropy_chunk < 1:
+            raise ValueError(f"cross_entropy_chunk={cross_entropy_chunk} must be >= 1")
         self.cfg = cfg.validate()
         kw = {"device": device, "dtype": dtype}
         self.has_embedding, self.has_head = embedding, head
@@ -126,6 +132,7 @@ class Transformer(nn.Module):
         self.tp, self.store = tp, store
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.document_eos = document_eos
+        self.fused_cross_entropy, self.cross_entropy_chunk = fused_cross_entropy, cross_entropy_chunk
         if seed is not None and device != "meta":
             self.init_weights(seed)
 
@@ -196,6 +203,8 @@ class Transformer(nn.Module):
         token count): the shares sum to the mean, and their gradients sum over cp to its gradient."""
         hidden_sbh = self.final_norm(x_sbh)
         local = labels_bs if labels_bs is None or seq.index is None else labels_bs.index_select(1, seq.index)
+        if labels_bs is not None and self.fused_cross_entropy:
+            return self._fused_loss(hidden_sbh, local, labels_bs)
         if self.tp is not None:
             loss = self._tp_output(hidden_sbh, local)
         else:
@@ -211,6 +220,20 @@ class Transformer(nn.Module):
         if labels_bs is None or seq.index is None:
             return loss
         return loss * ((local != -100).sum() / (labels_bs != -100).sum())  # the vocab-parallel mean, as a share
+
+    def _fused_loss(self, hidden_sbh: torch.Tensor, local_bs: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
+        """head_output's loss without the logits: the summed loss of this rank's tokens (``local_bs``),
+        over the labelled-token count of the whole micro-batch (``labels_bs``: under cp every rank's, so
+        this is the rank's share). As the unfused paths: nan without labelled tokens, 0 under tp."""
+        tp, kw = self.tp, {}
+        if tp is not None:
+            head = self.embed if self.lm_head is None else self.lm_head
+            hidden_sbh = gather_input(hidden_sbh, tp)  # backward: dX summed over tp (reduce-scattered under SP)
+            kw = {"comm": tp.comm, "start": head.start, "valid": head.valid}
+        total = fused_linear_cross_entropy(hidden_sbh.flatten(0, 1), self.output_weight(), local_bs.t().reshape(-1),
+                                           chunk=self.cross_entropy_chunk, store=self.store, **kw)
+        count = (labels_bs != -100).sum()
+        return total / (count.clamp(min=1) if tp is not None and self.cp is None else count)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -56,7 +56,8 @@ class Trainer:
         self.scaler = (LossScaler(t.initial_loss_scale, t.loss_scale_window, t.min_loss_scale)
                        if t.precision == "fp16" else None)
         self.rank = build_rank(cfg.model, layout, groups, seq_length=t.seq_length, seed=t.seed, use_apex=t.use_apex,
-                               document_eos=spec.document_eos)
+                               document_eos=spec.document_eos, fused_cross_entropy=t.fused_cross_entropy,
+                               cross_entropy_chunk=t.cross_entropy_chunk)
         self.model, self.tp = self.rank.model, self.rank.tp
         self.plan = self.rank.plan if layout.pp > 1 else None
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)

@@ -1,9 +1,12 @@
 """Tensor (and sequence) parallelism on gloo ranks against the single-device model, fp32.
 
-Oracle: the plain Transformer with the same seed, on the same tokens. Tolerances: losses and logits
-1e-5 relative; every parameter gradient, block by block, within 1e-5 of the largest element of the
-reference gradient (k biases have true gradient 0 under softmax, so a relative test per element
-would compare rounding noise). Training: 5 AdamW steps give the same losses to 1e-5 relative.
+Oracle: the plain Transformer with the same seed, on the same tokens; for the gradients, its unfused
+head (logits, then F.cross_entropy) against both of the tp model's heads: the vocabulary-parallel
+cross entropy of the logits and the fused chunked one (chunks of 5 of the 32 tokens, padded
+vocabulary, some labels -100). Tolerances: losses and logits 1e-5 relative; every parameter
+gradient, block by block, within 1e-5 of the largest element of the reference gradient (k biases
+have true gradient 0 under softmax, so a relative test per element would compare rounding noise).
+Training: 5 AdamW steps give the same losses to 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def _block(full: torch.Tensor, offsets, shape) -> torch.Tensor:
     return full
 
 
-def _grad_parity(arch: str, tp: int, sp: bool) -> dict:
-    """Loss, logits and every gradient block of the tp model vs the single-device reference."""
+def _grad_parity(arch: str, tp: int, sp: bool, fused: bool) -> dict:
+    """Loss, logits and every gradient block of the tp model (its head ``fused`` or not) vs the
+    single-device reference with the unfused head."""
     from mpformer.checkpoint.io import views_like
     from mpformer.core.layout import ParallelLayout
     from mpformer.models import Transformer
@@ -67,14 +71,17 @@ def _grad_parity(arch: str, tp: int, sp: bool) -> dict:
 
     cfg = ModelConfig(**MODELS[arch])
     groups = ProcessGroups.build(ParallelLayout(dp=1, tp=tp, sequence_parallel=sp), Device("cpu"))
-    model = build_model(cfg, tp=groups.tp_context(kv_replicas(tp, cfg.kv_heads)), device=torch.device("cpu"), seed=5)
-    ref = Transformer(cfg, seed=5)
+    model = build_model(cfg, tp=groups.tp_context(kv_replicas(tp, cfg.kv_heads)), device=torch.device("cpu"), seed=5,
+                        fused_cross_entropy=fused, cross_entropy_chunk=5)
+    ref = Transformer(cfg, seed=5, fused_cross_entropy=False)
     tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    labels = tokens[:, 1:].clone()
+    labels[0, 3:9] = -100  # ignored tokens, across a chunk boundary
     for name, sh in model.canonical_shards().items():  # the same initial values, block by block
         assert torch.equal(sh.local, _block(ref.canonical_tensors()[name], sh.offsets, sh.local.shape)), name
     torch.testing.assert_close(model(tokens[:, :-1]), ref(tokens[:, :-1]), rtol=RTOL, atol=1e-6)
     groups.ledger.take()  # count one training forward + backward only
-    loss, ref_loss = model(tokens[:, :-1], tokens[:, 1:]), ref(tokens[:, :-1], tokens[:, 1:])
+    loss, ref_loss = model(tokens[:, :-1], labels), ref(tokens[:, :-1], labels)
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
     loss.backward()
     ref_loss.backward()
@@ -85,7 +92,7 @@ def _grad_parity(arch: str, tp: int, sp: bool) -> dict:
     for name, sh in shards.items():
         expect = _block(ref_grads[name], sh.offsets, sh.local.shape)
         err = (grads[name] - expect).abs().max().item() if expect.numel() else 0.0
-        assert err <= RTOL * ref_grads[name].abs().max().item() + 1e-9, (arch, tp, sp, name, err)
+        assert err <= RTOL * ref_grads[name].abs().max().item() + 1e-9, (arch, tp, sp, fused, name, err)
     ledger = groups.ledger.take()
     return {"loss": loss.item(), "ledger": ledger}
 
@@ -105,6 +112,8 @@ RUNS = {  # name -> (world size, phase, overrides); phase 2 resumes checkpoints 
     "ref_gpt2": (1, 1, {"model": "tiny-gpt2"}),
     "tp2": (2, 1, {"parallel.tp": 2}),
     "tp2_sp": (2, 1, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "tp2_sp_unfused": (2, 1, {"parallel.tp": 2, "parallel.sequence_parallel": True,
+                              "train.fused_cross_entropy": False}),  # the switch, through the trainer
     "tp2_gpt2_sp": (2, 1, {"model": "tiny-gpt2", "parallel.tp": 2, "parallel.sequence_parallel": True}),
     "tp2_stop3": (2, 1, {"parallel.tp": 2, "train.stop_at": 3}),
     "tp2_gpt2": (2, 1, {"model": "tiny-gpt2", "parallel.tp": 2}),
@@ -131,7 +140,8 @@ def _worker(world: int, phase: int, data: str, root: str) -> dict:
     if world > 1 and phase == 1:
         for arch in MODELS:
             for sp in (False, True):
-                out[("grads", arch, world, sp)] = _grad_parity(arch, world, sp)
+                for fused in (True, False):
+                    out[("grads", arch, world, sp, fused)] = _grad_parity(arch, world, sp, fused)
     for name, (w, ph, kw) in RUNS.items():
         if (w, ph) == (world, phase):
             kw = {k: (v.format(root=root) if isinstance(v, str) else v) for k, v in kw.items()}
@@ -149,7 +159,8 @@ def results(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("run,ref", [
-    ("tp2", "ref_llama"), ("tp2_sp", "ref_llama"), ("tp4", "ref_llama"), ("tp4_sp", "ref_llama"),
+    ("tp2", "ref_llama"), ("tp2_sp", "ref_llama"), ("tp2_sp_unfused", "ref_llama"), ("tp4", "ref_llama"),
+    ("tp4_sp", "ref_llama"),
     ("dp2_tp2", "ref_llama"), ("tp2_gpt2", "ref_gpt2"), ("tp2_gpt2_sp", "ref_gpt2"), ("tp4_gpt2", "ref_gpt2"),
     ("tp4_gpt2_sp", "ref_gpt2")])
 def test_training_matches_one_process(results, run, ref):
@@ -175,8 +186,10 @@ def test_resume_under_tp_with_dropout_is_bit_identical(results):
 @pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
-def test_bytes_moved_equal_the_analytic_values(results, arch, tp, sp):
-    ledger = results[("grads", arch, tp, sp)]["ledger"]
+@pytest.mark.parametrize("fused", [True, False])
+def test_bytes_moved_equal_the_analytic_values(results, arch, tp, sp, fused):
+    """The fused head's 2 collectives per chunk move the same 3 floats per token as the unfused one."""
+    ledger = results[("grads", arch, tp, sp, fused)]["ledger"]
     want = tp_step_bytes(ModelConfig(**MODELS[arch]), s=16, b=2, t=tp, sp=sp)
     got = {k: ledger.get(k, 0) for k in want}
     assert set(ledger) <= set(want), ledger
@@ -199,9 +212,10 @@ def test_analytic_volume_by_hand():
 
 
 def test_gradients_match_block_by_block(results):
-    # The assertions ran inside the ranks: tp 2 and 4, with and without SP, GPT-2 and GQA Llama.
+    # The assertions ran inside the ranks: tp 2 and 4, with and without SP, GPT-2 (tied) and GQA Llama,
+    # the fused and the unfused head.
     assert sorted(k[1:] for k in results if isinstance(k, tuple)) == [
-        (a, t, sp) for a in sorted(MODELS) for t in (2, 4) for sp in (False, True)]
+        (a, t, sp, f) for a in sorted(MODELS) for t in (2, 4) for sp in (False, True) for f in (False, True)]
 
 
 def _dropout_streams(tp: int, sp: bool) -> dict:
