@@ -9,8 +9,9 @@ rectangle is saved as a chunk of ``optim.<state>.<canonical name>`` (or, for mas
 ``model.<canonical name>``) at its global offsets, exactly where an unsharded run would have put
 those elements, so any layout, sharded or not, reads its own slices back (DCP resolves overlaps).
 
-The map from canonical names to parameter rows is taken once, while every parameter is
-materialised (ZeRO-3 frees the storage the views point into afterwards).
+The map from canonical names to parameter rows is taken once, before the gradient engine moves the
+parameters into its buffers (on a meta-built model: before they exist; ZeRO-3 frees the storage the
+views point into afterwards).
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ class CanonicalRows:
 
 
 def _inside(view: torch.Tensor, p: nn.Parameter) -> bool:
-    if view.numel() == 0 or view.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
+    # The same storage object, not the same data pointer: every meta tensor's pointer is null (a
+    # model built on the meta device maps its rows before the gradient engine allocates them).
+    if view.numel() == 0 or view.untyped_storage()._cdata != p.untyped_storage()._cdata:
         return False
     return p.storage_offset() <= view.storage_offset() < p.storage_offset() + p.numel()
 
 
 def canonical_rows(model: nn.Module, params: Sequence[nn.Parameter]) -> list[CanonicalRows]:
-    """Where every canonical tensor of this rank lives in ``params`` (all materialised)."""
+    """Where every canonical tensor of this rank lives in ``params`` (real or on the meta device)."""
     out = []
     for name, sh in model.canonical_shards().items():
         for i, p in enumerate(params):

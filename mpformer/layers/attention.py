@@ -52,6 +52,10 @@ class RotaryEmbedding(nn.Module):
         self.cfg = cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
+    def reset_buffers(self, device: DeviceLike) -> None:
+        """The table computed again on ``device`` (a model built on the meta device, then materialised)."""
+        self.inv_freq = rope_inv_freq(self.cfg).to(device)
+
     def forward(self, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return self.at(torch.arange(offset, offset + seq_len, device=self.inv_freq.device))
 

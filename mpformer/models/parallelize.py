@@ -1,9 +1,12 @@
 """Tensor parallelism as data: a plan per architecture, checked against the model that was built.
 
 Handed a TPContext, the modules build their own parallel layers in their constructors (attention,
-MLP, the transformer's embedding and head), each allocating only this rank's shard; ``build_model``
-then initialises them shard by shard and checks that every planned pattern matched and that no
-single-device Linear/Embedding stands where the plan wants a parallel one.
+MLP, the transformer's embedding and head), each sized to this rank's shard. ``build_model`` builds
+them on the meta device, checks that every planned pattern matched and that no single-device
+Linear/Embedding stands where the plan wants a parallel one, then materialises only this rank's
+blocks and fills them from the blocked initialiser (models/init.py), or, ``deferred``, leaves the
+parameters on meta for the gradient engine to allocate in its flat buffers (a ZeRO-3 rank: its
+shard alone).
 
     plan row                 built as                         shard rule
     embed                    VocabParallelEmbedding           vocabulary rows, padded to a multiple of tp
@@ -30,6 +33,7 @@ from mpformer.core.pipeline_plan import StagePlan, stage_plan
 from mpformer.layers.fused_cross_entropy import DEFAULT_CHUNK
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from mpformer.models.init import ModelInit, materialise, materialise_buffers
 from mpformer.models.transformer import Transformer
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.tensor_parallel import GradSpec, TPContext, kv_replicas
@@ -85,19 +89,26 @@ def build_model(cfg: ModelConfig, *, tp: TPContext | None, device: torch.device,
                 recompute: str = "none", recompute_layers: int | None = None, use_apex: bool = False,
                 stage: StagePlan | None = None, store: WeightGradStore | None = None, cp: CPContext | None = None,
                 document_eos: int | None = None, fused_cross_entropy: bool = True,
-                cross_entropy_chunk: int = DEFAULT_CHUNK) -> nn.Module:
+                cross_entropy_chunk: int = DEFAULT_CHUNK, deferred: bool = False) -> nn.Module:
     """The model for this rank: its pipeline stage's layers, embedding and head (``stage``), its
-    tensor-parallel blocks (``tp``), initialised shard by shard from the same per-name generators
-    as the single-device model; ``store`` for a zero-bubble pipeline's split backward;
-    ``fused_cross_entropy`` / ``cross_entropy_chunk``: the head's loss (Transformer)."""
+    tensor-parallel blocks (``tp``), built on the meta device and then allocated and initialised
+    block by block (only this rank's blocks are ever drawn) with the single-device model's values;
+    ``store`` for a zero-bubble pipeline's split backward; ``fused_cross_entropy`` /
+    ``cross_entropy_chunk``: the head's loss (Transformer). ``deferred``: the parameters stay on the
+    meta device (the buffers are real) for the gradient engine to place and fill with
+    ``ModelInit(cfg, seed)``; such a model runs nothing before that."""
     part = {} if stage is None else {"layer_ids": stage.layer_ids, "embedding": stage.has_embedding,
                                      "head": stage.has_head}
     tp = tp if tp is not None and tp.size > 1 else None
     model = Transformer(cfg, recompute=recompute, recompute_layers=recompute_layers, use_apex=use_apex, tp=tp, cp=cp,
-                        store=store, document_eos=document_eos, device=device, seed=seed,
+                        store=store, document_eos=document_eos, device="meta", seed=None,
                         fused_cross_entropy=fused_cross_entropy, cross_entropy_chunk=cross_entropy_chunk, **part)
     if tp is not None:
         check_tp_plan(model, tp)
+    if deferred:
+        materialise_buffers(model, device)
+    else:
+        materialise(model, device, ModelInit(cfg, seed))
     return model
 
 
@@ -112,6 +123,7 @@ class RankModel:
     plan: StagePlan | None
     store: WeightGradStore | None
     cp: CPContext | None = None
+    init: ModelInit | None = None  # deferred: the parameters are on meta, for the engine to fill from this
 
 
 def cp_context(layout: ParallelLayout, groups: ProcessGroups) -> CPContext | None:
@@ -128,9 +140,10 @@ def cp_context(layout: ParallelLayout, groups: ProcessGroups) -> CPContext | Non
 
 def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups, *, seq_length: int, seed: int = 0,
                use_apex: bool = False, document_eos: int | None = None, fused_cross_entropy: bool = True,
-               cross_entropy_chunk: int = DEFAULT_CHUNK) -> RankModel:
+               cross_entropy_chunk: int = DEFAULT_CHUNK, deferred: bool = False) -> RankModel:
     """This rank's part of the model for ``layout``, built the one way the trainer, evaluation and the
-    profile share: tp and cp contexts (collective), stage plan, store, then the model."""
+    profile share: tp and cp contexts (collective), stage plan, store, then the model (``deferred``:
+    its parameters on meta, for the gradient engine to allocate and fill from ``RankModel.init``)."""
     tp = groups.tp_context(kv_replicas(layout.tp, cfg.kv_heads), seed=seed)
     cp = cp_context(layout, groups)
     plan = stage_plan(cfg, layout, groups.coords["pp"], seq_length)
@@ -138,5 +151,5 @@ def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups, 
     model = build_model(cfg, tp=tp, device=groups.device.torch_device, seed=seed, recompute=layout.recompute,
                         recompute_layers=layout.recompute_layers, use_apex=use_apex, stage=plan, store=store, cp=cp,
                         document_eos=document_eos, fused_cross_entropy=fused_cross_entropy,
-                        cross_entropy_chunk=cross_entropy_chunk)
-    return RankModel(model, tp, plan, store, cp)
+                        cross_entropy_chunk=cross_entropy_chunk, deferred=deferred)
+    return RankModel(model, tp, plan, store, cp, ModelInit(model.cfg, seed) if deferred else None)

@@ -17,8 +17,6 @@ checks the result against the TP plan).
 from __future__ import annotations
 
 import contextlib
-import math
-import zlib
 from collections.abc import Iterable
 
 import torch
@@ -39,6 +37,7 @@ from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm
 from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, gather_input, param_shards
+from mpformer.models.init import ModelInit, init_weights
 from mpformer.parallel.comm import gather_from_region
 from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.tensor_parallel import TPContext
@@ -133,7 +132,7 @@ class Transformer(nn.Module):
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.document_eos = document_eos
         self.fused_cross_entropy, self.cross_entropy_chunk = fused_cross_entropy, cross_entropy_chunk
-        if seed is not None and device != "meta":
+        if seed is not None and (device is None or torch.device(device).type != "meta"):
             self.init_weights(seed)
 
     def compile_layers(self, **options) -> None:
@@ -278,24 +277,8 @@ class Transformer(nn.Module):
         assert all(sh.is_full for sh in shards.values()), "canonical_tensors of a tensor-parallel model"
         return {k: sh.local for k, sh in shards.items()}
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Megatron-style init; each canonical tensor draws from its own generator seeded by
-        (seed, name), and a rank copies its block of it, so every layout starts from the values of
-        the single-device model. (Each rank draws whole tensors: simple, and cheap next to training.)"""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
-        for p in self.parameters():
-            p.zero_()  # vocabulary padding rows are no canonical tensor's block: they stay 0
-        for name, sh in self.canonical_shards().items():
-            if name.endswith(".bias"):
-                continue
-            if "norm" in name:
-                sh.local.fill_(1.0)
-                continue
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            sd = out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std
-            full = torch.empty(sh.global_shape, dtype=torch.float32).normal_(0.0, sd, generator=g)
-            for dim, (off, n) in enumerate(zip(sh.offsets, sh.local.shape)):
-                full = full.narrow(dim, off, n)
-            sh.local.copy_(full)
+        """Megatron-style init of every canonical tensor, drawn in row blocks from generators seeded by
+        (seed, name, block) (models/init.py): any layout draws only its blocks and gets the values of
+        the single-device model."""
+        init_weights(self, ModelInit(self.cfg, seed))

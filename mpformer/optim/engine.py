@@ -11,7 +11,9 @@ Where parameters live and how gradients are reduced are settings of it, not clas
 Buckets (core/buffers.py): stages 0-2 pack the parameters, last first (roughly the order backward
 produces gradients), into buckets of ``bucket_mb``; stage 3 makes one per unit (each transformer
 layer, and the root: embedding, final norm, head; gather.py). A bucket is padded to a multiple of dp
-and rank r owns 1/dp of it (stage 0: all of it). Parameters become views into its ``param_buf``.
+and rank r owns 1/dp of it (stage 0: all of it). Parameters become views into its ``param_buf``;
+a model built on the meta device is filled there from the blocked initialiser (materialise.py), a
+ZeRO-3 rank allocating and drawing its shard alone.
 
 Gradients reach the bucket's fp32 ``grad_buf`` either as views (fp32 parameters at stages 0-1:
 ``p.grad`` is the bucket's slice and autograd accumulates in place, DDP's gradient-as-bucket-view)
@@ -43,13 +45,16 @@ from torch import nn
 from mpformer.checkpoint.rows import canonical_rows
 from mpformer.core.buffers import BucketLayout, Piece, Slot, plan_buckets
 from mpformer.core.shards import Shard
+from mpformer.models.init import ModelInit
 from mpformer.optim.bucket import Bucket
 from mpformer.optim.gather import UnitGather
 from mpformer.optim.loss_scale import LossScaler
+from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.param_gather import ParamGather
 from mpformer.optim.state import EngineState
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.tensor_parallel import GradSpec
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
@@ -98,10 +103,13 @@ class GradEngine:
     def __init__(self, model: nn.Module, red: Reduction, *, stage: int, groups: Sequence[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
                  param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
+                 init: ModelInit | None = None, device: DeviceLike = None,
                  overlap_param_gather: bool = False) -> None:
-        """``overlap_param_gather`` (stages 1-2): step() returns with the parameters' all-gather in
-        flight and each block waits for its own at its next forward; whoever else reads parameters
-        first calls ``wait_params()`` (the trainer's checkpoints and evaluation go through hooks or it)."""
+        """``init``: the model was built on the meta device (models/parallelize.py, deferred) and the
+        buckets are filled from it on ``device``, each rank drawing only what it keeps; otherwise the
+        parameters' values are copied in (their device). ``overlap_param_gather`` (stages 1-2): step()
+        returns with the parameters' all-gather in flight and each block waits for its own at its next
+        forward; whoever else reads parameters first calls ``wait_params()``."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; valid: 0, 1, 2, 3")
         self.model, self.red, self.comm, self.stage, self.param_dtype = model, red, red.dp, stage, param_dtype
@@ -114,8 +122,13 @@ class GradEngine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [names[id(p)] for p in self.params]
         self.canonical = canonical_rows(model, self.params)  # before any storage moves or is freed
+        self.init = init
+        self.device = torch.device(device) if device is not None else self.params[0].device
+        assert init is not None or not self.params[0].is_meta, "a meta-built model needs init to be filled from"
         plan = self._plan(bucket_mb)
         self.buckets = [self._materialise(k, layout, module) for k, (module, layout) in enumerate(plan)]
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        assert not left, f"parameters left on the meta device (no gradient, so in no bucket): {left}"
         self._where = {id(p): (k, s) for k, b in enumerate(self.buckets) for p, s in zip(b.params, b.layout.slots)}
         self.shards = self._shard_params()
         self._in_flight: list[Bucket] = []
@@ -156,17 +169,12 @@ class GradEngine:
 
     def _materialise(self, index: int, layout: BucketLayout, module: nn.Module | None) -> Bucket:
         params = [self.params[s.index] for s in layout.slots]
-        dev = params[0].device
-        buf = torch.zeros(layout.size, dtype=self.param_dtype, device=dev)
-        init = torch.zeros(layout.size, device=dev) if self.param_dtype != torch.float32 else None
-        for p, s in zip(params, layout.slots):
-            if init is not None:  # the masters start from the full-precision values, not their rounding
-                init[s.start:s.end].copy_(p.detach().reshape(-1))
-            buf[s.start:s.end].copy_(p.detach().reshape(-1))
-            p.data = buf[s.start:s.end].view_as(p)  # the parameter now lives in the bucket
+        dev = self.device
+        # The parameters now live in the bucket (materialise.py; a meta-built model: filled from init).
+        buf, shard, masters = bucket_weights(params, layout, rank=self.shard_rank, stage=self.stage,
+                                             dtype=self.param_dtype, device=dev, canonical=self.canonical,
+                                             init=self.init)
         lo, hi = layout.shard_range(self.shard_rank)
-        shard = buf[lo:hi].clone() if self.stage == 3 else buf[lo:hi]
-        masters = init[lo:hi].clone() if init is not None else None
         if not self.persistent:
             return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module, index)
         grads = torch.zeros(layout.size, device=dev)

@@ -55,9 +55,11 @@ class Trainer:
                           else contextlib.nullcontext())
         self.scaler = (LossScaler(t.initial_loss_scale, t.loss_scale_window, t.min_loss_scale)
                        if t.precision == "fp16" else None)
+        # Built on the meta device: the engine allocates the parameters in its buckets and fills them
+        # from the blocked initialiser, a ZeRO-3 rank its shard alone (set-up memory ~ the rank's share).
         self.rank = build_rank(cfg.model, layout, groups, seq_length=t.seq_length, seed=t.seed, use_apex=t.use_apex,
                                document_eos=spec.document_eos, fused_cross_entropy=t.fused_cross_entropy,
-                               cross_entropy_chunk=t.cross_entropy_chunk)
+                               cross_entropy_chunk=t.cross_entropy_chunk, deferred=True)
         self.model, self.tp = self.rank.model, self.rank.tp
         self.plan = self.rank.plan if layout.pp > 1 else None
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
@@ -70,7 +72,8 @@ class Trainer:
                         grad_specs(self.model), tied, self.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype],
                         replicas=layout.dp)
         self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
-                                   self.param_dtype, overlap_param_gather=t.overlap_param_gather)
+                                   self.param_dtype, init=self.rank.init, device=self.device.torch_device,
+                                   overlap_param_gather=t.overlap_param_gather)
         if t.compile:  # after the engine: its flat buffers hold the parameters the graphs read
             self.model.compile_layers()
         self.pipeline = self._build_pipeline() if self.plan is not None else None

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mpformer.parallel.spawn import run_distributed
-from mpformer.testing.train import overrides, train
+from mpformer.testing.train import assemble, initial_weights, overrides, single_device_weights, train
 
 RTOL = 1e-5
 BASE = {"model": "tiny-llama", "model.num_layers": 8, "train.seq_length": 32, "train.steps": 3,
@@ -38,6 +38,12 @@ RUNS["gpt2_pp2_dp2"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parall
                              "parallel.schedule": "zb-h1"})  # the tied head's weight gradient deferred
 RUNS["gpt2_pp4"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 4})  # tied, stages between
 
+# The weights each layout starts from, as its trainer built them (meta device, each stage filling its
+# own layers), assembled from every rank: bit for bit the single-device model's (GPT-2 at pp=4: the
+# tied embedding's copy on the last stage, nothing on the stages between).
+INIT = {"init_pp2": (2, {"parallel.pp": 2}),
+        "init_pp4_gpt2": (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 4}),
+        "init_pp2_tp2": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True})}
 
 EVAL = ("ref", "pp2_split")  # validation during training (eval.interval) through the pipeline too
 
@@ -50,6 +56,9 @@ def _worker(world: int, data: str, root: str) -> dict:
                 kw = {**kw, "eval.tokens": str(Path(root) / "eval.npy"), "eval.interval": 3,
                       "eval.micro_batch_size": 2}
             out[name] = train(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
+    for name, (w, kw) in INIT.items():
+        if w == world:
+            out[name] = initial_weights(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
     return out
 
 
@@ -61,8 +70,19 @@ def results(tiny_data, tmp_path_factory):
     np.save(root / "eval.npy", np.random.default_rng(0).integers(1, 256, size=(8, 33)).astype(np.int64))
     res = {"root": root}
     for world in (1, 2, 3, 4):
-        res.update(run_distributed(_worker, world, args=(world, tiny_data, str(root)), timeout=400)[0])
+        ranks = run_distributed(_worker, world, args=(world, tiny_data, str(root)), timeout=400)
+        res.update(ranks[0])
+        res.update({n: assemble([r[n] for r in ranks]) for n, (w, _) in INIT.items() if w == world})
     return res
+
+
+@pytest.mark.parametrize("run", sorted(INIT))
+def test_every_layout_starts_from_the_single_device_weights(results, tiny_data, run):
+    args = overrides({**BASE, "data.paths": f"[{tiny_data}]"}, Path(results["root"]) / "unused", **INIT[run][1])
+    want, got = single_device_weights(args), results[run]
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), (run, name)
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from mpformer.core.model_config import ModelConfig
 from mpformer.parallel.spawn import run_distributed
 from mpformer.parallel.volumes import tp_step_bytes
-from mpformer.testing.train import overrides, train
+from mpformer.testing.train import assemble, initial_weights, overrides, single_device_weights, train
 
 RTOL = 1e-5
 VOCAB = 257  # not divisible by 2 or 4: the vocabulary is padded
@@ -134,6 +134,13 @@ RUNS = {  # name -> (world size, phase, overrides); phase 2 resumes checkpoints 
                                    "checkpoint.load": "{root}/tp2_drop_sp_stop3/checkpoints"}),
 }
 
+# The weights each layout starts from, as its trainer built them (meta device, the engine filling each
+# rank's blocks), assembled from every rank: bit for bit the single-device model's. tp=4 GPT-2 pads
+# the vocabulary (257 rows over 4 ranks) and ties the head; dp=2 x tp=2 shards them with ZeRO-2.
+INIT = {"init_tp2": (2, {"parallel.tp": 2}),
+        "init_tp4_gpt2_sp": (4, {"model": "tiny-gpt2", "parallel.tp": 4, "parallel.sequence_parallel": True}),
+        "init_dp2_tp2_z2": (4, {"parallel.tp": 2, "parallel.dp": 2, "parallel.zero": 2})}
+
 
 def _worker(world: int, phase: int, data: str, root: str) -> dict:
     out: dict = {}
@@ -146,6 +153,9 @@ def _worker(world: int, phase: int, data: str, root: str) -> dict:
         if (w, ph) == (world, phase):
             kw = {k: (v.format(root=root) if isinstance(v, str) else v) for k, v in kw.items()}
             out[name] = train(_overrides(data, Path(root) / name, **kw))
+    for name, (w, kw) in INIT.items():
+        if (w, 1) == (world, phase):
+            out[name] = initial_weights(_overrides(data, Path(root) / name, **kw))
     return out
 
 
@@ -154,8 +164,19 @@ def results(tiny_data, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("tp"))
     res = {"root": root}
     for world, phase in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
-        res.update(run_distributed(_worker, world, args=(world, phase, tiny_data, root), timeout=300)[0])
+        ranks = run_distributed(_worker, world, args=(world, phase, tiny_data, root), timeout=300)
+        res.update(ranks[0])
+        res.update({n: assemble([r[n] for r in ranks]) for n, (w, _) in INIT.items() if (w, 1) == (world, phase)})
     return res
+
+
+@pytest.mark.parametrize("run", sorted(INIT))
+def test_every_layout_starts_from_the_single_device_weights(results, tiny_data, run):
+    want = single_device_weights(_overrides(tiny_data, Path(results["root"]) / "unused", **INIT[run][1]))
+    got = results[run]
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), (run, name)
 
 
 @pytest.mark.parametrize("run,ref", [

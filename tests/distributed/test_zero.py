@@ -2,15 +2,20 @@
 
 The oracle is written here from torch parts only: the same initial weights (mpformer's Transformer
 with the run's seed), the same global batches, torch.optim.AdamW with the same hyper-parameters
-and weight-decay groups, torch.nn.utils.clip_grad_norm_, the same LR schedule. Tolerance: 1e-6
-relative on losses and pre-clipping gradient norms over 10 steps with clipping active; the only
-differences allowed are the order of floating-point sums (dp reductions, sharded norms) and
-AdamW's fused vs. foreach kernels.
+and weight-decay groups, torch.nn.utils.clip_grad_norm_, the same LR schedule. Tolerance over 10
+steps with clipping active: 1e-6 relative on losses, 5e-6 on pre-clipping gradient norms; the only
+differences allowed are the order of floating-point sums (dp reductions, per-micro-batch reductions,
+sharded norms) and AdamW's fused vs. foreach kernels. (AdamW's scale-free step turns rounding-level
+gradient differences into weight differences that grow step by step, and the norm, a sum of squares
+over every element, shows them first: measured up to 8e-7 at zero=0 and 1.2e-6 with ZeRO-2's
+per-micro-batch reductions by step 10, 2.7e-7 with another draw of the same initial distribution. A
+missed or doubled reduction, a wrong divisor or a misplaced shard moves the norm by 1e-3 or more.)
 
 Also: bytes moved per step by the dp collectives (2 Psi ring-adjusted for stages 0-2, 3 Psi for 3),
 model-state bytes per rank against docs/formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2 with zero=2
 and zero=3 (+ full recompute), pp=2 x dp=2 with zero=1, checkpoints resumed across dp sizes and
-stages, bf16 weights with fp32 masters against the fp32 oracle, fp16 dynamic loss scaling.
+stages, bf16 weights with fp32 masters against the fp32 oracle, fp16 dynamic loss scaling, and the
+initial weights of ZeRO-3 (dp=2, tp=2 x dp=2, bf16 masters) and pp=2 x dp=2 bit for bit the oracle's.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import pytest
 import torch
 
 from mpformer.parallel.spawn import run_distributed
-from mpformer.testing.train import overrides, train
+from mpformer.testing.train import assemble, initial_weights, overrides, train
 
 RTOL = 1e-6
+NORM_RTOL = 5e-6  # see the module docstring
 STEPS = 10
 BASE = {"model": "tiny-llama", "train.seq_length": 32, "train.steps": STEPS, "train.global_batch_size": 8,
         "train.micro_batch_size": 2, "train.device": "cpu", "optim.lr": 3e-3, "optim.warmup_steps": 2,
@@ -63,6 +69,12 @@ RUNS = {  # name: (world, overrides)
     "z0_reduce_bf16": (4, {"parallel.zero": 0, "parallel.grad_reduce_dtype": "bf16"}),
     "z2_reduce_bf16": (4, {"parallel.zero": 2, "parallel.grad_reduce_dtype": "bf16"}),
 }
+# The weights each layout starts from, as its trainer built them (meta device, the engine drawing only
+# what each rank keeps), assembled from every rank: bit for bit the single-device model's.
+INIT = {"init_z3_dp2": (2, {"parallel.zero": 3, "train.micro_batch_size": 4}),
+        "init_z3_tp2_dp2": (4, {"parallel.zero": 3, "parallel.tp": 2}),
+        "init_bf16_z3": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
+        "init_z1_pp2_dp2": (4, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1})}
 RESUME_FROM = {"z1_dp2_resume": "z2_stop", "z0_dp1_resume": "z2_stop", "z0_dp1_resume_z3": "z3_stop",
                "bf16_z1_resume": "bf16_z1_stop", "sgd_z1_resume": "sgd_z1_stop"}
 
@@ -77,6 +89,9 @@ def _worker(world: int, data: str, root: str) -> dict:
         if "eval.interval" in kw:
             kw = {**kw, "eval.tokens": str(Path(root) / "eval.npy")}
         out[name] = train(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
+    for name, (w, kw) in INIT.items():
+        if w == world:
+            out[name] = initial_weights(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
     return out
 
 
@@ -91,6 +106,7 @@ def _oracle(data: str) -> dict:
     cfg = compose_config(overrides({**BASE, "data.paths": f"[{data}]"}, Path("unused"))).cfg
     t, o = cfg.train, cfg.optim
     model = Transformer(cfg.model, seed=t.seed)
+    initial = {k: v.detach().clone() for k, v in model.canonical_tensors().items()}
     dataset = build_train_dataset([data], None, t.seq_length, t.seed)
     opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                             weight_decay=o.weight_decay)
@@ -105,7 +121,7 @@ def _oracle(data: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "grad_norms": norms,
+    return {"losses": losses, "grad_norms": norms, "initial": initial,
             "psi": sum(p.numel() for p in model.parameters())}
 
 
@@ -117,13 +133,15 @@ def results(tiny_data, tmp_path_factory):
     np.save(root / "eval.npy", np.random.default_rng(0).integers(1, 256, size=(6, 33)).astype(np.int64))
     res = {"root": root, "oracle": _oracle(tiny_data)}
     for world in (4, 2, 1):
-        res.update(run_distributed(_worker, world, args=(world, tiny_data, str(root)), timeout=400)[0])
+        ranks = run_distributed(_worker, world, args=(world, tiny_data, str(root)), timeout=400)
+        res.update(ranks[0])
+        res.update({n: assemble([r[n] for r in ranks]) for n, (w, _) in INIT.items() if w == world})
     return res
 
 
-def _close(got, want):
+def _close(got, want, rtol: float = RTOL):
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
-                               rtol=RTOL, atol=0)
+                               rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("run", ["z0", "z1", "z2", "z3", "z2_tp2", "z3_tp2_recompute", "z1_pp2", "z1_accum",
@@ -132,10 +150,20 @@ def test_matches_single_process_adamw(results, run):
     got, want = results[run], results["oracle"]
     assert max(want["grad_norms"]) > BASE["optim.clip_grad"], "clipping must be active"
     _close(got["losses"], want["losses"])
-    _close(got["grad_norms"], want["grad_norms"])
+    _close(got["grad_norms"], want["grad_norms"], NORM_RTOL)
     clip = BASE["optim.clip_grad"]
     _close(got["grad_norms_clipped"], [min(n, clip) if n < clip else n * clip / (n + 1e-6)
-                                       for n in want["grad_norms"]])
+                                       for n in want["grad_norms"]], NORM_RTOL)
+
+
+@pytest.mark.parametrize("run", sorted(INIT))
+def test_every_layout_starts_from_the_single_device_weights(results, run):
+    """ZeRO-3 at dp=2 and tp=2 x dp=2 (each rank drew only its shard), bf16 ZeRO-3's fp32 masters, and
+    pp=2 x dp=2: every canonical tensor, gathered from the ranks, equals the oracle's initial one exactly."""
+    got, want = results[run], results["oracle"]["initial"]
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), (run, name)
 
 
 def test_resume_across_dp_sizes_and_stages(results):

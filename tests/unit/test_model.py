@@ -47,6 +47,44 @@ def test_init_is_a_function_of_seed_and_name_only():
     assert torch.equal(deeper.canonical_tensors()[q], a.canonical_tensors()[q])
 
 
+def test_any_block_drawn_alone_equals_that_block_of_the_whole_draw(monkeypatch):
+    """The blocked initialiser (models/init.py) with 16-element blocks, so that every rectangle below
+    crosses block boundaries: a block drawn alone (tensor-parallel rows, row-parallel columns, a ZeRO-3
+    shard's part rows) is bit for bit the same block of the whole tensor, and a meta-built model
+    materialised on the CPU holds the single-device model's values."""
+    import mpformer.models.init as init_mod
+    from mpformer.models.parallelize import build_model
+
+    monkeypatch.setattr(init_mod, "BLOCK_ELEMENTS", 16)
+    cfg = CFGS["llama"]
+    init = init_mod.ModelInit(cfg, seed=7)
+    for name, shape in [("layers.0.attn.q.weight", (64, 64)), ("embedding.word.weight", (101, 64)),
+                        ("layers.1.mlp.down.weight", (64, 96)), ("layers.0.attn.o.weight", (64, 3)),
+                        ("layers.0.mlp_norm.weight", (64,)), ("layers.0.attn.q.bias", (64,))]:
+        whole = torch.empty(shape)
+        init.fill(whole, name, shape, (0,) * len(shape))
+        std = init.std(name)
+        if std is not None:  # every block differs: no generator is shared
+            rows = whole.reshape(-1, 16).tolist() if whole.dim() == 1 else whole.tolist()
+            assert abs(float(whole.std()) - std) < 0.2 * std and len({tuple(r) for r in rows}) == len(rows)
+        else:
+            assert torch.all(whole == (0.0 if name.endswith(".bias") else 1.0))
+        g = torch.Generator().manual_seed(0)
+        for _ in range(20):
+            lo = [int(torch.randint(0, n, (), generator=g)) for n in shape]
+            size = [int(torch.randint(1, n - a + 1, (), generator=g)) for n, a in zip(shape, lo)]
+            part = torch.full(size, float("nan"), dtype=torch.bfloat16 if len(size) == 1 else torch.float32)
+            init.fill(part, name, shape, tuple(lo))
+            want = whole[tuple(slice(a, a + n) for a, n in zip(lo, size))]
+            assert torch.equal(part, want.to(part.dtype)), (name, lo, size)
+    assert init.std("layers.0.attn.o.weight") == pytest.approx(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+    ref = Transformer(cfg, seed=7)
+    built = build_model(cfg, tp=None, device=torch.device("cpu"), seed=7)
+    for (n, x), y in zip(ref.canonical_tensors().items(), built.canonical_tensors().values()):
+        assert torch.equal(x, y), n
+    assert torch.equal(built.rotary.inv_freq, ref.rotary.inv_freq) and not built.rotary.inv_freq.is_meta
+
+
 def test_loss_is_mean_cross_entropy_of_logits():
     m = Transformer(CFGS["gpt2"]).eval()
     t = torch.randint(0, 101, (3, 17))
