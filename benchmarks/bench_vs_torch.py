@@ -106,14 +106,16 @@ def _torch_update(model, opt, clip: float):
     return update
 
 
-def _mpformer(name: str, mp, zero: int, comm, dtype: torch.dtype, bucket_mb: float, compile_blocks: bool):
+def _mpformer(name: str, mp, zero: int, comm, dtype: torch.dtype, bucket_mb: float, compile_blocks: bool,
+              reduce_dtype: torch.dtype = torch.float32):
     from mpformer.core.config import OptimConfig
     from mpformer.models.parallelize import grad_specs
     from mpformer.optim.builder import build_engine
     from mpformer.optim.engine import Reduction
 
     ocfg = OptimConfig()
-    engine = build_engine(mp, Reduction(comm, specs=grad_specs(mp)), zero, ocfg, "cpu", bucket_mb, dtype,
+    engine = build_engine(mp, Reduction(comm, specs=grad_specs(mp), reduce_dtype=reduce_dtype), zero, ocfg, "cpu",
+                          bucket_mb, dtype,
                           overlap_param_gather=True)  # as the trainer runs it (train.overlap_param_gather)
     if compile_blocks:
         mp.compile_layers()
@@ -165,24 +167,33 @@ def distributed_worker(cfg: ModelConfig, args, precision: str, batches_all) -> d
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = DTYPES[precision]
+    dtype, reduce_dtype = DTYPES[precision], DTYPES[args.grad_reduce]
     per_rank = [[(x[rank::world].contiguous(), y[rank::world].contiguous()) for x, y in step] for step in batches_all]
     cands = []
     hf, _ = hf_and_mpformer(cfg, args.seed)
     ddp = DDP(hf, bucket_cap_mb=args.bucket_mb)
+    if args.grad_reduce == "bf16":  # the same traffic saving for the baseline: DDP's bf16 compression hook
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     opt, _ = _optimizer(hf)
     cands.append(Candidate("hf + DDP", "ZeRO-1/2 vs DDP", _hf_loss(ddp), ddp.no_sync, _torch_update(ddp, opt, 1.0),
                            dtype))
     for zero in (1, 2):
         _, mp = hf_and_mpformer(cfg, args.seed)
         c = _mpformer(f"mpformer zero {zero}", mp, zero, Comm(dist.group.WORLD, CommLedger(), tag="dp."), dtype,
-                      args.bucket_mb, args.compile)
+                      args.bucket_mb, args.compile, reduce_dtype)
         c.group = "ZeRO-1/2 vs DDP"
         cands.append(c)
     hf3, _ = hf_and_mpformer(cfg, args.seed)
+    kw = {}
+    if args.grad_reduce == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
     for layer in hf3.model.layers:
-        fully_shard(layer)
-    fully_shard(hf3)
+        fully_shard(layer, **kw)
+    fully_shard(hf3, **kw)
     opt3, _ = _optimizer(hf3, dtype_fused=False)  # fused AdamW takes no DTensors on CPU: foreach
 
     @contextlib.contextmanager
@@ -197,7 +208,7 @@ def distributed_worker(cfg: ModelConfig, args, precision: str, batches_all) -> d
                            _torch_update(hf3, opt3, 1.0), dtype))
     _, mp3 = hf_and_mpformer(cfg, args.seed)
     c = _mpformer("mpformer zero 3", mp3, 3, Comm(dist.group.WORLD, CommLedger(), tag="dp."), dtype, args.bucket_mb,
-                  args.compile)
+                  args.compile, reduce_dtype)
     c.group = "ZeRO-3 vs FSDP2"
     cands.append(c)
     run_rounds(cands, per_rank, args)
@@ -251,6 +262,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--precision", nargs="+", choices=list(DTYPES), default=["fp32"])
+    p.add_argument("--grad-reduce", choices=list(DTYPES), default="fp32",
+                   help="gradient reduction dtype, for mpformer (parallel.grad_reduce_dtype) and the baselines "
+                        "alike (DDP: bf16_compress_hook; FSDP2: MixedPrecisionPolicy(reduce_dtype))")
     p.add_argument("--only", choices=["one", "dist", "both"], default="both")
     p.add_argument("--compile", action="store_true", help="mpformer with its per-block torch.compile too")
     p.add_argument("--seed", type=int, default=0)
