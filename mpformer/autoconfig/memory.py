@@ -12,7 +12,9 @@
                   sequence's K/V, Ulysses kv heads repeated to U), times the layers of one pipeline chunk, times
                   the chunks in flight that the chosen schedule really keeps on this rank (verified
                   from the schedule's own action lists), plus the first stage's embedding output and
-                  the last stage's fp32 logits and their gradient
+                  the last stage's head: with the fused cross entropy (the default) its fp32 input
+                  and weight gradients formed in forward plus one chunk's logits (fp32 and the
+                  compute dtype, and their exp), without it the fp32 logits and their gradient
     transients    ZeRO-2: one bucket of fp32 gradients in flight; ZeRO-3: two gathered layers and
                   their fp32 gradients
     overhead      a fixed runtime context (CUDA context and workspaces) and a fragmentation factor
@@ -43,6 +45,8 @@ class Workload:
     seq_length: int
     precision: str = "bf16"
     flash_attention: bool = True  # False: attention scores materialised (Megatron before FlashAttention)
+    fused_cross_entropy: bool = True  # train.fused_cross_entropy (layers/fused_cross_entropy.py)
+    cross_entropy_chunk: int = 1024  # train.cross_entropy_chunk: tokens per chunk of the fused head
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,15 @@ def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, 
     return tuple(verify(build_schedule(schedule, pp, microbatches, vpp)).peak_inflight)
 
 
+def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
+    """What the last stage's head keeps for one micro-batch beyond the layers' activations."""
+    tokens, vocab = w.seq_length // L.cp * w.micro_batch_size, -(-m.vocab_size // L.tp)
+    if not w.fused_cross_entropy:  # fp32 logits of this rank's vocabulary block and their gradient
+        return 2.0 * tokens * vocab * 4
+    chunk = min(w.cross_entropy_chunk, tokens)
+    return 4.0 * (tokens * m.hidden_size + vocab * m.hidden_size) + chunk * vocab * (4 + 4 + BYTES[w.precision])
+
+
 def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str = "cuda",
                 bucket_mb: float = 25.0) -> list[StageMemory]:
     """Per pipeline rank (pp entries): the bytes one device of that stage needs."""
@@ -175,8 +188,8 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         seq_rank = s // L.tp if L.sequence_parallel else s
         if first:
             act += peaks[r] * seq_rank * b * m.hidden_size * wb
-        if last:  # fp32 logits of this rank's vocabulary block and their gradient
-            act += 2 * s * b * (-(-m.vocab_size // L.tp)) * 4
+        if last:
+            act += head_bytes(m, L, w)
         transient = 0.0
         if L.zero == 2:
             transient = min(bucket_mb * 2**20, n * 4)

@@ -92,7 +92,8 @@ def run_cluster(name: str | None, world_size: int, device: str) -> Cluster:
 
 def workload(cfg: Config) -> Workload:
     t = cfg.train
-    return Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision)
+    return Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision,
+                    fused_cross_entropy=t.fused_cross_entropy, cross_entropy_chunk=t.cross_entropy_chunk)
 
 
 def pinned_fields(composed: Composed) -> dict[str, Any]:

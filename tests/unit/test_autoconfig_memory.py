@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mpformer.autoconfig.cluster import cluster_names, load_cluster
@@ -102,3 +104,16 @@ def test_alpha_beta_fit_recovers_a_link():
     out = summarise(mm, coll)
     assert out["cluster"]["peak_flops"] == {"fp32": 3e10}
     assert out["cluster"]["intra_bandwidth"] == pytest.approx(5e9, rel=1e-6)
+
+
+def test_the_fused_head_keeps_its_gradients_and_one_chunk_not_the_logits():
+    """Fused (layers/fused_cross_entropy.py): fp32 dX [t, h] and dW [v/tp, h] formed in forward, one
+    chunk's logits in fp32 and bf16 and their exp; unfused: fp32 logits and their gradient [t, v/tp]."""
+    from mpformer.autoconfig.memory import head_bytes
+
+    w = Workload(global_batch_size=8, micro_batch_size=2, seq_length=4096, precision="bf16")
+    t, h, v = 2 * 4096, LLAMA.hidden_size, -(-LLAMA.vocab_size // 2)
+    L = ParallelLayout(tp=2)
+    assert head_bytes(LLAMA, L, w) == 4 * (t * h + v * h) + 1024 * v * (4 + 4 + 2)
+    assert head_bytes(LLAMA, L, replace(w, fused_cross_entropy=False)) == 2 * t * v * 4
+    assert head_bytes(LLAMA, L, w) < head_bytes(LLAMA, L, replace(w, fused_cross_entropy=False)) / 4
