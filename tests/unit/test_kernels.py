@@ -56,3 +56,25 @@ def test_both_layouts_give_the_fp32_gradients_within_bf16_rounding(dgrad, choice
     for got, want in ((x.grad, xr.grad), (layer.weight.grad, ref_layer.weight.grad),
                       (layer.bias.grad, ref_layer.bias.grad)):
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_runs_on_sdpas_flash_kernel(arch, dtype):
+    """The model's causal attention (GQA included) is a call torch's fused flash kernel accepts: with
+    every other SDPA backend switched off, forward and backward still run (on CUDA: tests/gpu)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from mpformer.core.model_config import ModelConfig
+    from mpformer.models import Transformer
+
+    extra = {"num_kv_heads": 2} if arch == "llama" else {"activation": "gelu_tanh", "tie_embeddings": True,
+                                                             "attention_bias": True, "mlp_bias": True}
+    cfg = ModelConfig(arch=arch, num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                      vocab_size=64, max_position_embeddings=32, **extra)
+    model = Transformer(cfg, seed=1)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    assert torch.isfinite(loss)
