@@ -35,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_throughput import build_pair
 from common import environment, format_table, median, write_json
 
 from mpformer.core.model_config import ModelConfig
@@ -46,22 +47,8 @@ QUICK = {"hidden": 128, "layers": 2, "vocab": 2048, "seq": 64, "global_batch": 8
 
 
 def hf_and_mpformer(cfg: ModelConfig, seed: int):
-    """HF's model with HF's init, and an mpformer Transformer holding the same weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mpformer.convert import adapter_for_arch
-    from mpformer.models import Transformer
-
-    adapter = adapter_for_arch(cfg.arch)
-    hf_dict, _ = adapter.config_to_hf(cfg)
-    hf_dict.pop("model_type")
-    torch.manual_seed(seed)
-    hf = LlamaForCausalLM(LlamaConfig(**hf_dict, use_cache=False)).float().train()
-    mp = Transformer(cfg, seed=None).train()
-    canonical = adapter.to_canonical(hf.state_dict(), cfg)
-    with torch.no_grad():
-        for name, t in mp.canonical_tensors().items():
-            t.copy_(canonical[name])
+    """HF's model with HF's init, and an mpformer Transformer holding the same weights (bench_throughput's)."""
+    mp, hf = build_pair(cfg, seed, None)
     return hf, mp
 
 
