@@ -9,7 +9,14 @@ is cannot be read reliably from the flags alone (oneDNN's dispatch, ONEDNN_MAX_C
 flags), so the probe times the two ways on a layer-sized GEMM once per process and takes the copy
 only where it wins clearly.
 
-    MPFORMER_CPU_DGRAD=nn | transposed    overrides the probe (tests run both paths)
+Attention has the same split. torch's CPU flash kernel in bf16 is ~10x slower than in fp32 on AVX2
+(fwd+bwd of one llama layer's causal attention, b4 n12/4 s512 d64, one thread: 2,473 ms in bf16
+against 250 ms with q, k, v cast to fp32; the math backend 397 ms), so there the core runs in fp32
+and casts its output back: one cast each way, and more exact. On bf16 hardware the native kernel may
+win; a second probe times both on a small causal problem and takes fp32 only where it wins clearly.
+
+    MPFORMER_CPU_DGRAD=nn | transposed    overrides the input-gradient probe (tests run both paths)
+    MPFORMER_CPU_ATTENTION=native | fp32  overrides the attention probe
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 DGRAD_CHOICES = ("nn", "transposed")
+ATTENTION_CHOICES = ("native", "fp32")
+ATTENTION_PROBE = (1, 4, 256, 64)  # (batch, heads, sequence, head dim): ~40 ms on AVX2 in bf16
 PROBE_SHAPE = (256, 512, 512)  # (tokens, out, in): a small layer's GEMM; ~0.1 s in the slow layout on AVX2
 WIN_FACTOR = 1.3  # the copy must beat the NN layout by this much (timing noise on a shared machine)
 
@@ -72,3 +81,48 @@ def cpu_kernels() -> CpuKernels:
             raise ValueError(f"MPFORMER_CPU_DGRAD={forced!r}; valid: {', '.join(DGRAD_CHOICES)}")
         return CpuKernels(forced == "transposed", float("nan"), float("nan"), f"MPFORMER_CPU_DGRAD={forced}")
     return probe()
+
+
+@dataclass(frozen=True)
+class CpuAttention:
+    upcast: bool  # 16-bit attention cores computed in fp32 (inputs cast up, the output cast back)
+    native_ms: float  # what the probe measured, fwd+bwd (nan when overridden)
+    fp32_ms: float
+    source: str
+
+    def describe(self, dtype: torch.dtype) -> str:
+        how = "in fp32" if self.upcast else f"in {str(dtype).removeprefix('torch.')}"
+        if self.source != "probe":
+            return f"cpu attention {how} ({self.source})"
+        return f"cpu attention {how} (probe: native {self.native_ms:.1f}, fp32 {self.fp32_ms:.1f} ms)"
+
+
+def probe_attention(dtype: torch.dtype, shape: tuple[int, int, int, int] = ATTENTION_PROBE) -> CpuAttention:
+    """Time a causal SDPA forward and backward in ``dtype`` and with its inputs cast to fp32."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(*shape, generator=g).to(dtype)
+
+    def way(upcast: bool):
+        def run() -> None:
+            x = q.detach().float().requires_grad_() if upcast else q.detach().requires_grad_()
+            with torch.autocast("cpu", enabled=False):
+                out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+            out.backward(torch.ones_like(out))
+        return run
+
+    ways = (way(False), way(True))
+    for fn in ways:
+        fn()
+    native, fp32 = (min(_seconds(fn), _seconds(fn)) for fn in ways)
+    return CpuAttention(native > WIN_FACTOR * fp32, 1e3 * native, 1e3 * fp32, "probe")
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_attention(dtype: torch.dtype) -> CpuAttention:
+    """How this process computes 16-bit attention cores on CPU (the probe runs once per dtype)."""
+    forced = os.environ.get("MPFORMER_CPU_ATTENTION")
+    if forced:
+        if forced not in ATTENTION_CHOICES:
+            raise ValueError(f"MPFORMER_CPU_ATTENTION={forced!r}; valid: {', '.join(ATTENTION_CHOICES)}")
+        return CpuAttention(forced == "fp32", float("nan"), float("nan"), f"MPFORMER_CPU_ATTENTION={forced}")
+    return probe_attention(dtype)

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpformer.parallel import pairwise
+
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (deprecated, warning on every call);
 # older torch, as GPU users may install, only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -96,6 +98,13 @@ class Comm:
         self.tag = tag  # prefixes the ledger kinds, e.g. "tp." or "dp."
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.pairwise = pairwise.usable(group)  # gloo: reduce-scatter / all-gather as p2p (pairwise.py)
+
+    def _rs(self, t: torch.Tensor) -> Callable[..., Any]:
+        return pairwise.reduce_scatter if self.pairwise and t.device.type == "cpu" else _reduce_scatter
+
+    def _ag(self, t: torch.Tensor) -> Callable[..., Any]:
+        return pairwise.all_gather if self.pairwise and t.device.type == "cpu" else _all_gather
 
     def _note(self, kind: str, nbytes: int, factor: float) -> None:
         self.ledger.record(self.tag + kind, factor * nbytes * (self.size - 1) / self.size)
@@ -121,7 +130,7 @@ class Comm:
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         self._note("all_gather", out.numel() * out.element_size(), 1.0)
-        self._run("all_gather", _all_gather, out, src)
+        self._run("all_gather", self._ag(src), out, src)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -133,7 +142,7 @@ class Comm:
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((src.shape[0] // self.size, *src.shape[1:]), dtype=t.dtype, device=t.device)
         self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
-        self._run("reduce_scatter", _reduce_scatter, out, src)
+        self._run("reduce_scatter", self._rs(src), out, src)
         return out.movedim(0, dim)
 
     def reduce_scatter_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
@@ -142,7 +151,7 @@ class Comm:
             out.copy_(src)
             return None
         self._note("reduce_scatter", src.numel() * src.element_size(), 1.0)
-        return self._run("reduce_scatter", _reduce_scatter, out, src, async_op=async_op)
+        return self._run("reduce_scatter", self._rs(src), out, src, async_op=async_op)
 
     def all_gather_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """Every rank's flat ``src`` concatenated into ``out`` (ZeRO's parameter shards)."""
@@ -150,7 +159,7 @@ class Comm:
             out.copy_(src)
             return None
         self._note("all_gather", out.numel() * out.element_size(), 1.0)
-        return self._run("all_gather", _all_gather, out, src, async_op=async_op)
+        return self._run("all_gather", self._ag(src), out, src, async_op=async_op)
 
     def all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` along ``scatter_dim`` into one chunk per rank, exchange, concatenate along ``gather_dim``."""

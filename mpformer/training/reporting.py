@@ -11,7 +11,7 @@ from torch import nn
 from mpformer.core.config import Config
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout
-from mpformer.layers.kernels import cpu_kernels
+from mpformer.layers.kernels import cpu_attention, cpu_kernels
 from mpformer.optim.engine import GradEngine
 from mpformer.optim.memory import format_report, write_report
 from mpformer.pipeline.engine import PipelineEngine
@@ -26,7 +26,8 @@ def banner(cfg: Config, L: ParallelLayout, micro_steps: int, device_kind: str, s
     start = f"resuming at step {step}" if step else "starting at step 0"
     kernels = ""
     if device_kind == "cpu" and t.precision != "fp32":  # the probe's choice decides this run's speed
-        kernels = " | " + cpu_kernels().describe()
+        dtype = torch.float16 if t.precision == "fp16" else torch.bfloat16
+        kernels = " | " + cpu_kernels().describe() + " | " + cpu_attention(dtype).describe(dtype)
     return (f"mpformer: {cfg.model.arch} {n / 1e6:.2f}M params | dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} | "
             f"global batch {t.global_batch_size} x {t.seq_length} tokens, {micro_steps} micro-batches of "
             f"{t.micro_batch_size} per rank | {t.precision} on {device_kind} | {start}, training to {end} | "

@@ -83,3 +83,55 @@ def test_autograd_pairs_and_ledger():
         # Ring over 2 ranks: all-reduce 2 (n-1)/n = 1 x its 4000 bytes; all-gather (n-1)/n of its 4000 output
         # bytes; reduce-scatter (n-1)/n of its 4000 input bytes; all-to-all (n-1)/n of its 4000 bytes.
         assert byts == {"all_reduce": 4000, "all_gather": 2000, "reduce_scatter": 2000, "all_to_all": 2000}
+
+
+def _pairwise_against_gloo() -> dict:
+    """The pairwise reduce-scatter / all-gather (parallel/pairwise.py) against gloo's own, sync and async,
+    fp32 and bf16, in place and not; the reduce-scatter sums in rank order, so it equals the rank-order
+    sum of every rank's (seeded) input bit for bit."""
+    import torch.distributed as dist
+
+    from mpformer.parallel import comm as C
+    from mpformer.parallel import pairwise
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cm = C.Comm(dist.group.WORLD, C.CommLedger())
+    out = {"used": cm.pairwise}
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [torch.randn(n * 1000, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(n)]
+        want = xs[0].clone()
+        for x in xs[1:]:
+            want += x
+        mine = torch.empty(1000, dtype=dtype)
+        work = cm.reduce_scatter_into(mine, xs[rank].clone(), async_op=True)
+        work.wait()
+        out[f"rs {dtype}"] = torch.equal(mine, want.view(n, 1000)[rank])
+        out[f"rs sync {dtype}"] = torch.equal(cm.reduce_scatter(xs[rank].view(n * 10, 100)),
+                                              want.view(n * 10, 100).chunk(n)[rank])
+        native = torch.empty(1000, dtype=dtype)
+        dist.reduce_scatter_tensor(native, xs[rank].clone())
+        # gloo sums in its own order: equal at 2 ranks (a + b = b + a); at 4 within rounding (fp32 1e-5, bf16
+        # a few units of its 8-bit mantissa at |sum| <= 8).
+        tol = 0.0 if n == 2 else (1e-5 if dtype == torch.float32 else 6e-2)
+        out[f"rs close to gloo {dtype}"] = torch.allclose(mine.float(), native.float(), rtol=0, atol=tol)
+        full = torch.zeros(n * 1000, dtype=dtype)
+        full.view(n, 1000)[rank].copy_(xs[rank][:1000])
+        cm.all_gather_into(full, full.view(n, 1000)[rank], async_op=True).wait()  # in place, as ZeRO's buckets
+        out[f"ag {dtype}"] = torch.equal(full, torch.cat([x[:1000] for x in xs]))
+        out[f"ag sync {dtype}"] = torch.equal(cm.all_gather(xs[rank][:1000].view(10, 100), dim=1),
+                                              torch.cat([x[:1000].view(10, 100) for x in xs], dim=1))
+    # Two in flight at once on the same pairs: matched in posting order.
+    a, b = torch.empty(1000), torch.empty(1000)
+    w1 = cm.reduce_scatter_into(a, torch.full((n * 1000,), 1.0), async_op=True)
+    w2 = cm.reduce_scatter_into(b, torch.full((n * 1000,), 2.0), async_op=True)
+    w2.wait()
+    w1.wait()
+    out["two in flight"] = torch.equal(a, torch.full((1000,), float(n))) and torch.equal(b, torch.full_like(b, 2.0 * n))
+    out["one rank group: native"] = not pairwise.usable(None)
+    return out
+
+
+def test_pairwise_collectives_match_gloo_at_2_and_4_ranks():
+    for world in (2, 4):
+        for r in run_distributed(_pairwise_against_gloo, world, timeout=60):
+            assert all(r.values()), (world, {k: v for k, v in r.items() if not v})

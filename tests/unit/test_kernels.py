@@ -78,3 +78,49 @@ def test_causal_attention_runs_on_sdpas_flash_kernel(arch, dtype):
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
     assert torch.isfinite(loss)
+
+
+@pytest.fixture
+def attention_way(monkeypatch):
+    def force(choice: str | None) -> kernels.CpuAttention:
+        if choice is None:
+            monkeypatch.delenv("MPFORMER_CPU_ATTENTION", raising=False)
+        else:
+            monkeypatch.setenv("MPFORMER_CPU_ATTENTION", choice)
+        kernels.cpu_attention.cache_clear()
+        return kernels.cpu_attention(torch.bfloat16)
+    yield force
+    kernels.cpu_attention.cache_clear()
+
+
+def test_attention_probe_times_both_ways_and_overrides_are_checked(attention_way):
+    k = kernels.probe_attention(torch.bfloat16)
+    assert k.source == "probe" and k.native_ms > 0 and k.fp32_ms > 0
+    assert k.upcast == (k.native_ms > kernels.WIN_FACTOR * k.fp32_ms)
+    assert "ms" in k.describe(torch.bfloat16)
+    assert attention_way("fp32").upcast is True and attention_way("native").upcast is False
+    with pytest.raises(ValueError, match="MPFORMER_CPU_ATTENTION='fast'; valid: native, fp32"):
+        attention_way("fast")
+
+
+@pytest.mark.parametrize("choice", ["native", "fp32"])
+def test_both_attention_ways_match_fp32_attention_within_bf16_rounding(attention_way, choice):
+    """The model's attention core in bf16, computed natively or in fp32, against fp32 SDPA: outputs
+    and input gradients (GQA, causal; under autocast too, which must not undo the fp32 cast)."""
+    from mpformer.layers.attention import attention_core
+
+    attention_way(choice)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 64, 32, generator=g) for n in (4, 2, 2))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    want.backward(torch.ones_like(want))
+    for autocast in (False, True):
+        low = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = attention_core(*low, dropout_p=0.0, sliding_window=None)
+        assert got.dtype == torch.bfloat16
+        got.float().backward(torch.ones_like(want))
+        # bf16 inputs (8-bit mantissa) over 64-key softmax sums: 3e-2 of the largest element holds for both.
+        for a, b in [(got, want)] + [(x.grad, r.grad) for x, r in zip(low, ref)]:
+            torch.testing.assert_close(a.float(), b, rtol=3e-2, atol=3e-2 * float(b.abs().max()))
