@@ -24,7 +24,8 @@ def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], comput
     import torch
     import torch.distributed as dist
 
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    from mpformer.parallel.comm import Comm, CommLedger
+
     world, rank, out = dist.get_world_size(), dist.get_rank(), []
     a = torch.randn(compute_n, compute_n)
 
@@ -40,14 +41,15 @@ def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], comput
     for n in group_sizes:
         groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # every rank creates each
         g = groups[rank // n]
+        cm = Comm(g, CommLedger())  # what training calls (on gloo: the pairwise reduce-scatter / all-gather)
         base = timed(lambda: None, 40)
         for size in sizes:
             elems = size // 4
             elems -= elems % n
             x, part, full = torch.ones(elems), torch.empty(elems // n), torch.empty(elems)
-            ops = {"all_reduce": lambda x=x, g=g: dist.all_reduce(x, group=g),
-                   "all_gather": lambda full=full, part=part, g=g: dist.all_gather_into_tensor(full, part, group=g),
-                   "reduce_scatter": lambda part=part, x=x, g=g: reduce_scatter(part, x, group=g)}
+            ops = {"all_reduce": lambda x=x, cm=cm: cm.all_reduce(x),
+                   "all_gather": lambda full=full, part=part, cm=cm: cm.all_gather_into(full, part),
+                   "reduce_scatter": lambda part=part, x=x, cm=cm: cm.reduce_scatter_into(part, x)}
             reps = 12 if size <= 64 * 2**10 else 6 if size <= 2**20 else 3  # the same on every rank
             for name, fn in ops.items():
                 sec = max(timed(fn, reps) - base, 1e-6)

@@ -303,7 +303,7 @@ class GradEngine:
             return float("nan")
         total = torch.zeros((), device=self.buckets[0].grad_shard.device)
         for g, spec in self.shard_grads(self._norm_specs):
-            total += g.float().pow(2).sum() / spec.replicas
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
         self._world_reduce(total)
         total = total.sqrt()
         if max_norm > 0:

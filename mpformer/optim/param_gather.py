@@ -44,11 +44,11 @@ class ParamGather:
         self.root = sorted({k for pid, k in where.items() if pid not in in_blocks})
 
     def launch(self) -> None:
-        """Post every bucket's gather (the shard copied: a collective's input must not alias its output);
-        wait for the buckets that hold parameters outside the blocks."""
+        """Post every bucket's gather (in place: the shard is a view of the bucket, comm.py copies it where
+        the collective needs that); wait for the buckets that hold parameters outside the blocks."""
         self.wait()
         for b in reversed(self.buckets):
-            src = b.param_shard.clone()
+            src = b.param_shard
             self.pending[b.index] = (self.comm.all_gather_into(b.param_buf, src, async_op=True), src)
         self.wait(self.root)
 

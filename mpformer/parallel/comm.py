@@ -81,6 +81,7 @@ class TimedWork:
 
     def __init__(self, work: dist.Work, ledger: CommLedger, kind: str) -> None:
         self.work, self.ledger, self.kind = work, ledger, kind
+        self.keep: torch.Tensor | None = None  # an input that must outlive the collective
 
     def wait(self) -> bool:
         return self.ledger.blocked(self.kind, self.work.wait)
@@ -154,12 +155,21 @@ class Comm:
         return self._run("reduce_scatter", self._rs(src), out, src, async_op=async_op)
 
     def all_gather_into(self, out: torch.Tensor, src: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """Every rank's flat ``src`` concatenated into ``out`` (ZeRO's parameter shards)."""
+        """Every rank's flat ``src`` concatenated into ``out`` (ZeRO's parameter shards). ``src`` may be
+        this rank's part of ``out`` (in place: NCCL and the pairwise form take it as is; gloo's own
+        must not read what it writes, so it gets a copy)."""
         if self.size == 1:
-            out.copy_(src)
+            if src.data_ptr() != out.data_ptr():
+                out.copy_(src)
             return None
+        inside = out.data_ptr() <= src.data_ptr() < out.data_ptr() + out.numel() * out.element_size()
+        if inside and src.device.type == "cpu" and not self.pairwise:
+            src = src.clone()
         self._note("all_gather", out.numel() * out.element_size(), 1.0)
-        return self._run("all_gather", self._ag(src), out, src, async_op=async_op)
+        work = self._run("all_gather", self._ag(src), out, src, async_op=async_op)
+        if work is not None:
+            work.keep = src  # alive until waited for (a copy made here has no other owner)
+        return work
 
     def all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` along ``scatter_dim`` into one chunk per rank, exchange, concatenate along ``gather_dim``."""

@@ -127,6 +127,12 @@ def _pairwise_against_gloo() -> dict:
     w2.wait()
     w1.wait()
     out["two in flight"] = torch.equal(a, torch.full((1000,), float(n))) and torch.equal(b, torch.full_like(b, 2.0 * n))
+    native_comm = C.Comm(dist.group.WORLD, C.CommLedger())
+    native_comm.pairwise = False  # gloo's own all-gather in place: comm.py hands it a copy of the shard
+    full = torch.zeros(n * 1000)
+    full.view(n, 1000)[rank].fill_(rank + 1.0)
+    native_comm.all_gather_into(full, full.view(n, 1000)[rank], async_op=True).wait()
+    out["native in place"] = torch.equal(full, torch.arange(1.0, n + 1).repeat_interleave(1000))
     out["one rank group: native"] = not pairwise.usable(None)
     return out
 
