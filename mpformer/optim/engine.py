@@ -46,7 +46,7 @@ from mpformer.checkpoint.rows import canonical_rows
 from mpformer.core.buffers import BucketLayout, Piece, Slot, plan_buckets
 from mpformer.core.shards import Shard
 from mpformer.models.init import ModelInit
-from mpformer.optim.bucket import Bucket
+from mpformer.optim.bucket import Bucket, GradPool
 from mpformer.optim.gather import UnitGather
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.materialise import bucket_weights
@@ -58,6 +58,7 @@ from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.tensor_parallel import GradSpec
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
+MAX_IN_FLIGHT = 2  # stages 2-3: full gradient buffers reducing at once (and idle in the pool)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class GradEngine:
         self.device = torch.device(device) if device is not None else self.params[0].device
         assert init is not None or not self.params[0].is_meta, "a meta-built model needs init to be filled from"
         plan = self._plan(bucket_mb)
+        self.pool = GradPool(MAX_IN_FLIGHT) if not self.persistent else None
         self.buckets = [self._materialise(k, layout, module) for k, (module, layout) in enumerate(plan)]
         left = [n for n, p in model.named_parameters() if p.is_meta]
         assert not left, f"parameters left on the meta device (no gradient, so in no bucket): {left}"
@@ -176,7 +178,8 @@ class GradEngine:
                                              init=self.init)
         lo, hi = layout.shard_range(self.shard_rank)
         if not self.persistent:
-            return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module, index)
+            return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module, index,
+                          pool=self.pool)
         grads = torch.zeros(layout.size, device=dev)
         if self.views:
             for p, s in zip(params, layout.slots):
@@ -228,7 +231,7 @@ class GradEngine:
         if self.gather is not None:
             self.gather.release(b.index)
         self._in_flight.append(b)
-        while not self.persistent and len(self._in_flight) > 2:  # bound the full buffers alive at once
+        while not self.persistent and len(self._in_flight) > MAX_IN_FLIGHT:  # bound the full buffers alive
             self._in_flight.pop(0).complete(self.stage, self.persistent)
 
     def _launch_owed(self) -> None:
