@@ -100,7 +100,8 @@ class CpuAttention:
 def probe_attention(dtype: torch.dtype, shape: tuple[int, int, int, int] = ATTENTION_PROBE) -> CpuAttention:
     """Time a causal SDPA forward and backward in ``dtype`` and with its inputs cast to fp32."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(*shape, generator=g).to(dtype)
+    with torch.inference_mode(False):
+        q = torch.randn(*shape, generator=g).to(dtype)
 
     def way(upcast: bool):
         def run() -> None:
@@ -111,9 +112,12 @@ def probe_attention(dtype: torch.dtype, shape: tuple[int, int, int, int] = ATTEN
         return run
 
     ways = (way(False), way(True))
-    for fn in ways:
-        fn()
-    native, fp32 = (min(_seconds(fn), _seconds(fn)) for fn in ways)
+    # The first attention may run under no_grad or inference_mode (evaluation): the probe's backward
+    # needs autograd whatever the caller's mode.
+    with torch.inference_mode(False), torch.enable_grad():
+        for fn in ways:
+            fn()
+        native, fp32 = (min(_seconds(fn), _seconds(fn)) for fn in ways)
     return CpuAttention(native > WIN_FACTOR * fp32, 1e3 * native, 1e3 * fp32, "probe")
 
 

@@ -96,6 +96,10 @@ def attention_way(monkeypatch):
 def test_attention_probe_times_both_ways_and_overrides_are_checked(attention_way):
     k = kernels.probe_attention(torch.bfloat16)
     assert k.source == "probe" and k.native_ms > 0 and k.fp32_ms > 0
+    with torch.no_grad():  # the first attention of a process may be an evaluation's
+        assert kernels.probe_attention(torch.bfloat16).fp32_ms > 0
+    with torch.inference_mode():
+        assert kernels.probe_attention(torch.bfloat16).fp32_ms > 0
     assert k.upcast == (k.native_ms > kernels.WIN_FACTOR * k.fp32_ms)
     assert "ms" in k.describe(torch.bfloat16)
     assert attention_way("fp32").upcast is True and attention_way("native").upcast is False
