@@ -11,16 +11,21 @@ from mpformer.layers import kernels
 from mpformer.layers.linear import Linear
 
 
+def _forcing(monkeypatch, var: str, chosen):
+    """A function that sets (or clears) ``var``, drops the cached choice and returns the new one."""
+    def force(choice: str | None):
+        if choice is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, choice)
+        chosen.cache_clear()
+        return chosen()
+    return force
+
+
 @pytest.fixture
 def dgrad(monkeypatch):
-    def force(choice: str | None) -> kernels.CpuKernels:
-        if choice is None:
-            monkeypatch.delenv("MPFORMER_CPU_DGRAD", raising=False)
-        else:
-            monkeypatch.setenv("MPFORMER_CPU_DGRAD", choice)
-        kernels.cpu_kernels.cache_clear()
-        return kernels.cpu_kernels()
-    yield force
+    yield _forcing(monkeypatch, "MPFORMER_CPU_DGRAD", kernels.cpu_kernels)
     kernels.cpu_kernels.cache_clear()
 
 
@@ -82,14 +87,9 @@ def test_causal_attention_runs_on_sdpas_flash_kernel(arch, dtype):
 
 @pytest.fixture
 def attention_way(monkeypatch):
-    def force(choice: str | None) -> kernels.CpuAttention:
-        if choice is None:
-            monkeypatch.delenv("MPFORMER_CPU_ATTENTION", raising=False)
-        else:
-            monkeypatch.setenv("MPFORMER_CPU_ATTENTION", choice)
-        kernels.cpu_attention.cache_clear()
-        return kernels.cpu_attention(torch.bfloat16)
-    yield force
+    bf16 = lambda: kernels.cpu_attention(torch.bfloat16)
+    bf16.cache_clear = kernels.cpu_attention.cache_clear
+    yield _forcing(monkeypatch, "MPFORMER_CPU_ATTENTION", bf16)
     kernels.cpu_attention.cache_clear()
 
 
