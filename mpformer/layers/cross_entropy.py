@@ -25,7 +25,7 @@ def _ce_forward(logits_nv: torch.Tensor, labels_n: torch.Tensor, comm: Comm, sta
     if valid < logits.shape[-1]:
         logits = logits.clone()
         logits[:, valid:] = float("-inf")  # vocabulary padding: probability exactly 0
-    m = logits.max(dim=-1).values if valid > 0 else torch.full(logits.shape[:1], float("-inf"), device=logits.device)
+    m = logits.amax(dim=-1) if valid > 0 else torch.full(logits.shape[:1], float("-inf"), device=logits.device)
     comm.all_reduce(m, op=dist.ReduceOp.MAX)
     shifted = logits - m.unsqueeze(-1)
     exp = shifted.exp()

@@ -84,7 +84,7 @@ def _chunk_loss(logits_cv: torch.Tensor, labels_c: torch.Tensor, sp: _Spec) -> t
     exp(logit - m), the row scale 1/z (0 on ignored rows), the log-sum-exp (+inf on ignored rows, so
     that exp(logit - lse) is the gradient's softmax part there too) and the label's column here."""
     if sp.valid > 0:
-        m = logits_cv.max(dim=-1).values
+        m = logits_cv.amax(dim=-1)  # amax: no argmax indices (19 -> 1-4 ms at 1024 x 8192, one CPU thread)
     else:  # a rank holding only padding rows
         m = torch.full(logits_cv.shape[:1], float("-inf"), device=logits_cv.device)
     _all_reduce(m, sp.comm, dist.ReduceOp.MAX)
