@@ -44,11 +44,13 @@ class Part:
 class Checkpointer:
     def __init__(self, save_dir: Path, parts: Sequence[Part], *, rank: int, keep: int = 0,
                  extra: Callable[[], dict[str, Any]] | None = None,
-                 populate: Callable[[Path], None] | None = None) -> None:
+                 populate: Callable[[Path], None] | None = None,
+                 owner: Callable[[], str | None] | None = None) -> None:
         """``extra()``: manifest entries beside the parts' (model config, layout, ...); ``populate(dir)``
-        adds files on rank 0 before the manifest is written (the tokenizer)."""
+        adds files on rank 0 before the manifest is written (the tokenizer); ``owner()``: the run id
+        written into each manifest, the only checkpoints ``keep`` prunes."""
         self.save_dir, self.parts, self.rank, self.keep = save_dir, list(parts), rank, keep
-        self.extra, self.populate = extra, populate
+        self.extra, self.populate, self.owner = extra, populate, owner
         names = [p.name for p in self.parts]
         assert len(set(names)) == len(names), f"two checkpoint parts share a name: {names}"
 
@@ -65,7 +67,8 @@ class Checkpointer:
         manifest.update({p.name: p.state() for p in self.parts if p.state is not None})
         ranked = {p.name: p.rank_state() for p in self.parts if p.rank_state is not None}
         return save_checkpoint(self.save_dir, step, tensors, manifest, keep=self.keep,
-                               rank_files={self._rank_file(): ranked} if ranked else None, populate=self.populate)
+                               rank_files={self._rank_file(): ranked} if ranked else None, populate=self.populate,
+                               owner=self.owner() if self.owner is not None else None)
 
     def load(self, manifest: Manifest) -> Manifest:
         """Restore every part from the checkpoint whose ``manifest`` preflight read and checked (its

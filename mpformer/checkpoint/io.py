@@ -9,6 +9,7 @@ so a later layout (TP, ZeRO) loads any checkpoint by asking for its own slices u
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import warnings
 from collections.abc import Callable, Iterable
@@ -19,20 +20,25 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from mpformer.checkpoint.manifest import (
     LATEST,
+    MANIFEST,
     Manifest,
     check_files,
     commit_dir,
+    file_digests,
     fresh_temp_dir,
     point_latest,
     read_manifest,
     resolve_checkpoint_dir,
     step_dir_name,
+    step_dirs,
     write_manifest,
 )
 from mpformer.checkpoint.rows import canonical_rows, state_chunks
+from mpformer.checkpoint.safe_metadata import SafeReader, read_checkpoint_metadata
 from mpformer.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
 from mpformer.core.buffers import Piece
 from mpformer.core.errors import ConfigError
@@ -139,9 +145,23 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+def _dcp_load(state_dict: dict[str, torch.Tensor], ckpt_dir: str | Path, **kwargs: Any) -> None:
+    """dcp.load through the reader that runs no code from ``.metadata``; a refusal of it surfaces as
+    its own one-line ConfigError, not inside the CheckpointException DCP wraps it in."""
+    reader = SafeReader(str(ckpt_dir))
+    try:
+        with quiet_dcp():
+            dcp.load(state_dict, storage_reader=reader, **kwargs)
+    except CheckpointException:
+        if reader.refusal is not None:
+            raise reader.refusal from None
+        raise
+
+
 def stored_metadata(ckpt_dir: str | Path) -> dict[str, Any]:
-    """name -> (shape, dtype) of every tensor in a checkpoint, without loading any."""
-    md = dcp.FileSystemReader(str(resolve_checkpoint_dir(ckpt_dir))).read_metadata()
+    """name -> (shape, dtype) of every tensor in a checkpoint, without loading any (nor running code
+    from its ``.metadata``: every read of a checkpoint goes through safe_metadata.SafeReader)."""
+    md = read_checkpoint_metadata(resolve_checkpoint_dir(ckpt_dir))
     return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
             if hasattr(v, "size")}
 
@@ -158,9 +178,8 @@ def load_tensors(ckpt_dir: str | Path, targets: dict[str, Shard]) -> None:
     if bad:
         k, got, want = bad[0]
         raise ConfigError(f"checkpoint {ckpt_dir}: tensor {k} has shape {list(got)}, the model needs {list(want)}")
-    with quiet_dcp():
-        dcp.load({k: sh.local for k, sh in targets.items()}, checkpoint_id=str(ckpt_dir),
-                 planner=ShardLoadPlanner(targets), no_dist=_no_dist())
+    _dcp_load({k: sh.local for k, sh in targets.items()}, ckpt_dir, planner=ShardLoadPlanner(targets),
+              no_dist=_no_dist())
 
 
 def read_all_tensors(ckpt_dir: str | Path, prefix: str = MODEL_PREFIX) -> dict[str, torch.Tensor]:
@@ -169,8 +188,7 @@ def read_all_tensors(ckpt_dir: str | Path, prefix: str = MODEL_PREFIX) -> dict[s
     stored = stored_metadata(ckpt_dir)
     out = {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in stored.items() if k.startswith(prefix)}
     if out:
-        with quiet_dcp():
-            dcp.load(out, checkpoint_id=str(ckpt_dir), no_dist=True)
+        _dcp_load(out, ckpt_dir, no_dist=True)
     return {k[len(prefix):]: v for k, v in out.items()}
 
 
@@ -179,6 +197,23 @@ def open_checkpoint(ckpt_dir: str | Path) -> Manifest:
     manifest = read_manifest(ckpt_dir)
     check_files(manifest)
     return manifest
+
+
+def verify_checksums(manifest: Manifest) -> str | None:
+    """Collective: every rank hashes its share of the checkpoint's files (every world-th file), so no rank
+    reads them all while the others wait; the first mismatch any rank found (None: all intact), the
+    same on every rank."""
+    rank, world = (0, 1) if _no_dist() else (dist.get_rank(), dist.get_world_size())
+    try:
+        check_files(manifest, checksums=True, share=(rank, world))
+        bad = None
+    except ConfigError as e:
+        bad = str(e)
+    if world == 1:
+        return bad
+    found: list[str | None] = [None] * world
+    dist.all_gather_object(found, bad)
+    return next((b for b in found if b is not None), None)
 
 
 def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
@@ -197,43 +232,110 @@ def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
 
 def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, Shard],
                     manifest: dict[str, Any], *, rank_files: dict[str, Any] | None = None,
-                    populate: Callable[[Path], None] | None = None, keep: int = 0) -> Path:
+                    populate: Callable[[Path], None] | None = None, keep: int = 0,
+                    owner: str | None = None) -> Path:
     """Atomically write ``save_dir/step_N``: temp dir, payload, manifest, rename, then ``latest``.
 
     Collective when torch.distributed is initialised: every rank calls it with its tensors (DCP
     deduplicates replicated ones); ``rank_files`` are this rank's own objects (e.g. RNG states);
     ``populate(tmp_dir)`` runs on rank 0 to add files (e.g. the tokenizer) before the manifest.
+    Every rank hashes the files it wrote and rank 0 gathers the digests: no rank reads everyone's
+    files while the others wait. ``keep``: the newest ``keep`` checkpoints whose manifest names this
+    ``owner`` (a run id) are kept, older ones of that owner removed; others' are never touched.
+    A failed write (a full disk) removes the partial directory and raises a one-line ConfigError:
+    the previous checkpoint and ``latest`` stay as they were.
     """
     save_dir = Path(save_dir)
     rank = 0 if _no_dist() else dist.get_rank()
     final = save_dir / step_dir_name(step)
-    tmp = fresh_temp_dir(final) if rank == 0 else final.with_name(final.name + ".tmp")
-    _barrier()
-    with quiet_dcp():
-        dcp.save({k: sh.local for k, sh in tensors.items()}, checkpoint_id=str(tmp), planner=ShardSavePlanner(tensors),
-                 no_dist=_no_dist())
-    for name, obj in (rank_files or {}).items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(obj, tmp / name)
-    _barrier()
+    tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
-        if populate is not None:
-            populate(tmp)
-        write_manifest(tmp, {"step": step, **manifest})
-        commit_dir(tmp, final)  # re-saving a step moves the old copy aside first
-        point_latest(save_dir, final.name)
-        _prune(save_dir, keep)
+        tmp = fresh_temp_dir(final)
     _barrier()
+    failure: str | None = None
+    try:
+        with quiet_dcp():  # collective: a rank's failed write raises on every rank
+            dcp.save({k: sh.local for k, sh in tensors.items()}, checkpoint_id=str(tmp),
+                     planner=ShardSavePlanner(tensors), no_dist=_no_dist())
+    except CheckpointException as e:
+        failure = _cause(e)
+    digests: dict[str, dict[str, Any]] = {}
+    if failure is None:
+        try:  # this rank's own files, hashed here
+            mine = sorted(tmp.glob(f"__{rank}_*.distcp"))
+            for name, obj in (rank_files or {}).items():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                torch.save(obj, tmp / name)
+                mine.append(tmp / name)
+            digests = file_digests(tmp, mine)
+        except OSError as e:
+            failure = f"rank {rank}: {e.strerror or e}"
+    failure = _commit_on_rank0(save_dir, final, tmp, step, manifest, populate, keep, owner, rank,
+                               _gather((digests, failure), rank))
+    if failure is not None:
+        raise ConfigError(f"checkpoint save of step {step} to {final} failed ({failure}); the previous checkpoint "
+                          f"and {save_dir / LATEST} are unchanged")
     return final
 
 
-def _prune(save_dir: Path, keep: int) -> None:
+def _cause(e: CheckpointException) -> str:
+    """The first failing rank's own error, in a few words (DCP's message is every rank's traceback)."""
+    for rank, (exc, _) in sorted(e.failures.items()):
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+        return " ".join(f"rank {rank}: {what}".split())[:300]
+    return "CheckpointException"
+
+
+def _commit_on_rank0(save_dir: Path, final: Path, tmp: Path, step: int, manifest: dict[str, Any],
+                     populate: Callable[[Path], None] | None, keep: int, owner: str | None, rank: int,
+                     results: list[tuple[dict, str | None]]) -> str | None:
+    """Rank 0: the manifest from every rank's digests, the rename, ``latest``, pruning; the failure (any
+    rank's, or the commit's), the same on every rank (collective)."""
+    failure = None
+    if rank == 0:
+        failure = next((f for _, f in results if f is not None), None)
+        if failure is None:
+            try:
+                if populate is not None:
+                    populate(tmp)
+                known = {k: v for d, _ in results for k, v in d.items()}
+                write_manifest(tmp, {"step": step, **({"owner": owner} if owner else {}), **manifest}, known)
+                commit_dir(tmp, final)  # re-saving a step moves the old copy aside first
+                point_latest(save_dir, final.name)
+                _prune(save_dir, keep, owner, final)
+            except OSError as e:
+                failure = e.strerror or str(e)
+        if failure is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if _no_dist():
+        return failure
+    box = [failure]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(mine: tuple[dict, str | None], rank: int) -> list[tuple[dict, str | None]]:
+    """Every rank's (digests, failure) on rank 0 (this rank's alone without a process group)."""
+    if _no_dist():
+        return [mine]
+    got: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, got, dst=0)
+    return got or []
+
+
+def _prune(save_dir: Path, keep: int, owner: str | None, newest: Path) -> None:
+    """Remove this owner's checkpoints beyond the newest ``keep`` (never ``newest``, never another run's)."""
     if keep <= 0:
         return
-    steps = sorted(p for p in save_dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
-    latest = (save_dir / LATEST).read_text().strip()
-    for old in steps[:-keep]:
-        if old.name != latest:
+    mine = []
+    for d in step_dirs(save_dir):
+        try:
+            if json.loads((d / MANIFEST).read_text()).get("owner") == owner and owner is not None:
+                mine.append(d)
+        except (OSError, ValueError):
+            continue  # not a complete checkpoint: not ours to judge
+    for old in mine[keep:]:
+        if old != newest:
             shutil.rmtree(old)
 
 

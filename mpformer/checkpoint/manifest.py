@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mpformer.checkpoint.safe_metadata import METADATA, read_checkpoint_metadata
 from mpformer.core.errors import ConfigError
 from mpformer.core.model_config import ModelConfig
 
@@ -78,16 +79,23 @@ def commit_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
-    """Hash every payload file and write manifest.json (fsynced)."""
-    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
-    # hashlib releases the GIL on large buffers: hashing the ranks' shard files in threads keeps the
-    # other ranks' wait at the save barrier short.
+def file_digests(ckpt_dir: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
+    """relative path -> sha256 and size of ``files`` (hashlib releases the GIL on large buffers: threads)."""
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
         digests = list(pool.map(sha256_file, files))
+    return {str(p.relative_to(ckpt_dir)): {"sha256": h, "bytes": p.stat().st_size} for p, h in zip(files, digests)}
+
+
+def write_manifest(ckpt_dir: Path, manifest: dict[str, Any],
+                   known: dict[str, dict[str, Any]] | None = None) -> None:
+    """Write manifest.json (fsynced) listing every payload file with its sha256: ``known`` digests (the
+    other ranks hashed their own files), the rest hashed here."""
+    known = dict(known or {})
+    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    known.update(file_digests(ckpt_dir, [p for p in files if str(p.relative_to(ckpt_dir)) not in known]))
+    listed = {str(p.relative_to(ckpt_dir)) for p in files}
     manifest = {"format": FORMAT, "version": VERSION, **manifest,
-                "files": {str(p.relative_to(ckpt_dir)): {"sha256": h, "bytes": p.stat().st_size}
-                          for p, h in zip(files, digests)}}
+                "files": {rel: known[rel] for rel in sorted(listed)}}
     tmp = ckpt_dir / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -172,18 +180,23 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     return Manifest.parse(d, m)
 
 
-def check_files(manifest: Manifest, *, checksums: bool = False) -> None:
-    """Every file the manifest lists exists with its size (and, if asked, its sha256)."""
+def check_files(manifest: Manifest, *, checksums: bool = False, share: tuple[int, int] = (0, 1)) -> None:
+    """Every file the manifest lists exists with its size (and, if asked, its sha256), and the DCP
+    index (``.metadata``) reads as checkpoint metadata, through the unpickler that runs no code: a
+    crafted checkpoint (whose manifest agrees with its files) is refused here, before any rank starts.
+    ``share=(rank, n)``: the checksums of every n-th file from ``rank`` on (the ranks split the reading)."""
     d = manifest.path
-    for rel, info in manifest.files.items():
+    for i, (rel, info) in enumerate(sorted(manifest.files.items())):
         p = d / rel
         if not p.is_file():
             raise ConfigError(f"checkpoint {d}: file {rel} listed in the manifest is missing")
         if p.stat().st_size != info["bytes"]:
             raise ConfigError(f"checkpoint {d}: file {rel} has {p.stat().st_size} bytes, manifest says "
                               f"{info['bytes']} (truncated or overwritten)")
-        if checksums and sha256_file(p) != info["sha256"]:
+        if checksums and i % share[1] == share[0] and sha256_file(p) != info["sha256"]:
             raise ConfigError(f"checkpoint {d}: file {rel} fails its sha256 check (corrupt)")
+    if (d / METADATA).is_file():
+        read_checkpoint_metadata(d)
 
 
 def check_model_matches(manifest: Manifest, model: ModelConfig) -> None:
@@ -195,3 +208,29 @@ def check_model_matches(manifest: Manifest, model: ModelConfig) -> None:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)} vs config {want.get(k)}" for k in diff)
         raise ConfigError(f"checkpoint {manifest.path} holds another model shape ({details}); use the "
                           f"model config it was saved with or another checkpoint")
+
+
+def step_dirs(save_dir: Path) -> list[Path]:
+    """The committed step directories of a save_dir, newest first (``*.tmp`` writes in progress excluded)."""
+    if not save_dir.is_dir():
+        return []
+    found = [p for p in save_dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def newest_complete(save_dir: Path, below: int | None = None) -> tuple[Manifest | None, list[str]]:
+    """The newest checkpoint in ``save_dir`` (of a step below ``below``, if given) whose manifest reads and
+    whose files are all there with their sizes, and a line for each newer one passed over (why).
+    Checksums are the loader's (io.verify_checksums)."""
+    passed: list[str] = []
+    for d in step_dirs(save_dir):
+        if below is not None and int(d.name[5:]) >= below:
+            continue
+        try:
+            manifest = read_manifest(d)
+            check_files(manifest)
+        except ConfigError as e:
+            passed.append(str(e))
+            continue
+        return manifest, passed
+    return None, passed

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mpformer.cli.compose import compose_config
 from mpformer.core.composed import Composed
-from mpformer.core.errors import ConfigError, user_errors_to_exit
+from mpformer.core.errors import ConfigError, RunHalted, user_errors_to_exit
 from mpformer.parallel.launch import world_size_from_env
 from mpformer.training.preflight import preflight_train
 
@@ -30,6 +30,7 @@ def run_pretraining(composed: Composed) -> list[float]:
     from mpformer.parallel.device import resolve_device
     from mpformer.parallel.groups import ProcessGroups
     from mpformer.parallel.launch import broadcast_str, init_distributed, shutdown
+    from mpformer.parallel.watchdog import Heartbeat
     from mpformer.training.trainer import Trainer
 
     device = resolve_device(cfg.train.device)
@@ -41,6 +42,8 @@ def run_pretraining(composed: Composed) -> list[float]:
         device.make_deterministic()
     owns_group = not dist.is_initialized()  # tests spawn ranks with a group already up
     init_distributed(device, cfg.train.dist_timeout_s)
+    # torchrun workers: a dead rank stops every rank within heartbeat_timeout_s (parallel/watchdog.py).
+    heartbeat = Heartbeat.from_env(cfg.train.heartbeat_timeout_s) if owns_group else None
     try:
         groups = ProcessGroups.build(spec.layout, device)
         spec = replace(spec, run_dir=Path(broadcast_str(str(spec.run_dir))))  # rank 0's decides
@@ -53,13 +56,25 @@ def run_pretraining(composed: Composed) -> list[float]:
                 print(prediction.summary(), flush=True)
         t0 = time.perf_counter()
         trainer = Trainer(spec, groups)
+        if heartbeat is not None:
+            trainer.on_phase = heartbeat.set_phase
         losses = trainer.fit()
+        if heartbeat is not None:
+            heartbeat.finish()
         if groups.is_logging_rank and losses:
             k = max(1, len(losses) // 10)
             print(f"done: {len(losses)} steps in {time.perf_counter() - t0:.1f}s | loss {sum(losses[:k]) / k:.4f} "
                   f"(first {k} steps) -> {sum(losses[-k:]) / k:.4f} (last {k}) | checkpoints in {trainer.save_dir}",
                   flush=True)
         return losses
+    except RunHalted:  # every rank decided it together
+        if heartbeat is not None:
+            heartbeat.finish()
+        raise
+    except BaseException as e:  # this rank alone, perhaps: the others are told, and stop too
+        if heartbeat is not None:
+            heartbeat.failed(e)
+        raise
     finally:
         if owns_group:
             shutdown()

@@ -17,6 +17,8 @@ from mpformer.core.model_config import ModelConfig
 PRECISIONS = ("fp32", "bf16", "fp16")
 DECAYS = ("cosine", "linear", "constant")
 WANDB_MODES = ("online", "offline", "disabled")
+ON_NAN = ("skip", "halt", "rollback")
+LOAD_AUTO = "auto"  # checkpoint.load=auto: the newest complete checkpoint in the save_dir, or a fresh start
 
 
 def _parallel_layout(self) -> ParallelLayout:
@@ -57,6 +59,12 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block (Transformer.compile_layers; benchmarks/README)
     deterministic: bool = False  # kernels with the same bits every run (CUDA: a bit-exact resume; slower)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
+    # A rank whose heartbeat (a thread beating over the rendezvous store) stops this long counts as
+    # dead: every rank then exits naming it (parallel/watchdog.py). 0: no heartbeat, only dist_timeout_s.
+    heartbeat_timeout_s: float = 15.0
+    # A step whose global loss or grad norm is not finite: skip its update, halt the run (exit 3), or
+    # roll back to the last checkpoint and skip that step's samples (training/guard.py).
+    on_nan: str = "halt"
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
     overlap_param_gather: bool = True  # zero 1-2: the step's parameter all-gather hides behind the next forward
     initial_loss_scale: float = 65536.0  # fp16: dynamic loss scaling starts here (2^16) ...
@@ -95,13 +103,16 @@ class DataConfig:
     document_mask: bool = False
     eos_token_id: int | None = None  # the EOS id for document_mask (None: the tokenizer's)
     prefetch: int = 2  # steps of batches read ahead in a background thread (pinned on cuda); 0: read in the step
+    # Sample ranges [start, end) of the global sample stream never trained on: when the data position
+    # reaches a start it jumps to the end (a resume past a bad batch; rollbacks add theirs).
+    skip_ranges: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
 class CheckpointConfig:
     save_dir: str | None = None  # default: <run dir>/checkpoints
     save_interval: int = 0  # 0: only at the end (and at stop_at)
-    load: str | None = None  # a step directory or a save_dir with a `latest` pointer
+    load: str | None = None  # a step directory, a save_dir with a `latest` pointer, or auto (see LOAD_AUTO)
     keep: int = 0  # keep the newest N checkpoints; 0 keeps all
     finetune: bool = False  # load weights only: fresh optimizer, step 0, data from the start
 
@@ -229,6 +240,13 @@ def check_training_config(cfg: Config) -> None:
         raise ConfigError("train.micro_batch_size and eval.micro_batch_size must be >= 1")
     if cfg.logging.interval < 1:
         raise ConfigError(f"logging.interval={cfg.logging.interval} must be >= 1")
+    _choice("train.on_nan", t.on_nan, ON_NAN)
+    if t.heartbeat_timeout_s < 0:
+        raise ConfigError(f"train.heartbeat_timeout_s={t.heartbeat_timeout_s} must be >= 0 (0: no heartbeat)")
+    for r in cfg.data.skip_ranges:
+        if len(r) != 2 or not 0 <= r[0] < r[1]:
+            raise ConfigError(f"data.skip_ranges entry {list(r)} must be [start, end) sample positions with "
+                              f"0 <= start < end, e.g. data.skip_ranges=[[1024,1056]]")
     if cfg.checkpoint.save_interval < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.save_interval and checkpoint.keep must be >= 0")
     if cfg.model.learned_positions and t.seq_length > cfg.model.max_position_embeddings:

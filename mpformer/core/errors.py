@@ -18,10 +18,15 @@ from typing import TypeVar
 F = TypeVar("F", bound=Callable[..., int | None])
 
 EXIT_USER_ERROR = 2
+EXIT_HALTED = 3  # the run stopped itself: a non-finite step under train.on_nan=halt, nothing to roll back to
 
 
 class ConfigError(ValueError):
     """A bad key, value, layout, path or file; the message names it and the valid alternatives."""
+
+
+class RunHalted(RuntimeError):
+    """Training stopped on purpose (every rank agrees why); the message says why and how to go on."""
 
 
 def format_choices(values: object) -> str:
@@ -30,13 +35,14 @@ def format_choices(values: object) -> str:
 
 
 def user_errors_to_exit(fn: F) -> F:
-    """Run a main; a ConfigError prints ``error: <message>`` on stderr and exits 2, no traceback."""
+    """Run a main; a ConfigError prints ``error: <message>`` on stderr and exits 2, a RunHalted exits 3,
+    both without a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except ConfigError as e:
+        except (ConfigError, RunHalted) as e:
             # Under torchrun every rank finds the same mistake: rank 0 alone says it, in one line. The
             # others wait a moment before failing, or torchrun could stop rank 0 before it has spoken.
             if os.environ.get("RANK", "0") == "0":
@@ -44,6 +50,6 @@ def user_errors_to_exit(fn: F) -> F:
                 print(f"error: {msg}", file=sys.stderr, flush=True)
             else:
                 time.sleep(3.0)
-            sys.exit(EXIT_USER_ERROR)
+            sys.exit(EXIT_HALTED if isinstance(e, RunHalted) else EXIT_USER_ERROR)
 
     return wrapper  # type: ignore[return-value]

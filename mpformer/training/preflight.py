@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpformer.checkpoint.manifest import Manifest, check_files, check_model_matches, read_manifest
+from mpformer.checkpoint.manifest import Manifest, check_files, check_model_matches, newest_complete, read_manifest
 from mpformer.core.composed import Composed
-from mpformer.core.config import Config, check_training_config
+from mpformer.core.config import LOAD_AUTO, Config, check_training_config
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig
@@ -57,15 +58,35 @@ def adopt_checkpoint_model(composed: Composed) -> tuple[ModelConfig, Manifest | 
     cfg = composed.cfg
     if not cfg.checkpoint.load:
         return cfg.model, None
-    manifest = read_manifest(cfg.checkpoint.load)
-    # Rank 0 alone verifies checksums: every rank reading the whole checkpoint twice buys nothing.
-    check_files(manifest, checksums=os.environ.get("RANK", "0") == "0")
+    if cfg.checkpoint.load == LOAD_AUTO:
+        manifest = auto_checkpoint(cfg, Path(composed.run_dir))
+        if manifest is None:
+            return cfg.model, None
+    else:
+        manifest = read_manifest(cfg.checkpoint.load)
+    # Files and sizes here, on every rank; the checksums once the group is up, each rank a share of the
+    # files (io.verify_checksums: no rank hashes everything while the others wait at the rendezvous).
+    check_files(manifest)
     model = cfg.model
     if not (composed.overridden_group("model") or composed.overridden_group("experiment")):
         saved = ModelConfig.from_dict(manifest.model)
         model = replace(saved, **{key: getattr(cfg.model, key) for key in composed.overridden_keys("model")})
     check_model_matches(manifest, model)
     return model, manifest
+
+
+def auto_checkpoint(cfg: Config, run_dir: Path) -> Manifest | None:
+    """checkpoint.load=auto: the newest complete checkpoint in the save_dir this run writes to, or None
+    (a fresh start), so that ``torchrun --max-restarts=N`` restarts in place. Newer ones that are
+    incomplete or damaged are passed over with a warning naming what is wrong."""
+    save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else run_dir / "checkpoints"
+    manifest, passed = newest_complete(save_dir)
+    if os.environ.get("RANK", "0") == "0":
+        for line in passed:
+            print(f"warning: checkpoint.load=auto passes over {line}", file=sys.stderr, flush=True)
+        if manifest is None:
+            print(f"checkpoint.load=auto: no checkpoint in {save_dir}, starting fresh", flush=True)
+    return manifest
 
 
 def check_resume_data(manifest: Manifest, cfg: Config) -> None:

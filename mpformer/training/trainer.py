@@ -15,11 +15,17 @@ tokens, prediction) and the process groups; its checkpoint is a list of parts (c
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from mpformer.checkpoint.checkpointer import Checkpointer, Manifest, Part
+from mpformer.checkpoint.io import verify_checksums
+from mpformer.checkpoint.manifest import MANIFEST, check_model_matches, newest_complete
+from mpformer.core.config import LOAD_AUTO
+from mpformer.core.errors import ConfigError, RunHalted
 from mpformer.core.layout import ParallelLayout
 from mpformer.data.loader import StepLoader
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices
@@ -36,6 +42,7 @@ from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.p2p import P2P
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.training.evaluation import validation_loss
+from mpformer.training.guard import MAX_ROLLBACKS, Preemption, finite, halt_message
 from mpformer.training.metrics import MetricsLogger, StepTimer
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
@@ -80,17 +87,21 @@ class Trainer:
         o = cfg.optim
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                                    decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
-        self.progress = Progress()
+        self.progress = Progress(cfg.data.skip_ranges)
+        self.preemption = Preemption(self.device.torch_device)
+        self._saved_step: int | None = None  # the step of this run's newest checkpoint
+        self._rolling_back, self._rollbacks = False, 0
+        self.on_phase: Callable[[str], None] = lambda phase: None  # the heartbeat's (parallel/watchdog.py)
         self.rng = DropoutStreams(self.device, self.tp.rng, t.seed + groups.dropout_offset())
         tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if tok is None and spec.manifest is not None and spec.manifest.tokenizer:
             tok = spec.manifest.path / spec.manifest.tokenizer  # keep carrying it
         self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else spec.run_dir / "checkpoints"
         self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=groups.rank, keep=cfg.checkpoint.keep,
-                                         extra=lambda: self._manifest(tok),
+                                         extra=lambda: self._manifest(tok), owner=lambda: self.progress.run_id,
                                          populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
         if spec.manifest is not None:
-            self.checkpointer.load(spec.manifest)
+            self.checkpointer.load(self._verified(spec.manifest))
         else:
             self.rng.reseed(0)
         self.is_logger = groups.is_logging_rank
@@ -119,8 +130,8 @@ class Trainer:
         return out
 
     def _micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This step's (inputs, labels) per micro-batch, on the device."""
-        return [(b[:, :-1], b[:, 1:]) for b in self.loader.take(self.progress.consumed_samples)]
+        """This step's (inputs, labels) per micro-batch, on the device (past any skip range)."""
+        return [(b[:, :-1], b[:, 1:]) for b in self.loader.take(self.progress.position())]
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Every micro-batch's forward and backward, gradients accumulated over them; the last one's
@@ -149,22 +160,60 @@ class Trainer:
                               on_grads_done=self.engine.start, on_weight_grad=self.engine.grad_ready,
                               store=self.rank.store)
 
-    def train_step(self) -> dict[str, float]:
-        """zero_grad -> forward/backward -> finish -> clip -> step."""
+    def train_step(self) -> dict[str, float] | None:
+        """zero_grad -> forward/backward -> finish -> clip -> check -> step. None: the step was rolled
+        back (train.on_nan=rollback; training/guard.py)."""
         extra = {"loss_scale": self.scaler.scale} if self.scaler is not None else {}  # this step's
+        t = self.cfg.train
         self.engine.zero_grad()
         loss_sum = self._forward_backward(self._micro_batches())
+        start = self.progress.consumed_samples  # this step's samples: [start, start + global batch)
         self.engine.finish()  # reductions over dp (and a tied copy, tp partial sums, fp16 unscaling)
         grad_norm = self.engine.clip(self.cfg.optim.clip_grad)
+        loss = self._global_loss(loss_sum)  # the same on every rank, as the norm: one decision everywhere
+        bad = not self.engine.skipped and not finite(loss, grad_norm)
+        if bad and t.on_nan == "halt":
+            raise RunHalted(halt_message(self.progress.step + 1, loss, grad_norm, start,
+                                         start + t.global_batch_size, "train.on_nan=halt"))
+        if bad and t.on_nan == "rollback":
+            self._rollback(start, loss, grad_norm)
+            return None
         lr = self.schedule.apply(self.engine.optimizer, self.progress.step)
-        self.engine.step()  # not on a skipped fp16 step
+        if bad:  # on_nan=skip: the weights and optimizer state stay as they were
+            self.progress.skipped_steps += 1
+        else:
+            self.engine.step()  # not on a skipped fp16 step
         if self.scaler is not None:
             extra["skipped_steps"] = self.scaler.skipped
+        elif t.on_nan == "skip":
+            extra["skipped_steps"] = self.progress.skipped_steps
         clip = self.cfg.optim.clip_grad
         clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
-        self.progress.advance(self.cfg.train.global_batch_size)
-        return {"loss": self._global_loss(loss_sum), "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr,
-                **extra}
+        self.progress.advance(t.global_batch_size)
+        return {"loss": loss, "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr,
+                **({"skipped": 1} if bad else {}), **extra}
+
+    def _rollback(self, start: int, loss: float, grad_norm: float) -> None:
+        """Back to the newest checkpoint in save_dir, this step's samples added to the skip ranges."""
+        step, end = self.progress.step + 1, start + self.cfg.train.global_batch_size
+        manifest, passed = newest_complete(self.save_dir)
+        if manifest is None or self._rollbacks >= MAX_ROLLBACKS:
+            why = (f"train.on_nan=rollback found no checkpoint in {self.save_dir}" if manifest is None
+                   else f"{MAX_ROLLBACKS} rollbacks in this run already")
+            raise RunHalted(halt_message(step, loss, grad_norm, start, end, why))
+        for line in passed:
+            self.metrics.message(f"warning: rollback passes over {line}")
+        self.engine.zero_grad()
+        self._rolling_back = True
+        try:
+            self.checkpointer.load(manifest)
+        finally:
+            self._rolling_back = False
+        self._rollbacks += 1
+        self.progress.rollbacks += 1
+        self.progress.add_skip(start, end)
+        self.metrics.message(f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; rolled back to "
+                             f"{manifest.path.name}, samples [{start}, {end}) will be skipped")
 
     def _global_loss(self, loss_sum: float) -> float:
         """The mean loss over the global batch, on every rank (a metric: its own ledger kinds)."""
@@ -186,12 +235,14 @@ class Trainer:
         trace = TraceWindow(self.pipeline, t.pipeline_trace_steps, self.progress.step, end, self.groups.pp)
         losses: list[float] = []
         timer = StepTimer()
+        self.preemption.install()
         try:
             self._loop(end, trace, timer, losses)
         finally:
+            self.preemption.uninstall()
             self.loader.close()
-        if losses:  # the final (or stop_at) checkpoint; a run that had nothing left to do writes none
-            self.save()
+        if losses and self._saved_step != self.progress.step:  # the final (stop_at, preempted) checkpoint;
+            self.save()  # a run that had nothing left to do writes none
         self.metrics.close()
         return losses
 
@@ -200,7 +251,11 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_length
         while self.progress.step < end:
             trace.before(self.progress.step)
+            self.on_phase(f"step {self.progress.step + 1}")
             m = self.train_step()
+            if m is None:  # rolled back: the steps since the checkpoint run again
+                timer.restart()
+                continue
             dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
             losses.append(m["loss"])
             comm = self.groups.ledger.take()  # this step's training traffic (validation's is dropped below)
@@ -226,17 +281,24 @@ class Trainer:
             trace.after(step, self.spec.run_dir, self.layout.vpp, self.metrics if self.is_logger else None)
             if ck.save_interval and step % ck.save_interval == 0 and step != end:
                 self.save()
+            if step != end and self.preemption.agreed():  # SIGTERM: a checkpoint now, then a clean end
+                self.metrics.message(f"SIGTERM: stopping after step {step} with a checkpoint; resume with "
+                                     "checkpoint.load=auto")
+                break
             timer.restart()
 
     def validate(self) -> float:
         """Mean loss on eval.tokens (evaluation.py)."""
+        self.on_phase(f"validation after step {self.progress.step}")
         self.engine.wait_params()
         return validation_loss(self.model, self.plan, self.layout, self.groups, self.spec.eval_tokens,
                                self.cfg.eval.micro_batch_size, autocast=lambda: self.dtype_ctx)
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def save(self) -> Path:
+        self.on_phase(f"the checkpoint save after step {self.progress.step}")
         path = self.checkpointer.save(self.progress.step)
+        self._saved_step = self.progress.step
         self.metrics.message(f"saved checkpoint {path}")
         return path
 
@@ -256,9 +318,31 @@ class Trainer:
         parts.append(Part("rng", rank_state=self.rng.state, load_rank_state=self._load_rng))
         return parts
 
+    def _verified(self, manifest: Manifest) -> Manifest:
+        """The checkpoint to load, its checksums verified by all ranks together. A damaged one fails,
+        naming the file; when it was the newest of a save_dir (checkpoint.load=auto or a save_dir), the
+        next older intact one is taken instead, with a warning naming what was wrong."""
+        load = self.cfg.checkpoint.load
+        from_dir = load == LOAD_AUTO or (load is not None and not (Path(load) / MANIFEST).is_file())
+        save_dir = self.save_dir if load == LOAD_AUTO else Path(str(load))
+        while (bad := verify_checksums(manifest)) is not None:
+            older, passed = newest_complete(save_dir, below=manifest.step) if from_dir else (None, [])
+            if older is None:
+                raise ConfigError(f"{bad}; no older intact checkpoint to fall back to" if from_dir else bad)
+            for line in [bad, *passed]:
+                self._warn(f"warning: {line}; falling back to {older.path}")
+            check_model_matches(older, self.cfg.model)
+            manifest = older
+        return manifest
+
+    def _warn(self, text: str) -> None:
+        """A line from rank 0 (before the metrics logger exists)."""
+        if self.groups.rank == 0:
+            print(text, file=sys.stderr, flush=True)
+
     def _resuming(self, manifest: Manifest) -> bool:
         """A resume continues the saved run (optimizer state, counters); a fine-tune takes the weights."""
-        return manifest.has_optimizer and not self.cfg.checkpoint.finetune
+        return manifest.has_optimizer and (self._rolling_back or not self.cfg.checkpoint.finetune)
 
     def _load_tensors(self, step_dir: str, manifest: Manifest) -> None:
         self.engine.load(step_dir, optimizer=self._resuming(manifest))

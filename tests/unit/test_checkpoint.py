@@ -55,7 +55,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt_io, "write_manifest", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ConfigError, match="save of step 2 .* failed .disk full.; the previous checkpoint"):
         _save(m, opt, tmp_path, 2)
     assert (tmp_path / "latest").read_text().strip() == "step_0000001"
     assert not (tmp_path / "step_0000002").exists()
@@ -65,10 +65,45 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     assert read_manifest(tmp_path)["step"] == 2
 
 
+def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
+    """ENOSPC from DCP's tensor writes and from the rank files: a ConfigError naming it, nothing left behind."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    m, opt = _trained()
+    _save(m, opt, tmp_path, 1)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for target, name in ((FileSystemWriter, "write_data"), (torch, "save")):
+        with monkeypatch.context() as mp:
+            mp.setattr(target, name, full)
+            with pytest.raises(ConfigError) as e:
+                _save(m, opt, tmp_path, 2, rank_files={"rng/rank_00000.pt": {"x": 1}})
+        line = str(e.value)
+        assert "\n" not in line and "No space left on device" in line and "step_0000002" in line, line
+        assert (tmp_path / "latest").read_text().strip() == "step_0000001"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000001"]
+        check_files(read_manifest(tmp_path), checksums=True)
+
+
+def test_keep_prunes_only_this_runs_checkpoints(tmp_path):
+    m, opt = _trained()
+    _save(m, opt, tmp_path, 1, keep=1, owner="another-run")
+    _save(m, opt, tmp_path, 2)  # written before runs had ids: never pruned either
+    for step in (3, 4, 5):
+        _save(m, opt, tmp_path, step, keep=2, owner="this-run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000001", "step_0000002",
+                                                          "step_0000004", "step_0000005"]
+    assert read_manifest(tmp_path / "step_0000005")["owner"] == "this-run"
+
+
 def test_keep_prunes_old_steps_and_corruption_is_caught(tmp_path):
     m, opt = _trained()
     for step in (1, 2, 3):
-        _save(m, opt, tmp_path, step, keep=2)
+        _save(m, opt, tmp_path, step, keep=2, owner="run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000002", "step_0000003"]
     manifest = read_manifest(tmp_path)
     victim = next(p for p in (tmp_path / "step_0000003").glob("*.distcp"))

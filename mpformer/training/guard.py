@@ -1,0 +1,72 @@
+"""Step-level reliability: preemption by SIGTERM, and steps whose loss or gradient is not finite.
+
+Preemption. Schedulers send SIGTERM before they kill a job, and torchrun forwards it to every
+worker. The handler only sets a flag; at the next step boundary the ranks agree on it (ranks may
+get the signal in different steps, and a checkpoint is collective) with one one-element all-reduce
+MAX over the world, then the trainer saves and the run ends with exit code 0, as a stop_at does
+(Megatron's --exit-signal-handler does the same). A second SIGTERM is not caught: the default
+action, termination, runs at once.
+
+Non-finite steps (``train.on_nan``). The global loss (all-reduced) and the global gradient norm are
+the same on every rank, so every rank takes the same decision without another collective:
+
+    halt      raise RunHalted: exit 3 with one line naming the step and its sample range, and how to
+              resume past it (checkpoint.load=auto data.skip_ranges=[[start,end]])
+    skip      the update is not applied (the weights and optimizer state stay as they were); the step
+              still consumes its samples and counts, and ``skipped_steps`` in metrics.jsonl counts it
+    rollback  reload the newest checkpoint in save_dir and add the step's samples to the skip ranges,
+              so the replay trains past them (training/progress.py); at most MAX_ROLLBACKS per process,
+              then halt (a loss that diverges wherever the data is, is not a bad batch)
+
+A step that fp16's loss scaler already skipped (an inf in the scaled gradients) is the scaler's
+business and is not checked here.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+MAX_ROLLBACKS = 3
+
+
+def finite(loss: float, grad_norm: float) -> bool:
+    return math.isfinite(loss) and math.isfinite(grad_norm)
+
+
+class Preemption:
+    """The SIGTERM flag and its agreement over the world."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.requested, self._previous = device, False, None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM terminates at once
+
+    def agreed(self) -> bool:
+        """True on every rank if any rank was asked to stop (collective)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.requested
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def halt_message(step: int, loss: float, grad_norm: float, start: int, end: int, why: str) -> str:
+    return (f"step {step}: loss {loss} / grad norm {grad_norm} is not finite ({why}); the run stops. Its samples "
+            f"were [{start}, {end}); to go on past them: checkpoint.load=auto data.skip_ranges=[[{start},{end}]] "
+            f"(or train.on_nan=skip|rollback)")

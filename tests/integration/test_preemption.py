@@ -1,0 +1,147 @@
+"""Preemption and crashes: SIGTERM checkpoints and ends cleanly; SIGKILL at any instant of a save
+leaves a checkpoint that ``checkpoint.load=auto`` resumes from exactly.
+
+The oracle is the same run uninterrupted: a resumed run's losses must equal its, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpformer.testing.cli import REPO, run_cli
+
+PRETRAIN = "pretrain/pretrain_gpt.py"
+STEPS = 12
+
+
+def _args(data: str, run_dir: Path, save_dir: Path, *extra: str) -> list[str]:
+    return [PRETRAIN, "model=tiny-llama", "model.hidden_dropout=0.1", f"data.paths=[{data}]", "train.seq_length=32",
+            f"train.steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=2", "optim.lr=3e-3",
+            "train.device=cpu", "logging.progress=false", f"hydra.run.dir={run_dir}",
+            f"checkpoint.save_dir={save_dir}", *extra]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def _start(args: list[str], torchrun: int | None = None) -> subprocess.Popen:
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+                              if torchrun else []) + args
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_metrics(run_dir)) < step:
+        assert proc.poll() is None, f"the run ended early: {proc.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, "the run did not reach its step in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_data, tmp_path_factory):
+    """The uninterrupted run's metrics, per number of ranks (None: one plain process)."""
+    runs: dict[int | None, list[dict]] = {}
+
+    def get(ranks: int | None = None) -> list[dict]:
+        if ranks not in runs:
+            root = tmp_path_factory.mktemp("full")
+            res = run_cli(_args(tiny_data, root / "run", root / "ck"), torchrun=ranks)
+            assert res.returncode == 0, res.stderr[-3000:]
+            runs[ranks] = _metrics(root / "run")
+        return runs[ranks]
+    return get
+
+
+@pytest.fixture
+def full(oracle) -> list[dict]:
+    return oracle(None)
+
+
+def test_auto_starts_fresh_then_resumes(tiny_data, tmp_path, full):
+    """load=auto with an empty save_dir is a fresh run; with a checkpoint there, a resume."""
+    first = run_cli(_args(tiny_data, tmp_path / "a", tmp_path / "ck", "checkpoint.load=auto", "train.stop_at=5"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "no checkpoint in" in first.stdout
+    second = run_cli(_args(tiny_data, tmp_path / "b", tmp_path / "ck", "checkpoint.load=auto"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = _metrics(tmp_path / "a") + _metrics(tmp_path / "b")
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in got] == [m["loss"] for m in full]
+
+
+@pytest.mark.parametrize("ranks", [None, 2], ids=["1-process", "torchrun-2-ranks-one-signalled"])
+def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(tiny_data, tmp_path, oracle, ranks):
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    proc = _start(_args(tiny_data, run, ck), torchrun=ranks)
+    _wait_for_step(proc, run, 3)
+    if ranks is None:
+        proc.send_signal(signal.SIGTERM)
+    else:  # one worker only: the ranks must agree to stop at the same step boundary
+        worker = int(subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "pretrain_gpt"], capture_output=True,
+                                    text=True).stdout.split()[-1])
+        os.kill(worker, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = _metrics(run)
+    last = stopped[-1]["step"]
+    assert last < STEPS, "the run should have stopped early"
+    assert (ck / "latest").read_text().strip() == f"step_{last:07d}"
+    assert "SIGTERM: stopping after step" in out
+    res = run_cli(_args(tiny_data, tmp_path / "resumed", ck, "checkpoint.load=auto"), torchrun=ranks)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = stopped + _metrics(tmp_path / "resumed")
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in got] == [m["loss"] for m in oracle(ranks)]
+
+
+def test_sigkill_during_saves_resumes_from_the_newest_complete(tiny_data, tmp_path, full):
+    """10 runs killed at random instants while they save every step; each resumes exactly."""
+    rng = random.Random(0)
+    for trial in range(10):
+        run, ck = tmp_path / f"run{trial}", tmp_path / f"ck{trial}"
+        proc = _start(_args(tiny_data, run, ck, "checkpoint.save_interval=1"))
+        _wait_for_step(proc, run, 2)
+        time.sleep(rng.uniform(0.0, 0.6))  # a few steps and saves: most instants fall inside a save
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        complete = [p for p in ck.glob("step_*") if (p / "manifest.json").is_file() and p.name[5:].isdigit()]
+        newest = max(int(p.name[5:]) for p in complete) if complete else 0
+        res = run_cli(_args(tiny_data, tmp_path / f"resumed{trial}", ck, "checkpoint.load=auto"))
+        assert res.returncode == 0, f"trial {trial}: {res.stderr[-3000:]}"
+        got = _metrics(tmp_path / f"resumed{trial}")
+        assert got[0]["step"] == newest + 1, f"trial {trial}: resumed at {got[0]['step']}, newest complete {newest}"
+        assert [m["loss"] for m in got] == [m["loss"] for m in full[newest:]], f"trial {trial}"
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_auto_falls_back(tiny_data, tmp_path, full):
+    ck = tmp_path / "ck"
+    res = run_cli(_args(tiny_data, tmp_path / "a", ck, "checkpoint.save_interval=4", "train.stop_at=8"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    victim = sorted((ck / "step_0000008").glob("*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    named = run_cli(_args(tiny_data, tmp_path / "b", ck, f"checkpoint.load={ck / 'step_0000008'}"))
+    err = [x for x in named.stderr.splitlines() if x.strip()]
+    assert named.returncode == 2 and len(err) == 1, named.stderr[-3000:]
+    assert victim.name in err[0] and "sha256" in err[0], err[0]
+    res = run_cli(_args(tiny_data, tmp_path / "c", ck, "checkpoint.load=auto"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert any(victim.name in x and "falling back to" in x for x in res.stderr.splitlines()), res.stderr[-3000:]
+    got = _metrics(tmp_path / "c")
+    assert got[0]["step"] == 5 and [m["loss"] for m in got] == [m["loss"] for m in full[4:]]
