@@ -9,8 +9,6 @@ so a later layout (TP, ZeRO) loads any checkpoint by asking for its own slices u
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,23 +21,14 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 from mpformer.checkpoint.manifest import (
-    LATEST,
-    MANIFEST,
     Manifest,
     check_files,
-    commit_dir,
-    file_digests,
-    fresh_temp_dir,
-    point_latest,
     read_manifest,
     resolve_checkpoint_dir,
-    step_dir_name,
-    step_dirs,
-    write_manifest,
 )
 from mpformer.checkpoint.rows import canonical_rows, state_chunks
 from mpformer.checkpoint.safe_metadata import SafeReader, read_checkpoint_metadata
-from mpformer.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
+from mpformer.checkpoint.shards import ShardLoadPlanner
 from mpformer.core.buffers import Piece
 from mpformer.core.errors import ConfigError
 from mpformer.core.shards import Shard, stored_name
@@ -228,117 +217,3 @@ def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
         load_tensors(manifest.path, targets)
         set_optimizer_step(optimizer, targets[OPTIM_PREFIX + "step"].local)
     return manifest.with_entries(loaded_optimizer=loaded)
-
-
-def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, Shard],
-                    manifest: dict[str, Any], *, rank_files: dict[str, Any] | None = None,
-                    populate: Callable[[Path], None] | None = None, keep: int = 0,
-                    owner: str | None = None) -> Path:
-    """Atomically write ``save_dir/step_N``: temp dir, payload, manifest, rename, then ``latest``.
-
-    Collective when torch.distributed is initialised: every rank calls it with its tensors (DCP
-    deduplicates replicated ones); ``rank_files`` are this rank's own objects (e.g. RNG states);
-    ``populate(tmp_dir)`` runs on rank 0 to add files (e.g. the tokenizer) before the manifest.
-    Every rank hashes the files it wrote and rank 0 gathers the digests: no rank reads everyone's
-    files while the others wait. ``keep``: the newest ``keep`` checkpoints whose manifest names this
-    ``owner`` (a run id) are kept, older ones of that owner removed; others' are never touched.
-    A failed write (a full disk) removes the partial directory and raises a one-line ConfigError:
-    the previous checkpoint and ``latest`` stay as they were.
-    """
-    save_dir = Path(save_dir)
-    rank = 0 if _no_dist() else dist.get_rank()
-    final = save_dir / step_dir_name(step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        tmp = fresh_temp_dir(final)
-    _barrier()
-    failure: str | None = None
-    try:
-        with quiet_dcp():  # collective: a rank's failed write raises on every rank
-            dcp.save({k: sh.local for k, sh in tensors.items()}, checkpoint_id=str(tmp),
-                     planner=ShardSavePlanner(tensors), no_dist=_no_dist())
-    except CheckpointException as e:
-        failure = _cause(e)
-    digests: dict[str, dict[str, Any]] = {}
-    if failure is None:
-        try:  # this rank's own files, hashed here
-            mine = sorted(tmp.glob(f"__{rank}_*.distcp"))
-            for name, obj in (rank_files or {}).items():
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                torch.save(obj, tmp / name)
-                mine.append(tmp / name)
-            digests = file_digests(tmp, mine)
-        except OSError as e:
-            failure = f"rank {rank}: {e.strerror or e}"
-    failure = _commit_on_rank0(save_dir, final, tmp, step, manifest, populate, keep, owner, rank,
-                               _gather((digests, failure), rank))
-    if failure is not None:
-        raise ConfigError(f"checkpoint save of step {step} to {final} failed ({failure}); the previous checkpoint "
-                          f"and {save_dir / LATEST} are unchanged")
-    return final
-
-
-def _cause(e: CheckpointException) -> str:
-    """The first failing rank's own error, in a few words (DCP's message is every rank's traceback)."""
-    for rank, (exc, _) in sorted(e.failures.items()):
-        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
-        return " ".join(f"rank {rank}: {what}".split())[:300]
-    return "CheckpointException"
-
-
-def _commit_on_rank0(save_dir: Path, final: Path, tmp: Path, step: int, manifest: dict[str, Any],
-                     populate: Callable[[Path], None] | None, keep: int, owner: str | None, rank: int,
-                     results: list[tuple[dict, str | None]]) -> str | None:
-    """Rank 0: the manifest from every rank's digests, the rename, ``latest``, pruning; the failure (any
-    rank's, or the commit's), the same on every rank (collective)."""
-    failure = None
-    if rank == 0:
-        failure = next((f for _, f in results if f is not None), None)
-        if failure is None:
-            try:
-                if populate is not None:
-                    populate(tmp)
-                known = {k: v for d, _ in results for k, v in d.items()}
-                write_manifest(tmp, {"step": step, **({"owner": owner} if owner else {}), **manifest}, known)
-                commit_dir(tmp, final)  # re-saving a step moves the old copy aside first
-                point_latest(save_dir, final.name)
-                _prune(save_dir, keep, owner, final)
-            except OSError as e:
-                failure = e.strerror or str(e)
-        if failure is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if _no_dist():
-        return failure
-    box = [failure]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(mine: tuple[dict, str | None], rank: int) -> list[tuple[dict, str | None]]:
-    """Every rank's (digests, failure) on rank 0 (this rank's alone without a process group)."""
-    if _no_dist():
-        return [mine]
-    got: list | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, got, dst=0)
-    return got or []
-
-
-def _prune(save_dir: Path, keep: int, owner: str | None, newest: Path) -> None:
-    """Remove this owner's checkpoints beyond the newest ``keep`` (never ``newest``, never another run's)."""
-    if keep <= 0:
-        return
-    mine = []
-    for d in step_dirs(save_dir):
-        try:
-            if json.loads((d / MANIFEST).read_text()).get("owner") == owner and owner is not None:
-                mine.append(d)
-        except (OSError, ValueError):
-            continue  # not a complete checkpoint: not ours to judge
-    for old in mine[keep:]:
-        if old != newest:
-            shutil.rmtree(old)
-
-
-def _barrier() -> None:
-    if not _no_dist():
-        dist.barrier()

@@ -80,10 +80,13 @@ def _precheck(overrides: list[str]) -> None:
 
 
 def _cluster_alias(overrides: list[str]) -> list[str]:
-    """``cluster=NAME`` (the documented spelling) is ``autoconfig.cluster=NAME``, checked against the presets."""
+    """``cluster=NAME`` (the documented spelling) is ``autoconfig.cluster=NAME``, checked against the presets;
+    ``checkpoint.async=B`` is ``checkpoint.async_save=B``."""
     out = []
     for o in overrides:
         key, sep, value = o.partition("=")
+        if key.lstrip("+") == "checkpoint.async":  # `async` is a Python keyword: the field is async_save
+            o = f"checkpoint.async_save{sep}{value}"
         if sep and key in ("cluster", "autoconfig.cluster") and value not in ("null", ""):
             names = _group_options("cluster")
             if value not in names and not Path(value).is_file():

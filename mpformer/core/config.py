@@ -65,6 +65,9 @@ class TrainConfig:
     # A step whose global loss or grad norm is not finite: skip its update, halt the run (exit 3), or
     # roll back to the last checkpoint and skip that step's samples (training/guard.py).
     on_nan: str = "halt"
+    # A loss spike: a step whose grad norm exceeds this many times the median of the last 50 steps' norms
+    # is treated as a non-finite one (train.on_nan says what happens). 0: off.
+    spike_factor: float = 0.0
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
     overlap_param_gather: bool = True  # zero 1-2: the step's parameter all-gather hides behind the next forward
     initial_loss_scale: float = 65536.0  # fp16: dynamic loss scaling starts here (2^16) ...
@@ -115,6 +118,10 @@ class CheckpointConfig:
     load: str | None = None  # a step directory, a save_dir with a `latest` pointer, or auto (see LOAD_AUTO)
     keep: int = 0  # keep the newest N checkpoints; 0 keeps all
     finetune: bool = False  # load weights only: fresh optimizer, step 0, data from the start
+    # Periodic saves in the background (DCP async_save: staged to host memory, written by a thread)
+    # while training goes on; committed atomically at a later step boundary, at most one in flight.
+    # The command line also takes checkpoint.async=true (`async` is a Python keyword).
+    async_save: bool = False
 
 
 @dataclass
@@ -241,6 +248,9 @@ def check_training_config(cfg: Config) -> None:
     if cfg.logging.interval < 1:
         raise ConfigError(f"logging.interval={cfg.logging.interval} must be >= 1")
     _choice("train.on_nan", t.on_nan, ON_NAN)
+    if t.spike_factor != 0 and t.spike_factor <= 1:
+        raise ConfigError(f"train.spike_factor={t.spike_factor} must be > 1 (a multiple of the recent median grad "
+                          "norm), or 0 to turn spike detection off")
     if t.heartbeat_timeout_s < 0:
         raise ConfigError(f"train.heartbeat_timeout_s={t.heartbeat_timeout_s} must be >= 0 (0: no heartbeat)")
     for r in cfg.data.skip_ranges:

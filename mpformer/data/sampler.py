@@ -97,3 +97,17 @@ def get_batch(dataset: SampleSource, indices: Sequence[int]) -> torch.Tensor:
         raise ValueError("get_batch needs at least one index")
     rows = np.stack([np.asarray(dataset[int(i)], dtype=np.int64) for i in indices])
     return torch.from_numpy(rows)
+
+
+def sample_origin(dataset: SampleSource, i: int) -> str:
+    """Where global sample ``i`` is read from: the data file and its token range (for error messages)."""
+    from mpformer.data.blend import BlendedDataset
+    from mpformer.data.gpt_dataset import GPTDataset
+
+    if isinstance(dataset, BlendedDataset):
+        d, i = dataset.source(i)
+        dataset = dataset.datasets[d]
+    if isinstance(dataset, GPTDataset):
+        start = dataset.window_index(i) * dataset.seq_length
+        return f"{dataset.indexed.prefix}.bin, tokens [{start}, {start + dataset.seq_length + 1})"
+    return repr(dataset)

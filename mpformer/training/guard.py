@@ -7,8 +7,11 @@ MAX over the world, then the trainer saves and the run ends with exit code 0, as
 (Megatron's --exit-signal-handler does the same). A second SIGTERM is not caught: the default
 action, termination, runs at once.
 
-Non-finite steps (``train.on_nan``). The global loss (all-reduced) and the global gradient norm are
-the same on every rank, so every rank takes the same decision without another collective:
+Bad steps (``train.on_nan``): a loss or gradient norm that is not finite, or, with
+``train.spike_factor=K``, a gradient norm above K times the median of the last SPIKE_WINDOW good
+steps' (a spike; the window is kept in checkpoints, so a resume judges as the uninterrupted run
+would). The global loss (all-reduced) and the global gradient norm are the same on every rank, so
+every rank takes the same decision without another collective:
 
     halt      raise RunHalted: exit 3 with one line naming the step and its sample range, and how to
               resume past it (checkpoint.load=auto data.skip_ranges=[[start,end]])
@@ -26,16 +29,32 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import threading
 
 import torch
 import torch.distributed as dist
 
 MAX_ROLLBACKS = 3
+SPIKE_WINDOW = 50  # grad norms of the last good steps that train.spike_factor compares against
+SPIKE_MIN_HISTORY = 10  # fewer than this (the start of a run): no spike verdict yet
 
 
 def finite(loss: float, grad_norm: float) -> bool:
     return math.isfinite(loss) and math.isfinite(grad_norm)
+
+
+def bad_step(loss: float, grad_norm: float, recent: list[float], spike_factor: float) -> str | None:
+    """Why this step must not update the weights (None: it is fine): a loss or grad norm that is not
+    finite, or (``spike_factor`` > 0) a grad norm above that multiple of the recent median."""
+    if not finite(loss, grad_norm):
+        return "not finite"
+    if spike_factor > 0 and len(recent) >= SPIKE_MIN_HISTORY:
+        med = statistics.median(recent)
+        if grad_norm > spike_factor * med:
+            return (f"grad norm above train.spike_factor={spike_factor:g} x the median {med:.4g} of the last "
+                    f"{len(recent)} steps")
+    return None
 
 
 class Preemption:
@@ -67,6 +86,6 @@ class Preemption:
 
 
 def halt_message(step: int, loss: float, grad_norm: float, start: int, end: int, why: str) -> str:
-    return (f"step {step}: loss {loss} / grad norm {grad_norm} is not finite ({why}); the run stops. Its samples "
+    return (f"step {step}: loss {loss} / grad norm {grad_norm}: {why}; the run stops. Its samples "
             f"were [{start}, {end}); to go on past them: checkpoint.load=auto data.skip_ranges=[[{start},{end}]] "
             f"(or train.on_nan=skip|rollback)")

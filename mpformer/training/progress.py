@@ -24,6 +24,7 @@ class Progress:
         self.skip_ranges: list[tuple[int, int]] = []
         self.skipped_steps = 0  # updates not applied (a non-finite loss or grad norm under on_nan=skip)
         self.rollbacks = 0
+        self.recent_grad_norms: list[float] = []  # of the last good steps (train.spike_factor)
         for a, b in skip_ranges or []:
             self.add_skip(a, b)
 
@@ -54,7 +55,7 @@ class Progress:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "wandb_run_id": self.wandb_run_id,
                 "run_id": self.run_id,
                 "skip_ranges": [list(r) for r in self.skip_ranges], "skipped_steps": self.skipped_steps,
-                "rollbacks": self.rollbacks,
+                "rollbacks": self.rollbacks, "recent_grad_norms": list(self.recent_grad_norms),
                 "data": {"paths": list(cfg.data.paths), "weights": cfg.data.weights, "seq_length": t.seq_length,
                          "global_batch_size": t.global_batch_size, "seed": t.seed}}
 
@@ -64,5 +65,6 @@ class Progress:
         self.wandb_run_id = state.get("wandb_run_id")
         self.run_id = state.get("run_id") or self.run_id
         self.skipped_steps, self.rollbacks = state.get("skipped_steps", 0), state.get("rollbacks", 0)
+        self.recent_grad_norms = list(state.get("recent_grad_norms", []))
         for a, b in state.get("skip_ranges", []):
             self.add_skip(a, b)

@@ -3,6 +3,7 @@ Chrome traces of a window of pipeline steps, and a check on the tokens it reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,10 +52,15 @@ def memory_report(engine: GradEngine, layout: ParallelLayout, model: nn.Module, 
                                                          "param_dtype": str(next(model.parameters()).dtype)})
 
 
-def check_vocab(batch: torch.Tensor, vocab_size: int) -> None:
-    if int(batch.max()) >= vocab_size:
-        raise ConfigError(f"the data holds token id {int(batch.max())} but model.vocab_size={vocab_size}; valid: "
-                          "a vocabulary that covers the tokenizer's")
+def check_vocab(batch: torch.Tensor, vocab_size: int, origin: Callable[[int], str] | None = None) -> None:
+    """Every token id of ``batch`` inside the vocabulary; else a ConfigError naming the id and, through
+    ``origin(row)``, the file and token range the offending sample came from."""
+    top = int(batch.max())
+    if top >= vocab_size:
+        row = int((batch >= vocab_size).any(dim=1).nonzero()[0])
+        where = f" ({origin(row)})" if origin is not None else ""
+        raise ConfigError(f"the data holds token id {top}{where} but model.vocab_size={vocab_size}; valid: "
+                          "a vocabulary that covers the tokenizer's, or data written with it")
 
 
 class TraceWindow:

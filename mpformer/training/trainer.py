@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from mpformer.core.config import LOAD_AUTO
 from mpformer.core.errors import ConfigError, RunHalted
 from mpformer.core.layout import ParallelLayout
 from mpformer.data.loader import StepLoader
-from mpformer.data.sampler import get_batch, micro_batch_sample_indices
+from mpformer.data.sampler import get_batch, micro_batch_sample_indices, sample_origin
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.models.parallelize import build_rank, grad_specs
 from mpformer.optim.builder import build_engine
@@ -42,7 +43,7 @@ from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.p2p import P2P
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.training.evaluation import validation_loss
-from mpformer.training.guard import MAX_ROLLBACKS, Preemption, finite, halt_message
+from mpformer.training.guard import MAX_ROLLBACKS, SPIKE_WINDOW, Preemption, bad_step, finite, halt_message
 from mpformer.training.metrics import MetricsLogger, StepTimer
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
@@ -100,6 +101,10 @@ class Trainer:
         self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=groups.rank, keep=cfg.checkpoint.keep,
                                          extra=lambda: self._manifest(tok), owner=lambda: self.progress.run_id,
                                          populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
+        # Background saves coordinate over a gloo group of their own: the DCP thread's collectives must not
+        # interleave with training's (torchtitan does the same).
+        self.save_group = (torch.distributed.new_group(backend="gloo")
+                           if cfg.checkpoint.async_save and layout.world_size > 1 else None)
         if spec.manifest is not None:
             self.checkpointer.load(self._verified(spec.manifest))
         else:
@@ -124,8 +129,10 @@ class Trainer:
             offsets = micro_batch_sample_indices(0, j, dp_rank=self.groups.dp_rank, dp_size=self.layout.dp,
                                                  global_batch_size=t.global_batch_size,
                                                  micro_batch_size=t.micro_batch_size)
-            batch = get_batch(self.spec.dataset, [position + i for i in offsets])
-            check_vocab(batch, self.cfg.model.vocab_size)
+            indices = [position + i for i in offsets]
+            batch = get_batch(self.spec.dataset, indices)
+            check_vocab(batch, self.cfg.model.vocab_size,
+                        lambda row, ix=indices: sample_origin(self.spec.dataset, ix[row]))
             out.append(batch)
         return out
 
@@ -171,13 +178,17 @@ class Trainer:
         self.engine.finish()  # reductions over dp (and a tied copy, tp partial sums, fp16 unscaling)
         grad_norm = self.engine.clip(self.cfg.optim.clip_grad)
         loss = self._global_loss(loss_sum)  # the same on every rank, as the norm: one decision everywhere
-        bad = not self.engine.skipped and not finite(loss, grad_norm)
+        why = None if self.engine.skipped else bad_step(loss, grad_norm, self.progress.recent_grad_norms,
+                                                         t.spike_factor)
+        bad = why is not None
         if bad and t.on_nan == "halt":
             raise RunHalted(halt_message(self.progress.step + 1, loss, grad_norm, start,
-                                         start + t.global_batch_size, "train.on_nan=halt"))
+                                         start + t.global_batch_size, f"{why} (train.on_nan=halt)"))
         if bad and t.on_nan == "rollback":
-            self._rollback(start, loss, grad_norm)
+            self._rollback(start, loss, grad_norm, why)
             return None
+        if not bad and not self.engine.skipped and finite(loss, grad_norm):
+            self.progress.recent_grad_norms = [*self.progress.recent_grad_norms, grad_norm][-SPIKE_WINDOW:]
         lr = self.schedule.apply(self.engine.optimizer, self.progress.step)
         if bad:  # on_nan=skip: the weights and optimizer state stay as they were
             self.progress.skipped_steps += 1
@@ -187,20 +198,23 @@ class Trainer:
             extra["skipped_steps"] = self.scaler.skipped
         elif t.on_nan == "skip":
             extra["skipped_steps"] = self.progress.skipped_steps
+        if self.progress.rollbacks:
+            extra["rollbacks"] = self.progress.rollbacks
         clip = self.cfg.optim.clip_grad
         clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
         self.progress.advance(t.global_batch_size)
         return {"loss": loss, "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr,
                 **({"skipped": 1} if bad else {}), **extra}
 
-    def _rollback(self, start: int, loss: float, grad_norm: float) -> None:
+    def _rollback(self, start: int, loss: float, grad_norm: float, why: str) -> None:
         """Back to the newest checkpoint in save_dir, this step's samples added to the skip ranges."""
         step, end = self.progress.step + 1, start + self.cfg.train.global_batch_size
+        self.checkpointer.wait()  # a background save in flight is committed first: it may be the newest good one
         manifest, passed = newest_complete(self.save_dir)
         if manifest is None or self._rollbacks >= MAX_ROLLBACKS:
-            why = (f"train.on_nan=rollback found no checkpoint in {self.save_dir}" if manifest is None
-                   else f"{MAX_ROLLBACKS} rollbacks in this run already")
-            raise RunHalted(halt_message(step, loss, grad_norm, start, end, why))
+            stop = (f"train.on_nan=rollback found no checkpoint in {self.save_dir}" if manifest is None
+                    else f"{MAX_ROLLBACKS} rollbacks in this run already")
+            raise RunHalted(halt_message(step, loss, grad_norm, start, end, f"{why} ({stop})"))
         for line in passed:
             self.metrics.message(f"warning: rollback passes over {line}")
         self.engine.zero_grad()
@@ -212,7 +226,7 @@ class Trainer:
         self._rollbacks += 1
         self.progress.rollbacks += 1
         self.progress.add_skip(start, end)
-        self.metrics.message(f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; rolled back to "
+        self.metrics.message(f"step {step}: loss {loss} / grad norm {grad_norm}: {why}; rolled back to "
                              f"{manifest.path.name}, samples [{start}, {end}) will be skipped")
 
     def _global_loss(self, loss_sum: float) -> float:
@@ -235,12 +249,15 @@ class Trainer:
         trace = TraceWindow(self.pipeline, t.pipeline_trace_steps, self.progress.step, end, self.groups.pp)
         losses: list[float] = []
         timer = StepTimer()
+        self._fit_t0 = time.perf_counter()
         self.preemption.install()
         try:
             self._loop(end, trace, timer, losses)
         finally:
             self.preemption.uninstall()
             self.loader.close()
+        if (done := self.checkpointer.wait()) is not None:
+            self.metrics.message(f"saved checkpoint {done} (in the background)")
         if losses and self._saved_step != self.progress.step:  # the final (stop_at, preempted) checkpoint;
             self.save()  # a run that had nothing left to do writes none
         self.metrics.close()
@@ -266,6 +283,7 @@ class Trainer:
                       "comm_bytes_by_kind": comm, "exposed_comm_s": sum(blocked.values()),
                       "exposed_comm_s_by_kind": {k: round(v, 6) for k, v in blocked.items()},
                       "consumed_samples": self.progress.consumed_samples,
+                      "elapsed_s": time.perf_counter() - self._fit_t0,  # with saves and validation
                       "eta_s": timer.eta(end - self.progress.step)})
             peak = self.device.max_memory_allocated()  # CUDA: the allocator's peak since start-up
             if peak is not None:
@@ -279,8 +297,10 @@ class Trainer:
                 self.groups.ledger.take_seconds()
             self.metrics.log(step, m)
             trace.after(step, self.spec.run_dir, self.layout.vpp, self.metrics if self.is_logger else None)
+            if self.checkpointer.pending is not None and (path := self.checkpointer.poll(self._everywhere)):
+                self.metrics.message(f"saved checkpoint {path} (in the background)")
             if ck.save_interval and step % ck.save_interval == 0 and step != end:
-                self.save()
+                self.save(background=ck.async_save)
             if step != end and self.preemption.agreed():  # SIGTERM: a checkpoint now, then a clean end
                 self.metrics.message(f"SIGTERM: stopping after step {step} with a checkpoint; resume with "
                                      "checkpoint.load=auto")
@@ -295,12 +315,24 @@ class Trainer:
                                self.cfg.eval.micro_batch_size, autocast=lambda: self.dtype_ctx)
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path | None:
+        """A checkpoint of this step (collective); in the background, committed at a later step boundary."""
         self.on_phase(f"the checkpoint save after step {self.progress.step}")
-        path = self.checkpointer.save(self.progress.step)
+        if (done := self.checkpointer.wait()) is not None:  # at most one in flight: the previous one first
+            self.metrics.message(f"saved checkpoint {done} (in the background)")
+        path = self.checkpointer.save(self.progress.step, group=self.save_group, background=background)
         self._saved_step = self.progress.step
-        self.metrics.message(f"saved checkpoint {path}")
+        if path is not None:
+            self.metrics.message(f"saved checkpoint {path}")
         return path
+
+    def _everywhere(self, mine: bool) -> bool:
+        """True on every rank if it is true on every rank (a one-element all-reduce MIN)."""
+        if self.layout.world_size == 1:
+            return mine
+        flag = torch.tensor([1.0 if mine else 0.0], device=self.device.torch_device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _manifest(self, tokenizer: Path | None) -> dict:
         out = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,

@@ -109,3 +109,32 @@ def test_rollback_without_a_checkpoint_halts(tiny_data, tmp_path, poisoned, caps
         main(_args(tiny_data, tmp_path, "train.on_nan=rollback"))
     assert e.value.code == EXIT_HALTED
     assert "found no checkpoint" in capsys.readouterr().err
+
+
+def test_a_grad_norm_spike_is_a_bad_step_too(tiny_data, tmp_path, monkeypatch):
+    """train.spike_factor: a step whose loss (so gradient) is scaled by 1000 is skipped like a NaN one."""
+    step, gbs = 12, GBS
+    position = (step - 1) * gbs
+    original = trainer_mod.Trainer._forward_backward
+
+    def forward_backward(self, batches):
+        if self.progress.consumed_samples != position:
+            return original(self, batches)
+        plain = self.model.forward
+        self.model.forward = lambda *a, **k: plain(*a, **k) * 1000.0
+        try:
+            return original(self, batches)
+        finally:
+            self.model.forward = plain
+
+    common = ("train.steps=14", "optim.clip_grad=0")
+    run_pretraining(compose_config(_args(tiny_data, tmp_path / "oracle", *common, "train.steps=13",
+                                         f"data.skip_ranges=[[{position},{position + gbs}]]")))
+    monkeypatch.setattr(trainer_mod.Trainer, "_forward_backward", forward_backward)
+    run_pretraining(compose_config(_args(tiny_data, tmp_path / "run", *common, "train.on_nan=skip",
+                                         "train.spike_factor=20")))
+    m, oracle = _metrics(tmp_path / "run"), _metrics(tmp_path / "oracle")
+    assert [r.get("skipped", 0) for r in m] == [0] * (step - 1) + [1, 0, 0]
+    assert math.isfinite(m[step - 1]["loss"])  # finite, but a spike
+    assert [r["loss"] for r in m[:step - 1]] == [r["loss"] for r in oracle[:step - 1]]
+    assert [r["loss"] for r in m[step:]] == [r["loss"] for r in oracle[step - 1:]]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from mpformer.checkpoint.manifest import check_files, read_manifest
 from mpformer.testing.cli import REPO, run_cli
 
 PRETRAIN = "pretrain/pretrain_gpt.py"
@@ -110,11 +111,12 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(tiny_data, tmp
 
 
 def test_sigkill_during_saves_resumes_from_the_newest_complete(tiny_data, tmp_path, full):
-    """10 runs killed at random instants while they save every step; each resumes exactly."""
+    """10 runs killed at random instants while they save every step (every other run in the background);
+    each resumes exactly from the newest complete checkpoint."""
     rng = random.Random(0)
     for trial in range(10):
         run, ck = tmp_path / f"run{trial}", tmp_path / f"ck{trial}"
-        proc = _start(_args(tiny_data, run, ck, "checkpoint.save_interval=1"))
+        proc = _start(_args(tiny_data, run, ck, "checkpoint.save_interval=1", f"checkpoint.async={trial % 2 == 1}"))
         _wait_for_step(proc, run, 2)
         time.sleep(rng.uniform(0.0, 0.6))  # a few steps and saves: most instants fall inside a save
         os.killpg(proc.pid, signal.SIGKILL)
@@ -145,3 +147,20 @@ def test_a_damaged_newest_checkpoint_is_named_and_auto_falls_back(tiny_data, tmp
     assert any(victim.name in x and "falling back to" in x for x in res.stderr.splitlines()), res.stderr[-3000:]
     got = _metrics(tmp_path / "c")
     assert got[0]["step"] == 5 and [m["loss"] for m in got] == [m["loss"] for m in full[4:]]
+
+
+@pytest.mark.parametrize("ranks", [None, 2], ids=["1-process", "torchrun-2-ranks"])
+def test_background_saves_are_whole_and_resume_exactly(tiny_data, tmp_path, oracle, ranks):
+    """checkpoint.async=true: every periodic save appears complete (manifest, checksums) and resumes exactly."""
+    ck = tmp_path / "ck"
+    res = run_cli(_args(tiny_data, tmp_path / "a", ck, "checkpoint.async=true", "checkpoint.save_interval=2",
+                        "train.stop_at=7"), torchrun=ranks)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(in the background)" in res.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["latest"] + [f"step_{s:07d}" for s in (2, 4, 6, 7)]
+    for s in (2, 4, 6):
+        check_files(read_manifest(ck / f"step_{s:07d}"), checksums=True)
+    res = run_cli(_args(tiny_data, tmp_path / "b", ck, f"checkpoint.load={ck / 'step_0000006'}"), torchrun=ranks)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = _metrics(tmp_path / "b")
+    assert got[0]["step"] == 7 and [m["loss"] for m in got] == [m["loss"] for m in oracle(ranks)[6:]]

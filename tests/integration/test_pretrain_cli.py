@@ -107,6 +107,10 @@ BAD_INPUTS = {
     "auto with a layer split": (["parallel=auto", "parallel.pp_split=[4,4]"],
                                 ["parallel.pp_split cannot be combined with parallel=auto"]),
     "auto pin unknown": (["parallel=auto", "autoconfig.fixed.tq=2"], ["autoconfig.fixed.tq", "valid keys"]),
+    "on_nan": (["train.on_nan=ignore"], ["train.on_nan='ignore' is unknown", "valid: skip, halt, rollback"]),
+    "heartbeat": (["train.heartbeat_timeout_s=-1"], ["train.heartbeat_timeout_s=-1", "must be >= 0"]),
+    "skip range": (["data.skip_ranges=[[8,4]]"], ["data.skip_ranges entry [8, 4]", "0 <= start < end"]),
+    "async save value": (["checkpoint.async=maybe"], ["checkpoint.async_save"]),
     "auto fits nowhere": (["parallel=auto", "model.hidden_size=16384", "model.ffn_hidden_size=65536",
                            "model.num_attention_heads=128", "model.num_kv_heads=8"],
                           ["no layout fits local-cpu x 1 node(s)", "the smallest need is", "parallel.dp=1"]),
@@ -137,7 +141,14 @@ def test_bad_data_and_checkpoints(tiny_data, resumed, tmp_path):
     _one_line_error(run_cli(_args(tiny_data, tmp_path / "r4", "checkpoint.load=/nonexistent/ckpt")), "no such")
     line = _one_line_error(run_cli(_args(tiny_data, tmp_path / "r5", f"checkpoint.load={ckpt}", "train.seed=7")))
     assert "seed was 1234, now 7" in line and "checkpoint.finetune=true" in line
-    _one_line_error(run_cli(_args(tiny_data, tmp_path / "r6", "model.vocab_size=100")), "vocab_size=100")
+    _one_line_error(run_cli(_args(tiny_data, tmp_path / "r6", "model.vocab_size=100")), "vocab_size=100",
+                    "tiny_text_document.bin, tokens [")  # names the file the sample came from
+    short = tmp_path / "short"
+    for ext in (".bin", ".idx"):
+        shutil.copy(tiny_data + ext, str(short) + ext)
+    data = Path(str(short) + ".bin")
+    data.write_bytes(data.read_bytes()[:-2])
+    _one_line_error(run_cli(_args(str(short), tmp_path / "r7")), "short.bin", "truncated or mismatched")
 
 
 def test_bad_input_under_torchrun_is_said_once(tiny_data, tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mpformer.checkpoint.io as ckpt_io
+import mpformer.checkpoint.saving as ckpt_save
 from mpformer.checkpoint.manifest import check_files, read_manifest
 from mpformer.core.errors import ConfigError
 from mpformer.core.model_config import ModelConfig
@@ -30,7 +31,7 @@ def _trained() -> tuple[Transformer, torch.optim.Optimizer]:
 
 def _save(m, opt, d, step, **kw):
     tensors = {**ckpt_io.model_state(m), **ckpt_io.optimizer_state(m, opt)}
-    return ckpt_io.save_checkpoint(d, step, tensors, {"model": CFG.to_dict(), "has_optimizer": True}, **kw)
+    return ckpt_save.save_checkpoint(d, step, tensors, {"model": CFG.to_dict(), "has_optimizer": True}, **kw)
 
 
 def test_roundtrip_weights_and_adam_state(tmp_path):
@@ -54,8 +55,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt_io, "write_manifest", boom)
-    with pytest.raises(ConfigError, match="save of step 2 .* failed .disk full.; the previous checkpoint"):
+    monkeypatch.setattr(ckpt_save, "write_manifest", boom)
+    with pytest.raises(ConfigError, match=r"save of step 2 .* failed .disk full.; the previous checkpoint"):
         _save(m, opt, tmp_path, 2)
     assert (tmp_path / "latest").read_text().strip() == "step_0000001"
     assert not (tmp_path / "step_0000002").exists()

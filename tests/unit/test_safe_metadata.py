@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import mpformer.checkpoint.io as ckpt_io
+import mpformer.checkpoint.saving as ckpt_save
 from mpformer.checkpoint.checkpointer import Checkpointer, Part
 from mpformer.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from mpformer.checkpoint.safe_metadata import ALLOWED, METADATA, MetadataUnpickler, read_checkpoint_metadata
@@ -106,7 +107,7 @@ def _resolved(data: bytes) -> set[tuple[str, str]]:
 def test_the_allow_list_is_exactly_what_dcp_metadata_names(saved, tmp_path):
     _, step = saved
     dtypes = (torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool)
-    other = ckpt_io.save_checkpoint(tmp_path / "dtypes", 1, {f"model.x{i}": Shard.full(torch.ones(3, 2, dtype=dt))
+    other = ckpt_save.save_checkpoint(tmp_path / "dtypes", 1, {f"model.x{i}": Shard.full(torch.ones(3, 2, dtype=dt))
                                                            for i, dt in enumerate(dtypes)}, {"model": CFG.to_dict()})
     raw = tmp_path / "raw"  # DCP's default planner with nested state, bytes and objects (the converter's save)
     dcp.save({"sd": Transformer(CFG).state_dict(), "n": 3, "blob": io.BytesIO(b"abc"), "obj": {"lr": 0.1}},
