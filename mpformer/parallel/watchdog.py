@@ -41,6 +41,8 @@ import time
 
 import torch.distributed as dist
 
+from mpformer.core.errors import ConfigError
+
 INTERVAL_S = 1.0
 WATCHED = 2
 EXIT_PEER_FAILED = 4
@@ -94,7 +96,11 @@ class Heartbeat:
         """This rank is about to exit with ``error``. A communication error waits for the cause to be
         named (another rank's death, the verdict exits this process); anything else is the verdict."""
         text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-        if any(w in text.lower() for w in _COMM_ERRORS):
+        if isinstance(error, ConfigError):
+            # Often every rank finds the same mistake at once (a damaged checkpoint, a failed save) and
+            # stops by itself; only a rank-local one (a bad token in this rank's batch) needs telling.
+            time.sleep(2.0)
+        elif any(w in text.lower() for w in _COMM_ERRORS):
             deadline = time.monotonic() + self.timeout_s + 3 * INTERVAL_S
             while time.monotonic() < deadline:
                 if self._verdict() is not None:
