@@ -78,8 +78,13 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
     if not path.is_file():
         raise ConfigError(f"unknown cluster {name_or_path!r}; valid: {format_choices(cluster_names())} "
                           "(or a path to a cluster YAML)")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    assert isinstance(raw, dict)
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:  # yaml's parser errors, OmegaConf's interpolation errors: say which file
+        raise ConfigError(f"cluster file {path} is not valid YAML ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"cluster file {path} must be a mapping of keys to values")
     known = {f.name for f in fields(Cluster)} - {"measured"}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -93,5 +98,8 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
         if prof.is_file():
             measured = json.loads(prof.read_text())
             raw.update({k: v for k, v in measured.get("cluster", {}).items() if k in known})
+    for key in ("devices_per_node", "nodes"):
+        if not isinstance(raw.get(key), int) or raw[key] < 1:
+            raise ConfigError(f"cluster file {path}: {key}={raw.get(key)!r} must be a whole number >= 1")
     cluster = Cluster(**{k: v for k, v in raw.items()}, measured=measured)
     return cluster.with_nodes(nodes) if nodes is not None else cluster

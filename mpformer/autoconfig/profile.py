@@ -35,7 +35,6 @@ The JSON's ``cluster`` section overrides the preset's peak rate, memory bandwidt
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from pathlib import Path
 
 from mpformer.autoconfig.links import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
 from mpformer.autoconfig.profile_ranks import profile_reference, profile_shared
+from mpformer.core.errors import ArgumentParser
 
 # Transformer-like GEMMs (tokens x out x in), and attention's per-head products (s x s x d, s x d x s).
 SHAPES = [(256, 256, 256), (512, 512, 512), (256, 1024, 256), (1024, 1024, 1024), (128, 2048, 512),
@@ -174,7 +174,7 @@ def summarise(matmul: list[dict], collectives: list[dict]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Measure this machine for the auto-configurator's local-cpu cluster.")
+    ap = ArgumentParser(description="Measure this machine for the auto-configurator's local-cpu cluster.")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "configs" / "cluster" /
                                           "local-cpu-profile.json"))
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4],

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mpformer.core.errors import user_errors_to_exit
+from mpformer.core.config import check_training_config
+from mpformer.core.errors import PLOT_SUFFIXES, ConfigError, check_output_file, user_errors_to_exit
 
 
 def model_flops_per_step(model, global_batch: int, seq: int) -> float:
@@ -48,7 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg = compose_config(list(sys.argv[1:] if argv is None else argv)).cfg
     cfg.model.validate()
+    check_training_config(cfg)  # the train-section rules pretraining applies (precision, sequence, batch)
     t, ac = cfg.train, cfg.autoconfig
+    if ac.top_k < 1:
+        raise ConfigError(f"autoconfig.top_k={ac.top_k} must be >= 1 (plans to print)")
+    if ac.output:
+        check_output_file(ac.output, "autoconfig.output")
+    if ac.plot:
+        check_output_file(ac.plot, "autoconfig.plot", PLOT_SUFFIXES)
     cluster = load_cluster(ac.cluster or "local-cpu", ac.nodes)
     w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision)
     device = "cpu" if cluster.cores else "cuda"

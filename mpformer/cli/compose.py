@@ -85,7 +85,9 @@ def _cluster_alias(overrides: list[str]) -> list[str]:
     out = []
     for o in overrides:
         key, sep, value = o.partition("=")
-        if key.lstrip("+") == "checkpoint.async":  # `async` is a Python keyword: the field is async_save
+        if key.lstrip("+") in ("checkpoint.async", "checkpoint.async_save"):  # `async` is a Python keyword
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"{key}={value!r}; valid: true, false")
             o = f"checkpoint.async_save{sep}{value}"
         if sep and key in ("cluster", "autoconfig.cluster") and value not in ("null", ""):
             names = _group_options("cluster")

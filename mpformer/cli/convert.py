@@ -10,14 +10,13 @@ kept both ways. User mistakes exit with status 2 and one ``error:`` line.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from mpformer.core.errors import user_errors_to_exit
+from mpformer.core.errors import ArgumentParser, ConfigError, user_errors_to_exit
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpformer-convert", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="mpformer-convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="{hf-to-mpformer,mpformer-to-hf}")
     a = sub.add_parser("hf-to-mpformer", help="HF folder (config.json + safetensors) -> mpformer checkpoint")
     a.add_argument("--hf", required=True, metavar="DIR", help="HF model folder")
@@ -41,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         s = hf_to_mpformer(args.hf, args.out)
         what = "mpformer checkpoint"
     else:
+        if not args.max_shard_size_gb > 0:
+            raise ConfigError(f"--max-shard-size-gb={args.max_shard_size_gb} must be > 0 (GiB per safetensors shard)")
         s = mpformer_to_hf(args.ckpt, args.out, tokenizer=args.tokenizer,
                            max_shard_bytes=int(args.max_shard_size_gb * 2**30))
         what = "HF model"

@@ -32,8 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = composed.cfg
     if not cfg.checkpoint.load:
         raise ConfigError("checkpoint.load is not set; give checkpoint.load=DIR (a checkpoint or save directory)")
+    if cfg.eval.micro_batch_size < 1:
+        raise ConfigError(f"eval.micro_batch_size={cfg.eval.micro_batch_size} must be >= 1")
     model_cfg, manifest = adopt_checkpoint_model(composed)
-    assert manifest is not None
+    if manifest is None:  # checkpoint.load=auto found nothing
+        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: no complete checkpoint in the save directory "
+                          "(checkpoint.save_dir); give checkpoint.load=DIR")
     tokens = load_eval_tokens(cfg.eval.tokens, model_cfg.vocab_size,
                               model_cfg.max_position_embeddings if model_cfg.learned_positions else None)
     layout = validate(cfg.parallel.layout(), model_cfg, world_size_from_env(), seq_length=tokens.shape[1] - 1)

@@ -5,16 +5,17 @@ mpformer-preprocess --input a.jsonl --input b.txt --tokenizer TOKENIZER_DIR --ou
 
 from __future__ import annotations
 
-import argparse
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
-from mpformer.core.errors import user_errors_to_exit
+from mpformer.core.errors import ArgumentParser, ConfigError, user_errors_to_exit
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     from mpformer.data.preprocess import TXT_SPLITS, default_workers
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mpformer-preprocess",
         description="Tokenize .txt/.jsonl files into a Megatron-compatible indexed dataset (P.bin, P.idx).",
     )
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 @user_errors_to_exit
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    out = str(args.output_prefix)
+    if out.endswith(("/", os.sep)) or Path(out).is_dir():
+        raise ConfigError(f"--output-prefix={out} is a directory; give a path prefix P (writes P.bin and P.idx)")
     import datasets
 
     from mpformer.data.preprocess import preprocess

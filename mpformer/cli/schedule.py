@@ -11,12 +11,11 @@ does not split the backward pays b + w for its B. p2p is the time of one send/re
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from mpformer.core.errors import ConfigError, user_errors_to_exit
+from mpformer.core.errors import PLOT_SUFFIXES, ArgumentParser, ConfigError, check_output_file, user_errors_to_exit
 from mpformer.pipeline.actions import Op, load_schedule
 from mpformer.pipeline.schedules import SCHEDULES, build_schedule
 from mpformer.pipeline.simulate import Costs, SimResult, simulate, steady_state_bubble, write_chrome_trace
@@ -24,8 +23,8 @@ from mpformer.pipeline.simulate import Costs, SimResult, simulate, steady_state_
 COLORS = {Op.F: "#4c72b0", Op.B: "#55a868", Op.BI: "#55a868", Op.BW: "#dd8452"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpformer-schedule",
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="mpformer-schedule",
                                 description="Generate, verify and simulate a pipeline schedule; report its bubble.")
     p.add_argument("--schedule", metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}")
     p.add_argument("--pp", type=int, help="pipeline ranks")
@@ -88,6 +87,7 @@ def plot_timeline(res: SimResult, path: str | Path) -> None:
     ax.legend(handles=[Patch(color=COLORS[Op.F], label="F"), Patch(color=COLORS[Op.B], label="B / BI"),
                        Patch(color=COLORS[Op.BW], label="BW")], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -95,6 +95,12 @@ def plot_timeline(res: SimResult, path: str | Path) -> None:
 @user_errors_to_exit
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for flag, value, kinds in (("--json", args.json, None), ("--plot", args.plot, PLOT_SUFFIXES),
+                               ("--trace", args.trace, None)):
+        if value:
+            check_output_file(value, flag, kinds)
+    if not args.f + args.b + args.w > 0:
+        raise ConfigError(f"--f {args.f} --b {args.b} --w {args.w}: the step costs must add up to more than 0")
     if args.file:
         schedule = load_schedule(args.file)
     elif args.schedule is None or args.pp is None or args.microbatches is None:
@@ -110,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print:
         print(schedule.to_text(), end="")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res.to_json(), indent=2) + "\n")
     if args.plot:
         plot_timeline(res, args.plot)

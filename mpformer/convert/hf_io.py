@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mpformer.core.errors import ConfigError
@@ -84,11 +84,15 @@ def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for shard in _shard_files(p):
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                if key in out:
-                    raise ConfigError(f"HF tensor {key} is stored twice ({where[key]} and {shard.name})")
-                out[key], where[key] = f.get_tensor(key), shard.name
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    if key in out:
+                        raise ConfigError(f"HF tensor {key} is stored twice ({where[key]} and {shard.name})")
+                    out[key], where[key] = f.get_tensor(key), shard.name
+        except SafetensorError as e:
+            raise ConfigError(f"{shard} is not a readable safetensors file ({' '.join(str(e).split())}); it is "
+                              "truncated or damaged") from None
     if (p / INDEX).is_file():
         weight_map = _read_json(p / INDEX, "safetensors index")["weight_map"]
         for key, shard_name in weight_map.items():

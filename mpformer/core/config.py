@@ -243,8 +243,10 @@ def check_training_config(cfg: Config) -> None:
         raise ConfigError(f"train.cross_entropy_chunk={t.cross_entropy_chunk} must be >= 1 (tokens per chunk)")
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"train.threads={t.threads} must be >= 1, or null for torch's default")
-    if t.micro_batch_size < 1 or cfg.eval.micro_batch_size < 1:
-        raise ConfigError("train.micro_batch_size and eval.micro_batch_size must be >= 1")
+    for key, value in (("train.micro_batch_size", t.micro_batch_size),
+                       ("eval.micro_batch_size", cfg.eval.micro_batch_size)):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
     if cfg.logging.interval < 1:
         raise ConfigError(f"logging.interval={cfg.logging.interval} must be >= 1")
     _choice("train.on_nan", t.on_nan, ON_NAN)
@@ -265,6 +267,9 @@ def check_training_config(cfg: Config) -> None:
                           f"{cfg.model.max_position_embeddings}")
     if cfg.eval.interval < 0 or (cfg.eval.interval and not cfg.eval.tokens):
         raise ConfigError(f"eval.interval={cfg.eval.interval} needs eval.tokens=FILE.npy (and must be >= 0)")
+    if cfg.data.weights is not None and (any(w < 0 for w in cfg.data.weights) or not sum(cfg.data.weights) > 0):
+        raise ConfigError(f"data.weights={list(cfg.data.weights)}: blending weights must be >= 0 with a positive "
+                          "sum")
     if cfg.data.weights is not None and len(cfg.data.weights) != len(cfg.data.paths):
         raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
                           f"{len(cfg.data.paths)}; give one weight per path or none")

@@ -8,6 +8,7 @@ invariants only.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -53,3 +54,37 @@ def user_errors_to_exit(fn: F) -> F:
             sys.exit(EXIT_HALTED if isinstance(e, RunHalted) else EXIT_USER_ERROR)
 
     return wrapper  # type: ignore[return-value]
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
+
+
+def check_output_file(path: str, what: str, suffixes: tuple[str, ...] | None = None) -> None:
+    """An output file a CLI will write: not a directory, in a directory that exists (or can be made
+    under one that does), with one of ``suffixes``; a ConfigError naming ``what`` otherwise. Checked
+    before the work, so a long run does not end in a traceback about its last write."""
+    from pathlib import Path
+
+    p = Path(path)
+    if suffixes is not None and p.suffix.lower() not in suffixes:
+        raise ConfigError(f"{what}={path}: unsupported file type {p.suffix or '(none)'}; valid: "
+                          f"{format_choices(suffixes)}")
+    if p.is_dir():
+        raise ConfigError(f"{what}={path} is a directory; give a file path")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{what}={path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{what}={path}: {parent} is not writable")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with its mistakes said as every other user error is: ``error: <prog>: <what>; ...``, one
+    line on stderr, exit 2 (argparse's own prints the usage first, over several lines)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        msg = " ".join(message.split())
+        print(f"error: {self.prog}: {msg}; see {self.prog} --help", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)

@@ -11,7 +11,6 @@ version (sorted file order), not across versions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mpformer.core.errors import ConfigError, user_errors_to_exit
+from mpformer.core.errors import ArgumentParser, ConfigError, user_errors_to_exit
 
 # Path components that mark test suites (test/, tests/, idlelib/idle_test/) or installed packages.
 _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -112,7 +111,7 @@ def build_demo(out_dir: str | os.PathLike, *, max_bytes: int = 8_000_000, vocab_
 
 @user_errors_to_exit
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpformer.data.demo_corpus", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m mpformer.data.demo_corpus", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus size cap in bytes (default 8e6)")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")

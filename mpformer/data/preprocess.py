@@ -108,10 +108,12 @@ def _load_group(builder: str, files: list[Path], *, json_key: str, txt_split: st
         ds = datasets.load_dataset(
             builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir, **kwargs
         )
-    except (DatasetGenerationError, OSError, ValueError) as e:
+    except (DatasetGenerationError, OSError, ValueError, StopIteration) as e:
+        names = ", ".join(str(f) for f in files)
+        if all(f.stat().st_size == 0 for f in files) or type(e.__cause__ or e).__name__ == "SchemaInferenceError":
+            raise ConfigError(f"{names}: no documents in the input (an empty file); give a file with text") from None
         cause = e.__cause__ or e
         first = (str(cause).strip().splitlines() or [""])[0][:200]
-        names = ", ".join(str(f) for f in files)
         raise ConfigError(f"cannot read {names} as {builder}: {type(cause).__name__}: {first}") from e
     finally:
         datasets.logging.set_verbosity(verbosity)

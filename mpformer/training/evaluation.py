@@ -28,13 +28,17 @@ def load_eval_tokens(path: str | None, vocab_size: int, max_positions: int | Non
         raise ConfigError("eval.tokens is not set; give eval.tokens=FILE.npy (int64 array [batch, seq+1])")
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"eval.tokens={path}: no such file")
+        raise ConfigError(f"eval.tokens={path}: {'a directory, not' if p.is_dir() else 'no such'} file; give a "
+                          ".npy file (int64 array [batch, seq+1])")
     try:
         arr = np.load(p, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"eval.tokens={path}: not a readable .npy file ({e})") from None
-    if arr.ndim != 2 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer):
-        raise ConfigError(f"eval.tokens={path}: expected an integer array [batch, seq+1] with seq >= 1, got "
+    except (ValueError, OSError, EOFError) as e:
+        why = "empty" if isinstance(e, EOFError) else " ".join(str(e).split()).replace(" allow_pickle=False", "")
+        raise ConfigError(f"eval.tokens={path}: not a readable .npy file ({why}); give an int64 array "
+                          "[batch, seq+1] saved with numpy.save") from None
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"eval.tokens={path}: expected an integer array [batch, seq+1] with batch >= 1 and "
+                          f"seq >= 1, got "
                           f"{arr.dtype} {list(arr.shape)}")
     if max_positions is not None and arr.shape[1] - 1 > max_positions:
         raise ConfigError(f"eval.tokens={path}: rows of {arr.shape[1] - 1} inputs exceed the model's "

@@ -110,24 +110,34 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(tiny_data, tmp
     assert [m["loss"] for m in got] == [m["loss"] for m in oracle(ranks)]
 
 
-def test_sigkill_during_saves_resumes_from_the_newest_complete(tiny_data, tmp_path, full):
-    """10 runs killed at random instants while they save every step (every other run in the background);
-    each resumes exactly from the newest complete checkpoint."""
-    rng = random.Random(0)
-    for trial in range(10):
-        run, ck = tmp_path / f"run{trial}", tmp_path / f"ck{trial}"
-        proc = _start(_args(tiny_data, run, ck, "checkpoint.save_interval=1", f"checkpoint.async={trial % 2 == 1}"))
-        _wait_for_step(proc, run, 2)
-        time.sleep(rng.uniform(0.0, 0.6))  # a few steps and saves: most instants fall inside a save
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+def test_sigkill_during_saves_resumes_from_the_newest_complete(tiny_data, tmp_path):
+    """10 kills at random instants of a run that saves every step (every other one in the background):
+    each kill's successor resumes (checkpoint.load=auto) from the newest complete checkpoint, and is the
+    next trial's victim; every resumed step equals the uninterrupted run's, bit for bit."""
+    steps, ck = 40, tmp_path / "ck"
+    extra = ("checkpoint.save_interval=1", f"train.steps={steps}")
+    res = run_cli(_args(tiny_data, tmp_path / "full", tmp_path / "ck_full", f"train.steps={steps}"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    full = _metrics(tmp_path / "full")
+    rng, newest = random.Random(0), 0
+    for trial in range(11):
+        run = tmp_path / f"run{trial}"
+        args = _args(tiny_data, run, ck, *extra, "checkpoint.load=auto", f"checkpoint.async={trial % 2 == 1}")
+        if trial == 10:  # the last one runs to the end
+            res = run_cli(args)
+            assert res.returncode == 0, res.stderr[-3000:]
+        else:
+            proc = _start(args)
+            _wait_for_step(proc, run, 1)
+            time.sleep(rng.uniform(0.0, 0.25))  # a few steps and saves: most instants fall inside a save
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        got = _metrics(run)
+        assert got and got[0]["step"] == newest + 1, f"trial {trial}: resumed at {got[0]['step']}, newest {newest}"
+        assert [m["loss"] for m in got] == [m["loss"] for m in full[newest:newest + len(got)]], f"trial {trial}"
         complete = [p for p in ck.glob("step_*") if (p / "manifest.json").is_file() and p.name[5:].isdigit()]
         newest = max(int(p.name[5:]) for p in complete) if complete else 0
-        res = run_cli(_args(tiny_data, tmp_path / f"resumed{trial}", ck, "checkpoint.load=auto"))
-        assert res.returncode == 0, f"trial {trial}: {res.stderr[-3000:]}"
-        got = _metrics(tmp_path / f"resumed{trial}")
-        assert got[0]["step"] == newest + 1, f"trial {trial}: resumed at {got[0]['step']}, newest complete {newest}"
-        assert [m["loss"] for m in got] == [m["loss"] for m in full[newest:]], f"trial {trial}"
+    assert got[-1]["step"] == steps
 
 
 def test_a_damaged_newest_checkpoint_is_named_and_auto_falls_back(tiny_data, tmp_path, full):

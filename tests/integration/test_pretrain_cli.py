@@ -110,7 +110,7 @@ BAD_INPUTS = {
     "on_nan": (["train.on_nan=ignore"], ["train.on_nan='ignore' is unknown", "valid: skip, halt, rollback"]),
     "heartbeat": (["train.heartbeat_timeout_s=-1"], ["train.heartbeat_timeout_s=-1", "must be >= 0"]),
     "skip range": (["data.skip_ranges=[[8,4]]"], ["data.skip_ranges entry [8, 4]", "0 <= start < end"]),
-    "async save value": (["checkpoint.async=maybe"], ["checkpoint.async_save"]),
+    "async save value": (["checkpoint.async=2"], ["checkpoint.async='2'", "valid: true, false"]),
     "auto fits nowhere": (["parallel=auto", "model.hidden_size=16384", "model.ffn_hidden_size=65536",
                            "model.num_attention_heads=128", "model.num_kv_heads=8"],
                           ["no layout fits local-cpu x 1 node(s)", "the smallest need is", "parallel.dp=1"]),
