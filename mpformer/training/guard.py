@@ -78,11 +78,16 @@ class Preemption:
 
     def agreed(self) -> bool:
         """True on every rank if any rank was asked to stop (collective)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return agree(self.requested, self.device, any_rank=True)
+
+
+def agree(flag: bool, device: torch.device, *, any_rank: bool) -> bool:
+    """Collective over the world: ``flag`` on any rank (``any_rank``) or on every rank, one 1-element all-reduce."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if any_rank else dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def halt_message(step: int, loss: float, grad_norm: float, start: int, end: int, why: str) -> str:

@@ -43,7 +43,7 @@ from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.p2p import P2P
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.training.evaluation import validation_loss
-from mpformer.training.guard import MAX_ROLLBACKS, SPIKE_WINDOW, Preemption, bad_step, finite, halt_message
+from mpformer.training.guard import MAX_ROLLBACKS, SPIKE_WINDOW, Preemption, agree, bad_step, finite, halt_message
 from mpformer.training.metrics import MetricsLogger, StepTimer
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
@@ -328,11 +328,7 @@ class Trainer:
 
     def _everywhere(self, mine: bool) -> bool:
         """True on every rank if it is true on every rank (a one-element all-reduce MIN)."""
-        if self.layout.world_size == 1:
-            return mine
-        flag = torch.tensor([1.0 if mine else 0.0], device=self.device.torch_device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item())
+        return agree(mine, self.device.torch_device, any_rank=False)
 
     def _manifest(self, tokenizer: Path | None) -> dict:
         out = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
