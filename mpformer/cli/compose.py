@@ -120,6 +120,8 @@ def compose_config(overrides: list[str], config_name: str = "config") -> Compose
         cause = e.__cause__ if e.__cause__ is not None else e
         key, msg = getattr(cause, "full_key", None), (getattr(cause, "msg", None) or str(cause)).split("\n")[0]
         text = f"{key}: {msg}" if key else msg
+        if key and "ListConfig" in msg:  # e.g. data.paths=/x: say what a list looks like on the command line
+            text = text.rstrip(".") + f"; a list is written in brackets, e.g. {key}=[a,b]"
         raise ConfigError(" ".join(text.split())) from None
     finally:
         GlobalHydra.instance().clear()

@@ -19,3 +19,19 @@ def run_cli(args: list[str], *, timeout: float = 120, torchrun: int | None = Non
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd + args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_clis(cases: list[list[str]], *, timeout: float = 120,
+             jobs: int = 2) -> list[tuple[subprocess.CompletedProcess, float]]:
+    """``run_cli`` over many argument lists, ``jobs`` at a time (each process has one thread, so two
+    share a 2-core machine without slowing each other); each result with its own wall time in seconds."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+        t0 = time.monotonic()
+        res = run_cli(args, timeout=timeout)
+        return res, time.monotonic() - t0
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, cases))

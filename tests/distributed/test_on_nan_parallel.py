@@ -1,0 +1,83 @@
+"""train.on_nan=skip and rollback under a pipeline (pp=2 x dp=2, ZeRO-1) and under ZeRO-3 (dp=4).
+
+The single-rank behaviour and its oracle are in tests/integration/test_on_nan.py; here the same
+oracle (a run that never reads the poisoned step's samples, data.skip_ranges) is checked where the
+loss lives on one stage, the gradients are sharded and the weights are gathered per unit. The NaN
+is injected on every rank into the output of every leaf module during the step that reads sample
+POISON, so the loss and every gradient (each stage's, each shard's) are NaN, as after a real blow-up.
+The ranks agree on the decision because the loss and norm are global; the losses of the guarded run
+must equal the oracle's bit for bit (the same reductions in the same order over the same samples).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mpformer.parallel.spawn import run_distributed
+from mpformer.testing.train import overrides, train
+
+GBS, POISON_STEP = 8, 4
+POISON = (POISON_STEP - 1) * GBS
+BASE = {"model": "tiny-llama", "train.seq_length": 32, "train.steps": 6, "train.global_batch_size": GBS,
+        "train.micro_batch_size": 1, "train.device": "cpu", "optim.lr": 3e-3, "optim.decay": "constant",
+        "data.prefetch": 0, "logging.progress": False}
+LAYOUTS = {"pp2_dp2_z1": {"parallel.pp": 2, "parallel.zero": 1}, "dp4_z3": {"parallel.zero": 3}}
+
+
+def _poison_leaf_outputs() -> None:
+    """Patch the trainer: the step reading sample POISON multiplies every leaf module's output by NaN."""
+    import torch
+
+    from mpformer.training import trainer as trainer_mod
+
+    original = trainer_mod.Trainer._forward_backward
+
+    def forward_backward(self, batches):
+        if self.progress.consumed_samples != POISON:
+            return original(self, batches)
+        hooks = [m.register_forward_hook(lambda _m, _i, out: out * float("nan")
+                                         if isinstance(out, torch.Tensor) and out.is_floating_point() else out)
+                 for m in self.model.modules() if not list(m.children())]
+        try:
+            return original(self, batches)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    trainer_mod.Trainer._forward_backward = forward_backward
+
+
+def _worker(data: str, root: str) -> dict:
+    _poison_leaf_outputs()
+    out = {}
+    for name, layout in LAYOUTS.items():
+        base = {**BASE, **layout, "data.paths": f"[{data}]"}
+        d = Path(root) / name
+        out[name] = {
+            "oracle": train(overrides(base, d / "oracle", **{"train.steps": BASE["train.steps"] - 1,
+                                                             "data.skip_ranges": f"[[{POISON},{POISON + GBS}]]"})),
+            "skip": train(overrides(base, d / "skip", **{"train.on_nan": "skip"})),
+            "rollback": train(overrides(base, d / "rollback", **{"train.on_nan": "rollback",
+                                                                 "checkpoint.save_interval": 2})),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_data, tmp_path_factory) -> list[dict]:
+    return run_distributed(_worker, 4, args=(tiny_data, str(tmp_path_factory.mktemp("nan"))), timeout=300)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_skip_and_rollback_equal_a_run_without_the_samples(ranks, layout):
+    got = next(r[layout] for r in ranks if r[layout]["skip"]["steps"])  # the rank that writes metrics.jsonl
+    oracle, skip, back = got["oracle"]["losses"], got["skip"]["losses"], got["rollback"]["losses"]
+    assert all(r[layout]["skip"]["losses"][:POISON_STEP - 1] == skip[:POISON_STEP - 1] for r in ranks)
+    k = POISON_STEP - 1
+    assert skip[:k] == oracle[:k] and skip[k + 1:] == oracle[k:], (skip, oracle)
+    assert skip[k] != skip[k]  # the poisoned step's loss is NaN, and it is skipped
+    # Rollback: steps 1-3, the poisoned step 4 is undone back to step 2's checkpoint, then 3.. on.
+    assert got["rollback"]["steps"] == [1, 2, 3, 3, 4, 5, 6], got["rollback"]["steps"]
+    assert back[:k] == oracle[:k] and back[k:k + 3] == oracle[k - 1:], (back, oracle)
