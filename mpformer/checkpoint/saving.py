@@ -4,7 +4,8 @@
     payload           every rank: its own objects (RNG states, torch.save), then DCP's tensors
                       (dcp.save; or dcp.async_save on a separate gloo group, staged to host memory
                       first, so training goes on while a thread writes)
-    finish_save       collective, once the payload is down: each rank hashes the files it wrote, rank 0
+    finish_save       collective, once the payload is down: each rank has hashed the files it wrote (the
+                      data files while writing them, hashed_writer.py), rank 0
                       gathers the digests, writes manifest.json, renames ``step_N.tmp`` to ``step_N``,
                       moves ``latest``, prunes; a failure on any rank (a full disk) is raised on all,
                       as one line, with the temp directory removed and the previous checkpoint intact
@@ -30,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from mpformer.checkpoint.hashed_writer import HashingFileSystemWriter
 from mpformer.checkpoint.io import _no_dist, quiet_dcp
 from mpformer.checkpoint.manifest import (
     LATEST,
@@ -65,14 +67,28 @@ def save_checkpoint(save_dir: str | Path, step: int, tensors: dict[str, Shard],
     save_dir = Path(save_dir)
     final, tmp = begin_save(save_dir, step)
     rank_paths, failure = write_rank_files(tmp, rank_files)
+    writer = HashingFileSystemWriter(tmp)
     try:
         with quiet_dcp():  # collective: a rank's failed write raises on every rank
-            dcp.save({k: sh.local for k, sh in tensors.items()}, checkpoint_id=str(tmp),
+            dcp.save({k: sh.local for k, sh in tensors.items()}, storage_writer=writer,
                      planner=ShardSavePlanner(tensors), no_dist=_no_dist())
     except CheckpointException as e:
         failure = failure or _cause(e)
+    digests, failure = _digests(tmp, writer, rank_paths, failure)
     return finish_save(save_dir, step, final, tmp, manifest, populate=populate, keep=keep, owner=owner,
-                       rank_paths=rank_paths, failure=failure)
+                       digests=digests, failure=failure)
+
+
+def _digests(tmp: Path, writer: HashingFileSystemWriter, rank_paths: list[Path],
+             failure: str | None) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """This rank's files' digests: the data files' from the writer (taken while writing), its own objects'
+    hashed here; or the failure, if the save failed or they cannot be read."""
+    if failure is not None:
+        return {}, failure
+    try:
+        return {**writer.digests(tmp), **file_digests(tmp, rank_paths)}, None
+    except OSError as e:
+        return {}, f"rank {_rank()}: {e.strerror or e}"
 
 
 def begin_save(save_dir: Path, step: int) -> tuple[Path, Path]:
@@ -100,20 +116,13 @@ def write_rank_files(tmp: Path, rank_files: dict[str, Any] | None) -> tuple[list
 
 
 def finish_save(save_dir: Path, step: int, final: Path, tmp: Path, manifest: dict[str, Any], *,
-                populate: Callable[[Path], None] | None, keep: int, owner: str | None, rank_paths: list[Path],
-                failure: str | None, digests: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Collective, once every rank's payload is in ``tmp``: each rank hashes its own files (unless given
-    their ``digests``), rank 0 writes the manifest from all of them and commits; a failure anywhere is
-    raised on every rank."""
+                populate: Callable[[Path], None] | None, keep: int, owner: str | None,
+                digests: dict[str, dict[str, Any]], failure: str | None) -> Path:
+    """Collective, once every rank's payload is in ``tmp`` and hashed (``digests``: this rank's files):
+    rank 0 writes the manifest from all of them and commits; a failure anywhere is raised on every rank."""
     rank = _rank()
-    if digests is None and failure is None:
-        digests = {}
-        try:
-            digests = file_digests(tmp, sorted(tmp.glob(f"__{rank}_*.distcp")) + rank_paths)
-        except OSError as e:
-            failure = f"rank {rank}: {e.strerror or e}"
     failure = _commit_on_rank0(save_dir, final, tmp, step, manifest, populate, keep, owner, rank,
-                               _gather((digests or {}, failure), rank))
+                               _gather((digests, failure), rank))
     if failure is not None:
         raise ConfigError(f"checkpoint save of step {step} to {final} failed ({failure}); the previous checkpoint "
                           f"and {save_dir / LATEST} are unchanged")
@@ -212,13 +221,15 @@ class _Staged(AsyncStager):
 
 class BackgroundSave:
     """A checkpoint whose tensors a DCP thread is writing (start_background_save); ``finish`` commits it.
-    The thread also hashes this rank's files when its writes are done, so the commit hashes nothing."""
+    The thread's writer hashes the data files as it writes them, so the commit hashes nothing."""
 
-    def __init__(self, future: Future, save_dir: Path, step: int, final: Path, tmp: Path, manifest: dict[str, Any],
-                 commit: dict[str, Any], rank_paths: list[Path], failure: str | None) -> None:
-        self.future, self.save_dir, self.step, self.final, self.tmp = future, save_dir, step, final, tmp
+    def __init__(self, future: Future, writer: HashingFileSystemWriter, save_dir: Path, step: int, final: Path,
+                 tmp: Path, manifest: dict[str, Any], commit: dict[str, Any], rank_paths: list[Path],
+                 failure: str | None) -> None:
+        self.future, self.writer, self.save_dir, self.step = future, writer, save_dir, step
+        self.final, self.tmp = final, tmp
         self.manifest, self.commit, self.rank_paths, self.failure = manifest, commit, rank_paths, failure
-        self.digests: dict[str, dict[str, Any]] | None = None
+        self.digests: dict[str, dict[str, Any]] = {}
         self._hashed = threading.Event()
         self._rank = _rank()
         future.add_done_callback(self._hash)
@@ -227,15 +238,15 @@ class BackgroundSave:
         """In the writer thread: this rank's failure, or the digests of the files it wrote."""
         try:
             future.result()
-            if self.failure is None:
-                mine = sorted(self.tmp.glob(f"__{self._rank}_*.distcp")) + self.rank_paths
-                self.digests = file_digests(self.tmp, mine)
         except CheckpointException as e:
             self.failure = self.failure or _cause(e)
         except OSError as e:
             self.failure = self.failure or f"rank {self._rank}: {e.strerror or e}"
         finally:
-            self._hashed.set()
+            try:
+                self.digests, self.failure = _digests(self.tmp, self.writer, self.rank_paths, self.failure)
+            finally:
+                self._hashed.set()
 
     def written_here(self) -> bool:
         """This rank's part is down and hashed (the others' may not be: agree before ``finish``)."""
@@ -245,7 +256,7 @@ class BackgroundSave:
         """Collective: wait for this rank's part, then commit as a foreground save does."""
         self._hashed.wait()
         return finish_save(self.save_dir, self.step, self.final, self.tmp, self.manifest,
-                           rank_paths=self.rank_paths, failure=self.failure, digests=self.digests, **self.commit)
+                           failure=self.failure, digests=self.digests, **self.commit)
 
 
 def start_background_save(save_dir: str | Path, step: int, tensors: dict[str, Shard], manifest: dict[str, Any], *,
@@ -265,9 +276,10 @@ def start_background_save(save_dir: str | Path, step: int, tensors: dict[str, Sh
     # Staged here, not by DCP: the planner resolves each write from its own shards, so it must hold the
     # copies (planned over the live tensors, the thread would write whatever training has made of them).
     staged = {k: dataclasses.replace(sh, local=_stage(sh.local, staging, k)) for k, sh in tensors.items()}
+    writer = HashingFileSystemWriter(tmp, background=True)
     with quiet_dcp():
-        future = dcp.async_save({k: sh.local for k, sh in staged.items()}, checkpoint_id=str(tmp),
+        future = dcp.async_save({k: sh.local for k, sh in staged.items()}, storage_writer=writer,
                                 planner=ShardSavePlanner(staged), process_group=group, no_dist=_no_dist(),
                                 async_stager=_Staged())
-    return BackgroundSave(future, save_dir, step, final, tmp, manifest,
+    return BackgroundSave(future, writer, save_dir, step, final, tmp, manifest,
                           {"populate": populate, "keep": keep, "owner": owner}, rank_paths, failure)

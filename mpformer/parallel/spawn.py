@@ -14,6 +14,7 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import socket
 import sys
 import tempfile
@@ -71,7 +72,9 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 120.0,
                     env: dict[str, str] | None = None, log_dir: str | None = None) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results. The ranks' logs stay
+    in ``log_dir`` (a temporary directory if not given, removed after a success, kept after a failure)."""
+    own_dir = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix="mpformer-spawn-")
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -107,4 +110,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
             status, value = pickle.load(f)
         assert status == "ok", value
         results.append(value)
+    if own_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return results

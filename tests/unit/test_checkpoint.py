@@ -126,3 +126,23 @@ def test_frozen_parameters_are_skipped_in_optimizer_state(tmp_path):
     state = ckpt_io.optimizer_state(m, opt)
     assert "optim.exp_avg.embedding.word.weight" not in state
     assert "optim.exp_avg.layers.0.attn.q.weight" in state
+
+
+def test_digests_taken_while_writing_are_the_files_sha256(tmp_path):
+    """The writer's digests against hashlib over the files on disk; a file not written through ``write``
+    alone (here: writelines, which bypasses the hash) is hashed again from disk, never listed wrong."""
+    import hashlib
+
+    from mpformer.checkpoint.hashed_writer import HashingFileSystemWriter
+
+    writer = HashingFileSystemWriter(tmp_path)
+    with writer.fs.create_stream(tmp_path / "__0_0.distcp", "wb") as f:
+        f.write(b"abc")
+        f.write(memoryview(torch.arange(10, dtype=torch.float32).numpy()))
+    with writer.fs.create_stream(tmp_path / "__1_0.distcp", "wb") as f:
+        f.write(b"x")
+        f.writelines([b"yz"])
+    got = writer.digests(tmp_path)
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        data = (tmp_path / name).read_bytes()
+        assert got[name] == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
