@@ -38,7 +38,7 @@ demo: venv
 	$(BIN)/python tools/demo_report.py --run $(DEMO_RUN) --hf $(DEMO_RUN)/hf
 
 test: venv
-	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests --durations=25 $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
