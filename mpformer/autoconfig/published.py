@@ -1,15 +1,18 @@
 """The published runs of published_runs.json (beside this module) as auto-configurator inputs.
 
-Korthikanti et al. 2022 (A100 80GB, GPT-3-style models, s=2048, V=51200, no FlashAttention yet) and
-the Llama 3 405B runs (H100, 126 layers, GQA). ``published_cases`` returns, per row, the model, the
-cluster, the workload, the published layout to pin, and the published figure (iteration seconds, or
-TFLOP/s per GPU) for the comparison table and its test.
+Korthikanti et al. 2022 (A100 80GB, GPT-3-style models, s=2048, V=51200, no FlashAttention yet), the
+Llama 3 405B runs (H100, 126 layers, GQA), Megatron-Core's H100 weak-scaling table (1.7B-462B, dp=48)
+and torchtitan's Llama 3 H100 figures (FSDP, i.e. ZeRO-3 over dp). ``published_cases`` returns, per
+row, the model, the cluster, the workload, the published layout to pin (only the fields the source
+states: the search chooses the rest), and the published figure (iteration seconds, TFLOP/s per GPU,
+or tokens/s per GPU). ``source`` names the table; the test holds the first two to their tolerances,
+benchmarks/bench_published.py prints every row's error.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,10 @@ class Case:
     workload: Workload
     fixed: dict[str, Any]
     iteration_time_s: float | None = None  # Korthikanti rows
-    tflops_per_gpu: float | None = None  # Llama 3 rows
+    tflops_per_gpu: float | None = None  # Llama 3 and Megatron-Core rows
+    tokens_per_s_per_gpu: float | None = None  # torchtitan rows
+    source: str = ""
+    note: str = ""  # what the source leaves open, or why a row cannot be pinned as published
 
 
 def published_cases(path: Path = REFERENCE) -> list[Case]:
@@ -46,12 +52,64 @@ def published_cases(path: Path = REFERENCE) -> list[Case]:
             fixed = {"tp": r["tp"], "pp": r["pp"], "dp": 1, "cp": 1, "micro_batch_size": r["micro_batch"],
                      "recompute": rec, "sequence_parallel": r["sequence_parallel"], "vpp": vpp, "zero": 0,
                      "schedule": "interleaved" if vpp > 1 else "1f1b"}
-            out.append(Case(f"{r['model']} {rec}", m, c, w, fixed, iteration_time_s=r[key]))
+            out.append(Case(f"{r['model']} {rec}", m, c, w, fixed, iteration_time_s=r[key],
+                            source="korthikanti_2022"))
     for r in d["llama3_405b"]:
         m = ModelConfig(arch="llama", num_layers=126, hidden_size=16384, num_attention_heads=128, num_kv_heads=8,
                         ffn_hidden_size=53248, vocab_size=128256, max_position_embeddings=r["seq"], rope_theta=500000.0)
         c = load_cluster("dgx-h100", nodes=r["gpus"] // 8)
         w = Workload(r["dp"] * r["batch_per_dp"], 1, r["seq"], "bf16")
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["dp"], "cp": r["cp"]}
-        out.append(Case(f"405B {r['gpus']} GPUs cp={r['cp']}", m, c, w, fixed, tflops_per_gpu=r["tflops_per_gpu"]))
+        out.append(Case(f"405B {r['gpus']} GPUs cp={r['cp']}", m, c, w, fixed, tflops_per_gpu=r["tflops_per_gpu"],
+                        source="llama3_405b"))
+    out += _megatron_core(d.get("megatron_core_h100_weak_scaling", {}).get("rows", []))
+    out += _torchtitan(d.get("torchtitan_llama3_h100", {}).get("rows", []))
+    return out
+
+
+def _megatron_core(rows: list[dict]) -> list[Case]:
+    """GPT-style layers (ffn 4h, learned positions as in Megatron's GPT), bf16 with FlashAttention; the
+    source states tp, pp and dp=48: micro-batch, recompute and interleaving are the search's."""
+    out = []
+    for r in rows:
+        m = ModelConfig(arch="gpt2", num_layers=r["layers"], hidden_size=r["hidden"], num_attention_heads=r["heads"],
+                        vocab_size=r["vocab"], activation="gelu_tanh", attention_bias=True, mlp_bias=True,
+                        max_position_embeddings=r["seq"])
+        c = load_cluster("dgx-h100", nodes=r["gpus"] // 8)
+        w = Workload(r["global_batch"], 1, r["seq"], "bf16")
+        fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["gpus"] // (r["tp"] * r["pp"]), "cp": 1}
+        out.append(Case(f"mcore {r['model']} tp{r['tp']} pp{r['pp']}", m, c, w, fixed,
+                        tflops_per_gpu=r["tflops_per_gpu"], source="megatron_core_h100_weak_scaling",
+                        note="micro-batch, recompute, vpp not stated"))
+    return out
+
+
+LLAMA3 = {  # torchtitan's Llama 3 architectures (its benchmark file)
+    "llama3-8b": {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32},
+    "llama3-70b": {"num_layers": 80, "hidden_size": 8192, "ffn_hidden_size": 28672, "num_attention_heads": 64},
+    "llama3-405b": {"num_layers": 126, "hidden_size": 16384, "ffn_hidden_size": 53248, "num_attention_heads": 128},
+}
+
+
+def _torchtitan(rows: list[dict]) -> list[Case]:
+    """FSDP is ZeRO-3 over the dp ranks; H100 SXM (the 96 GB part at 500 W in the source: the dgx-h100
+    data sheet's compute and links, 96 GB of memory). torch.compile is not modelled (noted)."""
+    out = []
+    for r in rows:
+        m = ModelConfig(arch="llama", num_kv_heads=8, vocab_size=128256, max_position_embeddings=r["seq"],
+                        rope_theta=500000.0, **LLAMA3[r["model"]])
+        c = load_cluster("dgx-h100", nodes=max(1, r["gpus"] // 8))
+        c = replace(c, memory_gb=96)
+        dp = r["fsdp"]
+        gbs = r.get("global_batch") or r["local_batch"] * dp
+        fixed = {"tp": r["tp"], "pp": r["pp"], "dp": dp, "cp": r["cp"], "zero": 3 if r["pp"] == 1 else 1}
+        if "schedule" in r:
+            fixed["schedule"] = r["schedule"]
+        note = "torch.compile" if r.get("compile") else "eager"
+        if r["pp"] > 1:
+            note += "; FSDP with pp pinned as zero=1 (zero=3 cannot run with pp)"
+        out.append(Case(f"titan {r['model']} {r['gpus']} GPUs tp{r['tp']} pp{r['pp']}"
+                        f"{' ' + r['schedule'] if 'schedule' in r else ''}{' compile' if r.get('compile') else ''}",
+                        m, c, Workload(gbs, 1, r["seq"], "bf16"), fixed, tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
+                        source="torchtitan_llama3_h100", note=note))
     return out
