@@ -40,8 +40,8 @@ def predict(case) -> dict:
     if case.iteration_time_s is not None:
         unit, pred, pub = "iteration s", t, case.iteration_time_s
     elif case.tflops_per_gpu is not None:
-        unit, pred = "TFLOP/s/GPU", model_flops_per_step(case.model, w.global_batch_size, w.seq_length) / t / world / 1e12
-        pub = case.tflops_per_gpu
+        flops = model_flops_per_step(case.model, w.global_batch_size, w.seq_length)
+        unit, pred, pub = "TFLOP/s/GPU", flops / t / world / 1e12, case.tflops_per_gpu
     else:
         unit, pred, pub = "tokens/s/GPU", w.global_batch_size * w.seq_length / t / world, case.tokens_per_s_per_gpu
     chosen = {k: v for k, v in best.plan().items() if k not in case.fixed and k in
