@@ -42,9 +42,7 @@ def published_cases(path: Path = REFERENCE) -> list[Case]:
     d = json.loads(path.read_text())
     out = []
     for r in d["korthikanti_2022"]:
-        m = ModelConfig(arch="gpt2", num_layers=r["layers"], hidden_size=r["hidden"], num_attention_heads=r["heads"],
-                        vocab_size=r["vocab"], activation="gelu_tanh", attention_bias=True, mlp_bias=True,
-                        max_position_embeddings=r["seq"])
+        m = _gpt(r)
         vpp = 3 if r["model"] in ("175B", "530B") else 1  # "interleaving with 3 chunks for 175B and 530B"
         c = load_cluster("dgx-a100-80gb", nodes=max(1, r["gpus"] // 8))
         w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False)
@@ -55,8 +53,7 @@ def published_cases(path: Path = REFERENCE) -> list[Case]:
             out.append(Case(f"{r['model']} {rec}", m, c, w, fixed, iteration_time_s=r[key],
                             source="korthikanti_2022"))
     for r in d["llama3_405b"]:
-        m = ModelConfig(arch="llama", num_layers=126, hidden_size=16384, num_attention_heads=128, num_kv_heads=8,
-                        ffn_hidden_size=53248, vocab_size=128256, max_position_embeddings=r["seq"], rope_theta=500000.0)
+        m = _llama3("llama3-405b", r["seq"])
         c = load_cluster("dgx-h100", nodes=r["gpus"] // 8)
         w = Workload(r["dp"] * r["batch_per_dp"], 1, r["seq"], "bf16")
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["dp"], "cp": r["cp"]}
@@ -72,9 +69,7 @@ def _megatron_core(rows: list[dict]) -> list[Case]:
     source states tp, pp and dp=48: micro-batch, recompute and interleaving are the search's."""
     out = []
     for r in rows:
-        m = ModelConfig(arch="gpt2", num_layers=r["layers"], hidden_size=r["hidden"], num_attention_heads=r["heads"],
-                        vocab_size=r["vocab"], activation="gelu_tanh", attention_bias=True, mlp_bias=True,
-                        max_position_embeddings=r["seq"])
+        m = _gpt(r)
         c = load_cluster("dgx-h100", nodes=r["gpus"] // 8)
         w = Workload(r["global_batch"], 1, r["seq"], "bf16")
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["gpus"] // (r["tp"] * r["pp"]), "cp": 1}
@@ -84,7 +79,19 @@ def _megatron_core(rows: list[dict]) -> list[Case]:
     return out
 
 
-LLAMA3 = {  # torchtitan's Llama 3 architectures (its benchmark file)
+def _gpt(r: dict) -> ModelConfig:
+    """A GPT-3-style model of a row (Korthikanti's and Megatron-Core's): GeLU, biases, learned positions."""
+    return ModelConfig(arch="gpt2", num_layers=r["layers"], hidden_size=r["hidden"], num_attention_heads=r["heads"],
+                       vocab_size=r["vocab"], activation="gelu_tanh", attention_bias=True, mlp_bias=True,
+                       max_position_embeddings=r["seq"])
+
+
+def _llama3(name: str, seq: int) -> ModelConfig:
+    return ModelConfig(arch="llama", num_kv_heads=8, vocab_size=128256, max_position_embeddings=seq,
+                       rope_theta=500000.0, **LLAMA3[name])
+
+
+LLAMA3 = {  # the Llama 3 architectures (the Llama 3 paper; torchtitan's benchmark file)
     "llama3-8b": {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32},
     "llama3-70b": {"num_layers": 80, "hidden_size": 8192, "ffn_hidden_size": 28672, "num_attention_heads": 64},
     "llama3-405b": {"num_layers": 126, "hidden_size": 16384, "ffn_hidden_size": 53248, "num_attention_heads": 128},
@@ -96,8 +103,7 @@ def _torchtitan(rows: list[dict]) -> list[Case]:
     data sheet's compute and links, 96 GB of memory). torch.compile is not modelled (noted)."""
     out = []
     for r in rows:
-        m = ModelConfig(arch="llama", num_kv_heads=8, vocab_size=128256, max_position_embeddings=r["seq"],
-                        rope_theta=500000.0, **LLAMA3[r["model"]])
+        m = _llama3(r["model"], r["seq"])
         c = load_cluster("dgx-h100", nodes=max(1, r["gpus"] // 8))
         c = replace(c, memory_gb=96)
         dp = r["fsdp"]
