@@ -2,14 +2,15 @@
 
     tools/autoconfig.py model=llama3-8b cluster=dgx-h100 autoconfig.nodes=4 train.global_batch_size=512 \\
         train.seq_length=4096 [train.precision=bf16] [autoconfig.fixed.tp=8 ...] [autoconfig.top_k=5] \\
-        [autoconfig.output=plan.json] [autoconfig.plot=plans.png]
+        [autoconfig.output=plan.json] [autoconfig.plot=plans.png] [autoconfig.explain=true]
 
 Every key is the pretraining config's own (composed and checked the same way): ``model=``, ``train.*``,
 ``cluster=`` (a preset in configs/cluster/, short for ``autoconfig.cluster=``; default local-cpu) and
-``autoconfig.*``. The output JSON
-(``autoconfig.output``) has ``plan``, ``predicted``, ``top``, ``candidates_evaluated`` and
-``search_time_s``; next to it ``<stem>.parallel.yaml`` holds the plan as a Hydra parallel config and
-the overrides line to pass to pretrain is printed.
+``autoconfig.*``. The output JSON (``autoconfig.output``) has ``plan``, ``predicted``, ``top``,
+``candidates_evaluated`` and ``search_time_s``; next to it ``<stem>.parallel.yaml`` holds the plan as a
+Hydra parallel config and the overrides line to pass to pretrain is printed. ``autoconfig.explain=true``
+prints after the table the chosen plan's time term by term against the runner-up and against the plan a
+person picks first (autoconfig/explain.py), and adds it to the JSON as ``explain``.
 """
 
 from __future__ import annotations
@@ -60,16 +61,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = load_cluster(ac.cluster or "local-cpu", ac.nodes)
     w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision)
     device = "cpu" if cluster.cores else "cuda"
-    res = search(cfg.model, cluster, w, fixed=ac.fixed.pinned(), top_k=ac.top_k, device=device)
+    fixed = ac.fixed.pinned()
+    res = search(cfg.model, cluster, w, fixed=fixed, top_k=ac.top_k, device=device)
     if not res.top:
         raise no_plan_error(res, cluster)
     _print(res, cfg.model, cluster, w)
+    explanation = _explain(res, cfg.model, cluster, w, device, fixed) if ac.explain else None
+    if explanation is not None:
+        print(explanation.text(width=_width()), end="")
     best = res.top[0]
     payload = {"plan": best.plan(), "predicted": _predicted(best, cfg.model, cluster.world_size, w),
                "top": [{"plan": c.plan(), "predicted": _predicted(c, cfg.model, cluster.world_size, w)}
                        for c in res.top],
                "candidates_evaluated": res.evaluated, "search_time_s": res.seconds,
                "rejected": res.rejected, "cluster": cluster.name, "nodes": cluster.nodes}
+    if explanation is not None:
+        payload["explain"] = explanation.to_dict()
     print(f"pretrain with: {best.overrides()}")
     if ac.output:
         out = Path(ac.output)
@@ -104,9 +111,30 @@ def _print(res, model, cluster, w) -> None:
                       f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}", f"{pred['model_tflops_per_device']:.0f}",
                       f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.cp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}",
                       f"{b.dp_comm_exposed_s:.3g}")
-    Console(width=max(160, Console().width)).print(table)
+    Console(width=_width()).print(table)
     for cls, r in res.rejected.items():
         print(f"rejected {r['count']} as {cls}, e.g. {r['example']}")
+
+
+def _explain(res, model, cluster, w, device: str, fixed: dict[str, Any]):
+    """The explanation of the choice. With autoconfig.top_k=1 the runner-up comes from a search that ranks
+    two (the first search is not widened: the plans it re-times, and so its choice, may depend on top_k)."""
+    from mpformer.autoconfig.explain import explain_choice
+    from mpformer.autoconfig.search import search
+
+    ranked, note = res.top, ""
+    if len(ranked) < 2:
+        chosen = ranked[0].plan()
+        wider = search(model, cluster, w, fixed=fixed, top_k=2, device=device).top
+        ranked = [ranked[0], *[c for c in wider if c.plan() != chosen][:1]]
+        note = "the best other plan of a search that ranks two (autoconfig.top_k=1 ranks one)"
+    return explain_choice(ranked, model, cluster, w, device=device, runner_up_note=note)
+
+
+def _width() -> int:
+    from rich.console import Console
+
+    return max(160, Console().width)
 
 
 def _cp_kind(plan: dict[str, Any]) -> str:

@@ -122,6 +122,8 @@ def compose_config(overrides: list[str], config_name: str = "config") -> Compose
         text = f"{key}: {msg}" if key else msg
         if key and "ListConfig" in msg:  # e.g. data.paths=/x: say what a list looks like on the command line
             text = text.rstrip(".") + f"; a list is written in brackets, e.g. {key}=[a,b]"
+        if key and "is not a valid bool" in msg:  # e.g. autoconfig.explain=maybe: OmegaConf does not say what is
+            text = text.rstrip(".") + "; valid: true, false"
         raise ConfigError(" ".join(text.split())) from None
     finally:
         GlobalHydra.instance().clear()

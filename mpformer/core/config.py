@@ -178,6 +178,9 @@ class AutoconfigConfig:
     top_k: int = 5
     output: str | None = None  # tools/autoconfig.py: the plan JSON (and <stem>.parallel.yaml next to it)
     plot: str | None = None  # tools/autoconfig.py: predicted time against memory of every feasible plan (PNG)
+    # tools/autoconfig.py: after the table, the chosen plan term by term against the runner-up and against the
+    # plan a person picks first (largest tp in a node, pp across nodes; autoconfig/explain.py); into plan.json too
+    explain: bool = False
 
 
 @dataclass
