@@ -3,9 +3,9 @@ runner-up and against the plan a person would pick first (``autoconfig.explain=t
 
     baseline   tp   the largest divisor of a node's devices the model's heads, kv heads and ffn allow
                     (validate()'s tp rules): tensor parallelism stays on NVLink
-               pp   one stage per node; when the layers do not split evenly over the nodes, the largest
-                    divisor of the node count that splits them (stages stay on whole nodes, equal layers
-                    per stage as Megatron requires without an explicit split)
+               pp   one stage per node (layers balanced by compute when they do not split evenly, as the
+                    search does); with more nodes than layers, the largest divisor of the node count that
+                    leaves every stage a layer (a stage per group of whole nodes)
                dp   the rest; cp=1; sequence parallelism with tp > 1; micro-batch 1; ZeRO-1 with dp > 1
                     (Megatron's distributed optimizer); 1F1B; the least recompute that fits
     terms      every seconds term of ``Breakdown.to_dict()`` (keys ending ``_s``; ``iteration_s`` is the
@@ -67,16 +67,20 @@ def baseline_plan(model: ModelConfig, cluster: Cluster, workload: Workload, *, d
     per_node, nodes = cluster.devices_per_node, cluster.nodes
     tps = [t for t in divisors(per_node) if t in valid_tp_values(model)]
     tp = tps[-1]  # 1 always qualifies
-    pp = max(p for p in divisors(nodes) if model.num_layers % p == 0)
+    layers = model.num_layers
+    pp = max(p for p in divisors(nodes) if p <= layers)  # a stage per node, or per group of nodes
+    part = "uniform" if layers % pp == 0 else "balanced"  # as the search splits uneven layers
     pp_why = "one stage per node" if pp == nodes else \
-        f"the largest divisor of {nodes} nodes that splits {model.num_layers} layers evenly"
+        f"the largest divisor of {nodes} nodes that leaves every stage a layer (of {layers})"
+    if part == "balanced":
+        pp_why += f", {layers} layers split by compute (pp_partition=balanced: they do not divide evenly)"
     dp = cluster.world_size // (tp * pp)
     why = (f"tp={tp}: the largest of {format_choices(divisors(per_node))} (devices per node) that "
            f"{model.num_attention_heads} heads / {model.kv_heads} kv heads allow; pp={pp}: {pp_why}; dp={dp}: the "
            f"rest; cp=1, mbs=1, 1f1b, zero={1 if dp > 1 else 0}" + (", sequence parallel" if tp > 1 else ""))
     w = replace(workload, micro_batch_size=1)
     layout = ParallelLayout(dp=dp, tp=tp, pp=pp, sequence_parallel=tp > 1, zero=1 if dp > 1 else 0,
-                            schedule="1f1b")
+                            schedule="1f1b", pp_partition=part)
     try:
         validate(layout, model, cluster.world_size, global_batch_size=w.global_batch_size, micro_batch_size=1,
                  seq_length=w.seq_length)

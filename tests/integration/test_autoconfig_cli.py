@@ -57,6 +57,8 @@ def test_long_sequence_plan_uses_context_parallelism(tmp_path):
     (["model=llama-9000"], "valid: gpt2"),
     (["autoconfig.speed=1"], "unknown config key 'autoconfig.speed'; valid keys under autoconfig: cluster"),
     (["autoconfig.fixed.tq=2"], "unknown config key 'autoconfig.fixed.tq'; valid keys under autoconfig.fixed: cp"),
+    (["autoconfig.explain=maybe"], "autoconfig.explain: Value 'maybe' is not a valid bool (type str); valid: true, "
+                                   "false"),
     (["model=llama2-7b", "cluster=local-cpu", "train.seq_length=4096", "train.global_batch_size=4"],
      "no layout fits local-cpu x 1 node(s) (6 GB per device): the smallest need is"),
 ])
