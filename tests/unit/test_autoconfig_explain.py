@@ -97,6 +97,15 @@ def test_baseline_says_why_there_is_none():
     assert text.strip() == f"baseline: {b.why}"  # one line, no table
 
 
+def test_a_baseline_that_is_the_chosen_plan_is_said_in_a_line():
+    model, cluster, w = _model("gpt2"), load_cluster("dgx-h100", 1), Workload(64, 1, 1024, "bf16")
+    base = baseline_plan(model, cluster, w).candidate
+    e = explain_choice([base], model, cluster, w)
+    assert [(c.label, c.other) for c in e.comparisons] == [("runner-up", None), ("baseline", None)]
+    assert e.text().splitlines() == ["runner-up: none: the search found a single feasible plan",
+                                     f"baseline: the chosen plan itself ({baseline_plan(model, cluster, w).why})"]
+
+
 def test_differences_sum_to_the_iteration_difference(readme_explanation):
     e, top = readme_explanation
     assert [c.label for c in e.comparisons] == ["runner-up", "baseline"]
@@ -150,6 +159,7 @@ def test_cli_explain_prints_the_comparison_and_writes_it(tmp_path, capsys):
     table_end = text.index("chosen plan vs runner-up")
     assert text.index("rejected ") < table_end < text.index("chosen plan vs baseline") < text.index("pretrain with:")
     assert "the runner-up is " in text and "the baseline is " in text and "tensor-parallel communication" in text
+    assert "runner-up: the best other plan of a search that ranks two (autoconfig.top_k=1 ranks one)" in text
     d = json.loads(out.read_text())
     assert len(d["top"]) == 1 and d["explain"]["chosen"] == d["plan"]
     labels = [c["label"] for c in d["explain"]["comparisons"]]
