@@ -29,6 +29,16 @@ class Cluster:
     inter_latency: float
     cores: int | None = None  # local-cpu: processes share this many cores
     profile: str | None = None  # a measured profile (profile.py) next to the preset
+    # Measured device rates (GPU presets, each with its source in the preset; compute.py, links.py).
+    # Unset: the generic efficiency curve and the links' data-sheet rates.
+    sm_count: int | None = None  # streaming multiprocessors: the GEMMs' wave quantisation
+    gemm_fraction: float | None = None  # maximum achievable matmul rate / peak
+    # Measured GEMMs for the size curve: {"peak": FLOP/s, "mamf": FLOP/s of their dtype, "rows": [[m, n, k, TFLOP/s]]}
+    gemm_measured: dict[str, Any] | None = field(default=None, compare=False)
+    stream_fraction: float = 1.0  # a streaming kernel's bytes/s / memory_bandwidth
+    attention_fraction: tuple[float, float] | None = None  # flash attention forward, backward / peak
+    launch_s: float = 0.0  # host time to issue one kernel (eager PyTorch)
+    bus_fraction: tuple[float, float] = (1.0, 1.0)  # NCCL bus bandwidth / link bandwidth: intra, inter node
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -56,6 +66,10 @@ class Cluster:
         if nodes < 1:
             raise ConfigError(f"cluster nodes={nodes} must be >= 1")
         return replace(self, nodes=nodes)
+
+
+OPTIONAL = ("cores", "profile", "sm_count", "gemm_fraction", "gemm_measured", "stream_fraction", "attention_fraction",
+            "launch_s", "bus_fraction")
 
 
 def cluster_dir() -> Path:
@@ -89,7 +103,7 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"cluster file {path}: unknown keys {unknown}; valid: {format_choices(sorted(known))}")
-    missing = sorted(k for k in known - set(raw) if k not in ("cores", "profile"))
+    missing = sorted(k for k in known - set(raw) if k not in OPTIONAL)
     if missing:
         raise ConfigError(f"cluster file {path} lacks {missing}")
     measured: dict[str, Any] = {}
@@ -101,5 +115,10 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
     for key in ("devices_per_node", "nodes"):
         if not isinstance(raw.get(key), int) or raw[key] < 1:
             raise ConfigError(f"cluster file {path}: {key}={raw.get(key)!r} must be a whole number >= 1")
+    for key in ("attention_fraction", "bus_fraction"):
+        if raw.get(key) is not None:
+            if not isinstance(raw[key], list | tuple) or len(raw[key]) != 2:
+                raise ConfigError(f"cluster file {path}: {key}={raw[key]!r} must be a pair [a, b]")
+            raw[key] = tuple(float(v) for v in raw[key])
     cluster = Cluster(**{k: v for k, v in raw.items()}, measured=measured)
     return cluster.with_nodes(nodes) if nodes is not None else cluster

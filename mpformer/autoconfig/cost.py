@@ -40,22 +40,22 @@ from functools import lru_cache
 
 from mpformer.autoconfig.calibration import SPLIT, Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
+from mpformer.autoconfig.compute import LayerTimes, layer_times_from, measured_attention, pass_time, stream_rate
 from mpformer.autoconfig.cp_cost import cp_traffic
+from mpformer.autoconfig.kernels import dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p  # noqa: F401  (RING_FACTOR: re-exported)
-from mpformer.autoconfig.memory import BYTES, Workload, activation_bytes_per_layer
+from mpformer.autoconfig.memory import BYTES, Workload
 from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
 from mpformer.pipeline.actions import Schedule
 from mpformer.pipeline.simulate import Costs
+from mpformer.pipeline.timeline import CompiledTimeline, compile_timeline
 
-# Fraction of the data-sheet peak a large, well-shaped 16-bit GEMM reaches (cuBLAS on A100/H100
-# class parts), and the GEMM size (FLOPs) at which half of that is reached: small GEMMs are
-# launch- and tile-bound. Both are device-class constants, not fitted to any run.
-GEMM_EFFICIENCY = 0.85
-GEMM_HALF_FLOPS = 2.0e9
-ELEMENTWISE_PASSES = 4.0  # reads + writes of the layer's activation bytes by non-GEMM kernels, fwd
+# Gradient buckets of the data-parallel reduction (fp32 bytes): mpformer's train.grad_bucket_mb default
+# (25 MiB, as PyTorch DDP's bucket_cap_mb); Megatron-LM's are 40M parameters (its ddp_bucket_size).
+BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass
@@ -74,68 +74,76 @@ class Breakdown:
         return {k: v for k, v in self.__dict__.items() if k != "extra"} | self.extra
 
 
-def gemm_efficiency(cluster: Cluster, dtype: str, m: int, n: int, k: int) -> float:
-    table = [r for r in cluster.measured.get("matmul", []) if r["dtype"] == dtype]
-    if table:  # the nearest measured shape, distance in log m, log n, log k (aspect matters, not just size)
-        def dist(r: dict) -> float:
-            return sum(abs(math.log(a / r[key])) for a, key in ((m, "m"), (n, "n"), (k, "k")))
-
-        return min(table, key=dist)["flops_per_s"] / cluster.peak(dtype)
-    flops = 2.0 * m * n * k
-    return GEMM_EFFICIENCY * flops / (flops + GEMM_HALF_FLOPS)
-
-
-def _gemm_time(c: Cluster, dtype: str, m: int, n: int, k: int, batch: int = 1) -> float:
-    return batch * 2.0 * m * n * k / (c.peak(dtype) * gemm_efficiency(c, dtype, m, n, k))
-
-
-def _attention_time(c: Cluster, dtype: str, s_q: int, s_k: int, d: int, heads: int) -> float:
-    """Forward time of attention over ``heads`` (batch x heads) heads: from the profile's measured fused
-    kernel (forward + backward, a third of it; scaled by s_q s_k d from the nearest shape), else its
-    two GEMMs (QK^T and AV: local queries, all keys)."""
-    table = [r for r in c.measured.get("attention", []) if r["dtype"] == dtype]
-    if table:
-        row = min(table, key=lambda r: abs(math.log(s_q / r["seq"])) + abs(math.log(d / r["head_dim"])))
-        scale = s_q * s_k * d / (row["seq"] ** 2 * row["head_dim"])
-        return heads * row["seconds_per_head"] * scale / 3
-    return 2 * _gemm_time(c, dtype, s_q, s_k, d, batch=heads)
-
-
 def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float, float]:
     """(F, BI, BW, TP + CP communication) seconds of one layer for one micro-batch on one rank."""
     f, bi, bw_, tp_comm, attn = layer_times_parts(m, L, w, c)
     return f, bi, bw_, tp_comm + sum(cp_layer_times(m, L, w, c, attn))
 
 
+def layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> LayerTimes:
+    """The layer's kernels (kernels.py) timed on the device (compute.py), without recompute."""
+    key = (repr(m), _compute_key(L), _work_key(w), _cluster_key(c), id(c.measured))
+    hit = _LAYER_CACHE.get(key)
+    if hit is None or hit[0] is not c.measured:
+        hit = _LAYER_CACHE[key] = (c.measured, _layer_compute(m, key[1], key[2], c))
+    return hit[1]
+
+
+def _compute_key(L: ParallelLayout) -> ParallelLayout:
+    """The layout fields a layer's kernels depend on (the rest would only split the cache)."""
+    return ParallelLayout(tp=L.tp, cp=L.cp, sequence_parallel=L.sequence_parallel)
+
+
+def _work_key(w: Workload) -> Workload:
+    return replace(w, global_batch_size=w.micro_batch_size)
+
+
+# Layer and edge times by (model repr, compute layout, micro-batch workload, cluster, profile identity):
+# ``measured`` is not part of a cluster's equality, and the entry holds the profile, so its id is not
+# reused while the entry lives. The search asks for the same few thousand shapes again and again.
+_LAYER_CACHE: dict[tuple, tuple[dict, LayerTimes]] = {}
+_EDGE_CACHE: dict[tuple, tuple[dict, tuple[float, float, float]]] = {}
+
+
+def _cluster_key(c: Cluster) -> str:
+    return repr(replace(c, measured={}))
+
+
+def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> LayerTimes:
+    dt = w.precision
+    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.kernels, w.flash_attention)
+    x = dims(m, L, w.seq_length, w.micro_batch_size)
+    measured = measured_attention(c, dt, x["s"], x["s_k"], x["d"], x["b"] * x["heads"]) if w.flash_attention else None
+    return layer_times_from(c, dt, work, measured)
+
+
 def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
                       ) -> tuple[float, float, float, float, float]:
-    """(F, BI, BW, TP communication, attention forward) seconds of one layer, one micro-batch, one rank."""
-    dt = w.precision if w.precision != "fp32" else "fp32"
-    t, s, b, h = L.tp, w.seq_length // L.cp, w.micro_batch_size, m.hidden_size
-    d, tokens = m.head_size, s * b
-    q, kv = m.num_attention_heads * d // t, max(m.kv_heads // t, 1) * d
-    ffn_in = (2 if m.gated_mlp else 1) * m.ffn_size // t
-    gemms = [(tokens, q + 2 * kv, h), (tokens, h, q), (tokens, ffn_in, h), (tokens, h, m.ffn_size // t)]
-    heads = m.num_attention_heads // t
-    attn = _attention_time(c, dt, s, s * L.cp, d, b * heads)
-    f_gemm = sum(_gemm_time(c, dt, *g) for g in gemms)
-    elementwise = ELEMENTWISE_PASSES * activation_bytes_per_layer(m, replace(L, recompute="selective"), w)
-    if not w.flash_attention:  # scores written, scale-mask-softmax read/write, dropout and its mask
-        elementwise += 9.0 * heads * s * s * L.cp * b / L.cp * BYTES[w.precision] / 2
-    elementwise /= c.memory_bandwidth
-    f = f_gemm + attn + elementwise
-    bi = f_gemm + 2 * attn + 2 * elementwise  # input gradients: one GEMM each, attention's two
-    bw_ = f_gemm  # weight gradients: one GEMM each
+    """(F, BI, BW, TP communication, attention forward) seconds of one layer, one micro-batch, one rank.
+    Selective recompute reruns the attention core's forward in the backward, full recompute the
+    whole forward (and its tensor-parallel collectives)."""
+    lt = layer_compute(m, L, w, c)
+    f, bi, bw_ = lt.f, lt.bi, lt.bw
     if L.recompute == "selective":
-        bi += attn
+        bi += lt.attn_f
     elif L.recompute == "full":
         bi += f
+    elif w.op_checkpoint:  # torchtitan's op-level checkpointing: wk, wo, w3 and every elementwise op again
+        q, kv = m.num_attention_heads * m.head_size, m.kv_heads * m.head_size
+        qkv, o, up = lt.f_gemms[:3]
+        bi += qkv * kv / (q + 2 * kv) + o + (up / 2 if m.gated_mlp else 0.0) + lt.f_memory
+    t, act = L.tp, w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
     spans = t > c.devices_per_node
-    act = tokens * h * BYTES[w.precision]
     kinds = ("all_gather", "reduce_scatter") if L.sequence_parallel else ("all_reduce", None)
     per = sum(_collective(c, k, act, t, spans) for k in kinds if k)  # one AR, or one AG + one RS
+    if w.tp_comm_overlap and t > 1:
+        # Transformer Engine's overlap (Megatron-LM --tp-comm-overlap): each collective is cut into t
+        # chunks exchanged while the adjacent GEMM computes the chunk before (all-gather -> QKV / FC1,
+        # RS after O / FC2; the same in backward): the first chunk, and what the GEMM cannot cover,
+        # stay exposed. The collectives' SMs slowing the GEMMs is not modelled.
+        per = max(per / t, per - lt.parts["gemm_forward"] / 2)
     tp_comm = (6 if L.recompute == "full" else 4) * per  # 2 in forward, 2 in backward, 2 more to recompute
-    return f, bi, bw_, tp_comm, attn
+    return f, bi, bw_, tp_comm, lt.attn_f
 
 
 def cp_layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, attn: float | None = None
@@ -147,13 +155,30 @@ def cp_layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, a
     return cp_traffic(m, L, w, c, layer_times_parts(m, L, w, c)[4] if attn is None else attn)
 
 
-def head_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> float:
-    """LM head forward + backward: three GEMMs, and the fp32 logits' softmax cross-entropy (written,
-    read for the max and the sum, gradient written and read: about 6 passes)."""
-    tokens = w.seq_length // L.cp * w.micro_batch_size
-    vocab = -(-m.vocab_size // L.tp)
-    logits = 6.0 * tokens * vocab * 4 / c.memory_bandwidth
-    return 3 * _gemm_time(c, w.precision, tokens, vocab, m.hidden_size) + logits
+def head_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float]:
+    """The last stage's final norm, LM head and cross entropy: (F, BI, BW) seconds per micro-batch."""
+    return _edge_times(m, L, w, c, True)
+
+
+def embedding_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float]:
+    """The first stage's embedding lookup and its gradient: (F, BI, BW) seconds per micro-batch."""
+    return _edge_times(m, L, w, c, False)
+
+
+def _edge_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head: bool) -> tuple[float, float, float]:
+    key = (repr(m), _compute_key(L), _work_key(w), _cluster_key(c), id(c.measured), head)
+    hit = _EDGE_CACHE.get(key)
+    if hit is None or hit[0] is not c.measured:
+        hit = _EDGE_CACHE[key] = (c.measured, _edge_compute(m, key[1], key[2], c, head))
+    return hit[1]
+
+
+def _edge_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head: bool) -> tuple[float, float, float]:
+    dt = w.precision
+    work = (head_work(m, L, w.seq_length, w.micro_batch_size, dt, w.kernels, w.fused_cross_entropy) if head
+            else embedding_work(m, L, w.seq_length, w.micro_batch_size, dt))
+    f, bi, bw_ = (pass_time(c, dt, p, backward=k > 0).total for k, p in enumerate((work.f, work.bi, work.bw)))
+    return f, bi, bw_
 
 
 @lru_cache(maxsize=64)
@@ -163,28 +188,68 @@ def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
     return build_schedule(name, pp, microbatches, vpp)
 
 
+@lru_cache(maxsize=64)
+def _compiled(name: str, pp: int, microbatches: int, vpp: int) -> CompiledTimeline:
+    from mpformer.pipeline.schedules import build_schedule
+
+    return compile_timeline(build_schedule(name, pp, microbatches, vpp, check=False))
+
+
 def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,
-                  dilation: Callable[[int], float] | None = None) -> float:
-    """simulate()'s step time of the schedule. Past p micro-batches every schedule here is in its
-    steady state, where each further micro-batch adds the same time: the timelines at p and 2p
-    micro-batches are simulated and extended linearly (tests check this against the full timeline),
-    so a 64-stage pipeline of 512 micro-batches costs two small simulations.
+                  dilation: Callable[[int], float] | None = None, blocking: bool = False) -> float:
+    """simulate()'s step time of the schedule. Past p micro-batches (ZB-H2: its minimum, 2p - 1) every
+    schedule here is in its steady state, where each further micro-batch adds the same time: the
+    timelines at that many and p more micro-batches are simulated and extended linearly (tests check
+    this against the full timeline), so a 64-stage pipeline of 512 micro-batches costs two small ones.
 
     ``dilation(k)``: how much slower compute runs while k ranks of the pipeline compute at once (ranks
-    sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``."""
+    sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``.
+    ``blocking``: each batched send/receive group blocks its rank until it completes (an engine
+    without p2p overlap: Megatron-LM's and DeepSpeed's pipelines before MegaScale's change)."""
     from mpformer.core.layout import min_microbatches
     from mpformer.pipeline.simulate import simulate
 
     def run(mb: int) -> float:
         if dilation is not None:
             return shared_step_time(_schedule(schedule, pp, mb, vpp), costs, dilation)
-        return simulate(_schedule(schedule, pp, mb, vpp), costs, verified=True).step_time
+        if not blocking:  # the same timeline, compiled once per schedule (pipeline/timeline.py)
+            return _compiled(schedule, pp, mb, vpp).step_time(costs)
+        return simulate(_schedule(schedule, pp, mb, vpp), costs, verified=True, blocking=blocking).step_time
 
-    lo, hi = pp, 2 * pp
-    if microbatches <= hi or lo < min_microbatches(schedule, pp):
+    lo = max(pp, min_microbatches(schedule, pp))  # ZB-H2 runs from 2p - 1 micro-batches
+    hi = lo + pp
+    if microbatches <= hi:
         return run(microbatches)
     t_lo, t_hi = run(lo), run(hi)
     return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
+
+
+def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs, blocking: bool = False
+                   ) -> float:
+    """A lower bound of simulate()'s step time for every generated schedule, in closed form (the
+    search ranks every plan by it and simulates only those that can still win, search.py).
+
+    Rank r holds global stages r, r + p, ... (one per chunk). It cannot start before the first
+    micro-batch has come through the stages before it, fill_r = sum of F and p2p over stages < r; it
+    then does all its work, m x its stages' F + B + W (blocking p2p: a transfer more each); and in
+    the schedules whose B carries W (1F1B, GPipe, interleaved) its last action is a backward of its
+    first chunk, after which the stages before it still run theirs, tail_r = sum of B and p2p over
+    stages < r. T >= max_r fill_r + work_r + tail_r, which is the simulated time when stages are
+    equal ((m + p - 1) slots of 1F1B, (p - 1) / v of interleaving's fill); the zero-bubble schedules
+    may run W after that backward, so their tail is not counted."""
+    f = [costs._at("f", s) for s in range(pp * vpp)]
+    b = [costs._at("b", s) for s in range(pp * vpp)]
+    w = [costs._at("w", s) for s in range(pp * vpp)]
+    hop = costs.p2p if pp > 1 else 0.0
+    extra = hop if blocking and pp > 1 else 0.0
+    best = 0.0
+    for r in range(pp):
+        mine = range(r, pp * vpp, pp)
+        work = microbatches * sum(f[s] + b[s] + w[s] + extra for s in mine)
+        fill = sum(f[:r]) + r * hop
+        tail = 0.0 if schedule in ("zb-h1", "zb-h2") else sum(b[:r]) + r * hop
+        best = max(best, fill + work + tail)
+    return best
 
 
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
@@ -216,10 +281,11 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
 
         fs, bs = fc, bc
     if L.pp > 1 and simulate_pipeline:
-        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p), dilation)
-    else:  # closed form: (m + p - 1) slots of a stage's work, interleaving shrinks the fill by vpp
-        stage_work = (sum(fs) + sum(bs) + sum(wc)) / L.pp
-        pipe = (micro + (L.pp - 1) / L.vpp) * stage_work + (L.pp - 1) * 2 * p2p
+        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p), dilation,
+                             blocking=not w.overlap_p2p)
+    else:  # the closed form: a lower bound of the simulated timeline, equal to it for even stages
+        pipe = pipeline_bound(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
+                              blocking=not w.overlap_p2p)
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
     if dilation is not None:
@@ -234,9 +300,10 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     mine = [counts[chunk * L.pp + slowest] for chunk in range(L.vpp)]
     cp_comm = micro * sum(sum(ns) * sum(cp_layer_times(m, lay, w, c)) for lay, ns in _recompute_split(L, mine)) \
         if L.cp > 1 else 0.0
-    dp_exposed = _dp_time(m, L, w, c, params_per_rank, micro, bs[-1] + wc[-1], slow is not None)
-    shard = params_per_rank / (L.dp * L.cp if L.zero >= 1 else 1)  # ZeRO shards over dp x cp
-    optimizer = shard * (2 * (4 + 4 + 8) + 4 + BYTES[w.precision]) / c.memory_bandwidth
+    first = [chunk * L.pp for chunk in range(L.vpp)]  # pipeline rank 0's stages: it finishes last
+    dp_exposed = _dp_time(m, L, w, c, params_per_rank, micro, sum(fs[i] for i in first),
+                          sum(bs[i] + wc[i] for i in first), slow is not None)
+    optimizer = optimizer_time(L, w, c, params_per_rank)
     if slow is not None:
         optimizer *= interpolate(slow, c.devices_per_node)
     return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm,
@@ -266,9 +333,13 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
             wc[i] += n * bw_ if split else 0.0
             tps[i] += n * tp_comm
             cps[i] += n * cp
-    head = k * head_time(m, L, w, c)
-    fc[-1] += head / 3
-    bc[-1] += 2 * head / 3
+    hf, hb, hw = (k * x for x in head_times(m, L, w, c))
+    ef, eb, ew = (k * x for x in embedding_times(m, L, w, c))
+    fc[-1] += hf
+    fc[0] += ef
+    for i, (b_, w_) in ((-1, (hb, hw)), (0, (eb, ew))):
+        bc[i] += b_ + (0 if split else w_)
+        wc[i] += w_ if split else 0.0
     if L.tp > 1:  # the vocabulary-parallel embedding and head, and the cross-entropy's three reductions
         tokens = w.seq_length // L.cp * w.micro_batch_size
         act = tokens * m.hidden_size * BYTES[w.precision]
@@ -299,40 +370,65 @@ def tp_step_time(m: ModelConfig, L: ParallelLayout, c: Cluster, cal: Calibration
 
 
 def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params: int, micro: int,
-             last_backward: float, cores_shared: bool) -> float:
-    """Exposed data-parallel time: fp32 gradients reduced in buckets (ZeRO-3: per layer, every
-    micro-batch), 16-bit (or fp32) parameters gathered; overlapped with the last backward on devices
-    that compute and communicate at once; on a CPU host whose cores are all computing only the
-    latency of all but the first collective of a kind is hidden (``coll``)."""
-    dp_ranks = L.dp * L.cp  # gradients reduce over dp x cp (same weights)
+             first_forward: float, last_backward: float, cores_shared: bool) -> float:
+    """Exposed data-parallel time of a step on the rank that finishes last (pipeline rank 0).
+
+    Gradients reduce (over dp x cp: the same weights) in buckets of ``BUCKET_BYTES`` of fp32, each
+    launched as soon as backward has produced it, on one communication stream: n buckets ready at
+    equal steps through a backward of length B, T to reduce them all, finish max(B + T/n, B/n + T)
+    after the backward began, i.e. max(T/n, T - B (1 - 1/n)) after it ends (the last bucket, which
+    holds the first layers and the embedding, can never hide). Stages 0-1 reduce after the last
+    micro-batch only (B: its backward); stage 2 after every micro-batch; ZeRO-1/2's parameter
+    all-gather after the step hides the same way behind the next step's first forward (each block
+    waits for its bucket: param_gather.py). ZeRO-3 (one unit per layer and one for the embedding and
+    head, pp = 1) gathers unit i+1 while unit i computes and reduce-scatters a unit's gradients behind
+    the next unit's backward: per micro-batch the first gather and the last reduce-scatter are
+    exposed, and each unit's traffic beyond its compute. A run that reduces after the backward
+    (``Workload.overlap_grad_reduce=False``: Megatron-LM before September 2023) exposes all of it.
+    On a CPU host whose ranks share the cores
+    nothing hides (the collectives' copies and sums need the same cores; their measured fits were
+    taken with every rank busy) and the collectives' latency counts once per kind."""
+    dp_ranks = L.dp * L.cp
     if dp_ranks <= 1:
         return 0.0
     spans = L.tp * L.cp * L.dp > c.devices_per_node
-    grads, wbytes = params * 4.0, params * BYTES[w.precision]
+    reduce_bytes = 2 if L.grad_reduce_dtype == "bf16" else 4
+    grads, wbytes = params * float(reduce_bytes), params * float(BYTES[w.precision])
 
     def coll(kind: str, total: float, pieces: int) -> float:
-        """``pieces`` collectives of ``total`` bytes in all, issued back to back. On a CPU host whose
-        ranks share the cores, the runtime issues them ahead of need (buckets asynchronously as the
-        backward fills them, ZeRO-3's gather of the next layer while this one computes): their
-        latency, mostly the wait for the partners to be scheduled, overlaps compute but for the
-        first one's; their bandwidth part does not (copies and reductions need the same cores)."""
-        if cores_shared:
-            return _collective(c, kind, total, dp_ranks, spans)
         return pieces * _collective(c, kind, total / pieces, dp_ranks, spans)
 
+    def hidden(kind: str, total: float, behind: float) -> float:
+        n = max(1, math.ceil(total / BUCKET_BYTES))
+        t = coll(kind, total, n)
+        if cores_shared or not w.overlap_grad_reduce:
+            return t
+        return max(t / n, t - behind * (1 - 1 / n))
+
+    if L.zero == 3:
+        units = m.num_layers + 1
+        ag, rs = coll("all_gather", wbytes, units) / units, coll("reduce_scatter", grads, units) / units
+        if cores_shared:
+            return micro * units * (2 * ag + rs)
+        f_unit, b_unit = first_forward / units, last_backward / units
+        per_micro = ag + rs + (units - 1) * (max(0.0, ag - f_unit) + max(0.0, ag + rs - b_unit))
+        return micro * per_micro
     if L.zero == 0:
-        dp = coll("all_reduce", grads, 1)
-    elif L.zero in (1, 2):
-        dp = coll("reduce_scatter", grads, 1) + coll("all_gather", wbytes, 1)
-        if L.zero == 2:
-            dp += (micro - 1) * coll("reduce_scatter", grads, 1)
-    else:
-        units = m.num_layers // L.pp + 1  # each layer, and the embedding + head unit
-        dp = micro * (coll("reduce_scatter", grads, units) + 2 * coll("all_gather", wbytes, units))
-    if cores_shared:
-        return dp
-    overlap = last_backward * (micro if L.zero == 3 else 1)  # backward the reduction hides behind
-    return max(dp - 0.8 * overlap, 0.05 * dp)
+        return hidden("all_reduce", grads, last_backward)
+    exposed = hidden("reduce_scatter", grads, last_backward) + hidden("all_gather", wbytes, first_forward)
+    if L.zero == 2:
+        exposed += (micro - 1) * hidden("reduce_scatter", grads, last_backward)
+    return exposed
+
+
+def optimizer_time(L: ParallelLayout, w: Workload, c: Cluster, params: int) -> float:
+    """The optimizer step streams its shard (ZeRO shards over dp x cp): AdamW reads the fp32 gradient,
+    master, m and v and writes master, m and v back (28 bytes a parameter; no master in fp32: 24), the
+    16-bit parameter written from the master (2); the global gradient norm reads the gradients (4);
+    the full gradient buffer is zeroed for the next step (4 a parameter of the rank, not the shard)."""
+    shard = params / (L.dp * L.cp if L.zero >= 1 else 1)
+    per = (28 + 2) if BYTES[w.precision] < 4 else 24
+    return (shard * (per + 4) + params * 4) / stream_rate(c)
 
 
 # ---- the profile's corrections, worked out with the model above (calibration.py) ----------------

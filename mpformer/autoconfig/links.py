@@ -1,7 +1,9 @@
 """Time on the links between devices: ring collectives and point-to-point transfers (alpha-beta).
 
-A cluster preset gives each link's bandwidth and latency; a measured profile's alpha-beta fit of an
-op and group size (taken with every rank busy) replaces them (cost.py, cp_cost.py).
+A cluster preset gives each link's bandwidth and latency, and the share of the link's rate NCCL's
+bus bandwidth reaches on it (``bus_fraction``: protocol overhead, measured by nccl-tests; the preset
+names its source); a measured profile's alpha-beta fit of an op and group size (taken with every
+rank busy) replaces them (cost.py, cp_cost.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def _collective(c: Cluster, kind: str, nbytes: float, n: int, spans_nodes: bool)
     if fit is not None and not spans_nodes:
         return fit["alpha_s"] + RING_FACTOR[kind] * nbytes * (n - 1) / n / fit["beta_bytes_per_s"]
     bw, lat = c.link(spans_nodes)
-    return RING_FACTOR[kind] * ((n - 1) * lat + nbytes * (n - 1) / n / bw)
+    return RING_FACTOR[kind] * ((n - 1) * lat + nbytes * (n - 1) / n / (bw * c.bus_fraction[spans_nodes]))
 
 
 def _p2p(c: Cluster, nbytes: float, spans_nodes: bool) -> float:
@@ -30,4 +32,4 @@ def _p2p(c: Cluster, nbytes: float, spans_nodes: bool) -> float:
     if fit is not None and not spans_nodes:
         return fit["alpha_s"] + nbytes / fit["beta_bytes_per_s"]
     bw, lat = c.link(spans_nodes)
-    return lat + nbytes / bw
+    return lat + nbytes / (bw * c.bus_fraction[spans_nodes])

@@ -45,7 +45,9 @@ def published_cases(path: Path = REFERENCE) -> list[Case]:
         m = _gpt(r)
         vpp = 3 if r["model"] in ("175B", "530B") else 1  # "interleaving with 3 chunks for 175B and 530B"
         c = load_cluster("dgx-a100-80gb", nodes=max(1, r["gpus"] // 8))
-        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False)
+        # Megatron-LM of 2022: fused kernels, no FlashAttention yet, blocking pipeline send/receive.
+        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False, kernels="fused",
+                     overlap_p2p=False)
         for rec, key in (("selective", "iteration_time_s"), ("full", "full_recompute_iteration_time_s")):
             fixed = {"tp": r["tp"], "pp": r["pp"], "dp": 1, "cp": 1, "micro_batch_size": r["micro_batch"],
                      "recompute": rec, "sequence_parallel": r["sequence_parallel"], "vpp": vpp, "zero": 0,
@@ -61,6 +63,59 @@ def published_cases(path: Path = REFERENCE) -> list[Case]:
                         source="llama3_405b"))
     out += _megatron_core(d.get("megatron_core_h100_weak_scaling", {}).get("rows", []))
     out += _torchtitan(d.get("torchtitan_llama3_h100", {}).get("rows", []))
+    out += _bloom(d.get("bloom_176b", {}).get("rows", []))
+    out += _mt_nlg(d.get("mt_nlg_530b", {}).get("rows", []))
+    out += _megascale(d.get("megascale_megatron_baseline", {}))
+    return out
+
+
+def _bloom(rows: list[dict]) -> list[Case]:
+    """BLOOM-176B on Jean Zay: 4 x 100 Gb/s Omni-Path per 8-GPU node (6.25 GB/s per GPU between nodes),
+    fused Megatron kernels, no FlashAttention, dropout 0.1, full recompute, DeepSpeed's pipeline (1F1B)."""
+    out = []
+    for r in rows:
+        m = replace(_gpt(r), activation="gelu", tie_embeddings=True)
+        c = replace(load_cluster("dgx-a100-80gb", nodes=r["gpus"] // 8), inter_bandwidth=6.25e9)
+        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False, kernels="fused",
+                     overlap_grad_reduce=False, overlap_p2p=False)
+        fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["dp"], "cp": 1, "micro_batch_size": r["micro_batch"],
+                 "recompute": "full", "vpp": 1, "schedule": "1f1b", "sequence_parallel": False}
+        out.append(Case(f"bloom {r['model']} {r['gpus']} GPUs", m, c, w, fixed, iteration_time_s=r["iteration_time_s"],
+                        source="bloom_176b", note="ZeRO-1 equivalent (BF16_Optimizer); ALiBi as learned positions"))
+    return out
+
+
+def _mt_nlg(rows: list[dict]) -> list[Case]:
+    """MT-NLG 530B on Selene (DGX A100 80GB, HDR): tp 8, pp 35 (DeepSpeed's pipeline), full recompute."""
+    out = []
+    for r in rows:
+        m = _gpt(r)
+        c = load_cluster("dgx-a100-80gb", nodes=r["gpus"] // 8)
+        w = Workload(r["global_batch"], 1, r["seq"], "bf16", flash_attention=False, kernels="fused",
+                     overlap_grad_reduce=False, overlap_p2p=False)
+        fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["gpus"] // (r["tp"] * r["pp"]), "cp": 1, "recompute": "full",
+                 "vpp": 1, "schedule": "1f1b"}
+        out.append(Case(f"mt-nlg 530B {r['gpus']} GPUs", m, c, w, fixed, iteration_time_s=r["iteration_time_s"],
+                        source="mt_nlg_530b", note="micro-batch not published"))
+    return out
+
+
+def _megascale(d: dict) -> list[Case]:
+    """MegaScale's Megatron-LM baseline (2023): A100 (80 GB assumed), one 200G NIC per GPU, interleaved
+    pipeline, no data-parallel overlap (MegaScale's own addition); micro-batch and recompute searched."""
+    out = []
+    for key in ("rows_175b", "rows_530b"):
+        for r in d.get(key, []):
+            m = _gpt(r)
+            c = load_cluster("dgx-a100-80gb", nodes=r["gpus"] // 8)
+            w = Workload(r["global_batch"], 1, r["seq"], "bf16", kernels="fused", overlap_grad_reduce=False,
+                         overlap_p2p=False)
+            fixed = {"tp": r["tp"], "pp": r["pp"], "vpp": r["vpp"], "schedule": "interleaved", "cp": 1,
+                     "dp": r["gpus"] // (r["tp"] * r["pp"])}
+            kw = ({"iteration_time_s": r["iteration_time_s"]} if "iteration_time_s" in r
+                  else {"tflops_per_gpu": r["mfu"] * 312.0})
+            out.append(Case(f"megascale-baseline {r['model']} {r['gpus']} GPUs gbs {r['global_batch']}", m, c, w, fixed,
+                            source="megascale_megatron_baseline", note="micro-batch, recompute not stated", **kw))
     return out
 
 
@@ -71,7 +126,8 @@ def _megatron_core(rows: list[dict]) -> list[Case]:
     for r in rows:
         m = _gpt(r)
         c = load_cluster("dgx-h100", nodes=r["gpus"] // 8)
-        w = Workload(r["global_batch"], 1, r["seq"], "bf16")
+        # Transformer Engine's fused kernels and tensor-parallel overlap, --overlap-grad-reduce (the source)
+        w = Workload(r["global_batch"], 1, r["seq"], "bf16", kernels="fused", tp_comm_overlap=True)
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["gpus"] // (r["tp"] * r["pp"]), "cp": 1}
         out.append(Case(f"mcore {r['model']} tp{r['tp']} pp{r['pp']}", m, c, w, fixed,
                         tflops_per_gpu=r["tflops_per_gpu"], source="megatron_core_h100_weak_scaling",
@@ -80,10 +136,11 @@ def _megatron_core(rows: list[dict]) -> list[Case]:
 
 
 def _gpt(r: dict) -> ModelConfig:
-    """A GPT-3-style model of a row (Korthikanti's and Megatron-Core's): GeLU, biases, learned positions."""
+    """A GPT-3-style model of a row (Megatron-LM's GPT): GeLU, biases, learned positions, and Megatron's
+    default hidden and attention dropout of 0.1 (Korthikanti et al.'s activation count has its masks)."""
     return ModelConfig(arch="gpt2", num_layers=r["layers"], hidden_size=r["hidden"], num_attention_heads=r["heads"],
                        vocab_size=r["vocab"], activation="gelu_tanh", attention_bias=True, mlp_bias=True,
-                       max_position_embeddings=r["seq"])
+                       max_position_embeddings=r["seq"], hidden_dropout=0.1, attention_dropout=0.1)
 
 
 def _llama3(name: str, seq: int) -> ModelConfig:
@@ -99,23 +156,34 @@ LLAMA3 = {  # the Llama 3 architectures (the Llama 3 paper; torchtitan's benchma
 
 
 def _torchtitan(rows: list[dict]) -> list[Case]:
-    """FSDP is ZeRO-3 over the dp ranks; H100 SXM (the 96 GB part at 500 W in the source: the dgx-h100
-    data sheet's compute and links, 96 GB of memory). torch.compile is not modelled (noted)."""
+    """FSDP is ZeRO-3 over the dp ranks (FSDP2, bf16 parameters, fp32 reduce); the Grand Teton H100 96GB
+    at 500 W (configs/cluster/grand-teton-h100-96gb.yaml). Eager torch of December 2024 ran RMSNorm as
+    elementwise ops (``composite``), torch.compile fuses them (``fused``); the 8B rows checkpoint op by
+    op (``op_checkpoint``) at micro-batch = local batch (no accumulation). Float8 rows are skipped:
+    mpformer has no fp8 path and the cost model no fp8 term."""
     out = []
     for r in rows:
+        if r.get("float8"):
+            continue
         m = _llama3(r["model"], r["seq"])
-        c = load_cluster("dgx-h100", nodes=max(1, r["gpus"] // 8))
-        c = replace(c, memory_gb=96)
+        c = load_cluster("grand-teton-h100-96gb", nodes=max(1, r["gpus"] // 8))
         dp = r["fsdp"]
         gbs = r.get("global_batch") or r["local_batch"] * dp
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": dp, "cp": r["cp"], "zero": 3 if r["pp"] == 1 else 1}
         if "schedule" in r:
             fixed["schedule"] = r["schedule"]
+        op = r.get("activation_checkpoint") == "selective-op"
+        if op:
+            fixed |= {"recompute": "none", "micro_batch_size": r["local_batch"]}
+        elif r.get("activation_checkpoint") == "full":
+            fixed["recompute"] = "full"
+        w = Workload(gbs, r["local_batch"], r["seq"], "bf16", kernels="fused" if r.get("compile") else "composite",
+                     op_checkpoint=op)
         note = "torch.compile" if r.get("compile") else "eager"
         if r["pp"] > 1:
             note += "; FSDP with pp pinned as zero=1 (zero=3 cannot run with pp)"
         out.append(Case(f"titan {r['model']} {r['gpus']} GPUs tp{r['tp']} pp{r['pp']}"
                         f"{' ' + r['schedule'] if 'schedule' in r else ''}{' compile' if r.get('compile') else ''}",
-                        m, c, Workload(gbs, 1, r["seq"], "bf16"), fixed, tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
+                        m, c, w, fixed, tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
                         source="torchtitan_llama3_h100", note=note))
     return out

@@ -3,9 +3,19 @@ rank by predicted iteration time; return the top plans with breakdowns and why t
 
 Enumerated: tp (up to a node), cp, pp, dp (what the world leaves), vpp and schedule, micro-batch
 size, ZeRO stage, recompute, sequence parallelism (always on with tp > 1: same traffic, less memory).
-Any field can be pinned (``fixed``). Ranking uses the pipeline's closed form (bubble
-(p-1)/(v m + p-1) of each stage's work); the best ``resimulate`` plans are then re-timed with
-simulate.py on their actual schedules and re-ranked.
+Any field can be pinned (``fixed``). Recompute: the cheapest that fits, and for selective and full
+the fewest layers per pipeline chunk that must recompute (``recompute_layers``, as Megatron-LM's
+--recompute-num-layers) unless the mode is pinned.
+
+Ranking (one estimate everywhere): every feasible plan gets the closed form of cost.py, whose
+pipeline term (``pipeline_bound``) is a lower bound of the simulated timeline of its schedule (equal
+to it for even stages). Plans are then simulated on their actual schedules in the order of their
+bounds until the next bound is no better than the k-th best simulated time: a plan never simulated
+cannot beat the ones returned (branch and bound), so the pre-ranking never drops a plan that full
+simulation would rank first. Each candidate's ``time.extra["estimate"]`` says which it carries
+("simulated", or "bound": at least that); the table, plan.json and the plot show that one number. On
+a CPU host (ranks sharing cores) the timeline's processor sharing and calibration are no bound, so
+every feasible plan is simulated (such hosts have few).
 
 Context parallelism: cp in powers of two that leave each rank at least ``MIN_CP_TOKENS`` positions
 (a pruning bound: on shorter sequences cp saves little activation memory, its attention blocks are
@@ -26,19 +36,33 @@ from typing import Any
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.cost import Breakdown, cp_layer_times, iteration_time
 from mpformer.autoconfig.memory import Workload, plan_memory
+from mpformer.autoconfig.sharing import slowdowns
 from mpformer.core.config import FixedPlan
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import CP_KINDS, ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig, divisors
+from mpformer.core.pipeline_plan import stage_counts
 
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
-# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
-# recompute_layers refines the recompute mode by hand.
-NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "recompute_layers")
+# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice.
+NOT_SEARCHED = ("pp_split", "grad_reduce_dtype")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
 assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"
 MIN_CP_TOKENS = 2048  # the fewest positions per cp rank the search tries cp at (unless cp is pinned)
+
+
+class Pins:
+    """The pinned plan fields: ``pins(name, values)`` is [the pinned value] or the values to search."""
+
+    def __init__(self, fixed: dict[str, Any]) -> None:
+        self.fixed = fixed
+
+    def __call__(self, name: str, values: list) -> list:
+        return [self.fixed[name]] if name in self.fixed else values
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fixed
 
 
 @dataclass
@@ -55,7 +79,7 @@ class Candidate:
         """The plan as pretrain's command-line overrides."""
         p = self.plan()
         parts = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in p.items()
-                 if k != "micro_batch_size"]
+                 if k != "micro_batch_size" and v is not None]
         if self.layout.pp_partition != "uniform":
             parts.append(f"parallel.pp_partition={self.layout.pp_partition}")
         return " ".join([*parts, f"train.micro_batch_size={p['micro_batch_size']}"])
@@ -92,7 +116,7 @@ class SearchResult:
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: dict[str, Any] | None = None,
-           top_k: int = 5, resimulate: int | None = None, device: str = "cuda") -> SearchResult:
+           top_k: int = 5, device: str = "cuda") -> SearchResult:
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(PLAN_FIELDS))
     if unknown:
@@ -101,8 +125,7 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: d
     world, gbs = cluster.world_size, workload.global_batch_size
     result = SearchResult([], [])
 
-    def options(name: str, values: list) -> list:
-        return [fixed[name]] if name in fixed else values
+    options = Pins(fixed)
 
     tps = options("tp", [t for t in divisors(cluster.devices_per_node) if model.num_attention_heads % t == 0])
     for tp in tps:
@@ -116,11 +139,26 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: d
                     result.reject("world size", f"tp={tp} cp={cp} pp={pp} leave dp={dp} of {world} devices")
                     continue
                 _structure(model, cluster, workload, result, fixed, tp, cp, pp, dp, gbs, options, device)
+    return result.finished(_rank(model, cluster, workload, result, top_k), time.perf_counter() - t0)
+
+
+def _rank(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, top_k: int) -> list[Candidate]:
+    """Branch and bound over the feasible plans' closed forms (lower bounds of their simulations):
+    simulate in bound order until the next bound cannot enter the top k. Plans without a pipeline
+    are exact already; on a CPU host every plan is simulated (its closed form is no bound)."""
+    exact_everywhere = slowdowns(cluster) is None
     ranked = sorted(result.feasible, key=lambda c: c.time.iteration_s)
-    best = ranked[:resimulate if resimulate is not None else top_k + 2]
-    best = sorted((replace(c, time=_retime(model, c, workload, cluster)) for c in best),  # the real timeline
-                  key=lambda c: c.time.iteration_s)
-    return result.finished(best[:top_k], time.perf_counter() - t0)
+    done: list[Candidate] = []
+    for i, c in enumerate(ranked):
+        if exact_everywhere and len(done) >= top_k and c.time.iteration_s >= done[top_k - 1].time.iteration_s:
+            break
+        if c.layout.pp > 1 or not exact_everywhere:
+            c = replace(c, time=_retime(model, c, w, cluster))
+            ranked[i] = c
+        c.time.extra["estimate"] = "simulated"
+        done = sorted([*done, c], key=lambda x: x.time.iteration_s)
+    result.feasible = ranked
+    return done[:top_k]
 
 
 def cp_values(ranks: int, seq_length: int) -> list[int]:
@@ -162,7 +200,7 @@ def _with_mbs(w: Workload, mbs: int) -> Workload:
 
 
 def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, fixed: dict, tp: int,
-               cp: int, pp: int, dp: int, gbs: int, options, device: str) -> None:
+               cp: int, pp: int, dp: int, gbs: int, options: Pins, device: str) -> None:
     per_dp = gbs // dp if gbs % dp == 0 else 0
     if not per_dp:
         result.reject("batch", f"global batch {gbs} does not split over dp={dp}")
@@ -184,7 +222,7 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
                                           [replace(base, cp_kind=k, cp_ulysses=u) for k, u in kinds], mbs)
 
 
-def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, options,
+def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, options: Pins,
                       device: str, bases: list[ParallelLayout], mbs: int) -> None:
     """The cheapest recompute mode that fits (none < selective < full in time), unless pinned; at
     each, the layout's cp kinds (``bases``, alike but for cp_kind / cp_ulysses) fastest first."""
@@ -207,22 +245,61 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
     valid = [L for L in bases if not invalid(L)]
     if not valid:
         return
+    search_k = "recompute" not in options and "recompute_layers" not in options
+    found: list[Candidate] = []
     for rec in options("recompute", ["none", "selective", "full"]):
         layouts = [replace(L, recompute=rec) for L in valid]
+        if rec != "none" and "recompute_layers" in options:
+            layouts = [replace(L, recompute_layers=options("recompute_layers", [None])[0]) for L in layouts]
         if len(layouts) > 1:  # the kinds differ only in the attention's exposed traffic
             layouts.sort(key=lambda L: sum(cp_layer_times(model, L, ww, cluster)))
         for L in layouts:
-            result.count()
-            stages = plan_memory(model, L, ww, device=device)
-            need = max(s.total for s in stages)
-            params = max(s.params for s in stages)
-            if need > cluster.memory_bytes:
-                result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
-                result.reject("out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
+            fit = _fits(model, cluster, ww, result, L, mbs, device)
+            if fit is None:
                 continue
-            b = iteration_time(model, L, ww, cluster, params_per_rank=params, simulate_pipeline=False)
-            result.add(Candidate(L, mbs, need, b))
-            return
+            if search_k and rec != "none":
+                L, fit = _fewest_recomputed(model, cluster, ww, result, L, mbs, device, fit)
+            b = iteration_time(model, L, ww, cluster, params_per_rank=fit[1], simulate_pipeline=False)
+            b.extra["estimate"] = "bound"
+            found.append(Candidate(L, mbs, fit[0], b))
+            break
+        if found and rec == "none":
+            break  # nothing recomputed fits: no recompute can be faster
+    if found:
+        result.add(min(found, key=lambda c: c.time.iteration_s))
+
+
+def _fits(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout, mbs: int,
+          device: str) -> tuple[float, int] | None:
+    """(bytes per device, parameters per rank) of the layout's most loaded stage when it fits."""
+    result.count()
+    stages = plan_memory(model, L, w, device=device)
+    need = max(s.total for s in stages)
+    params = max(s.params for s in stages)
+    if need > cluster.memory_bytes:
+        result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
+        result.reject("out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
+        return None
+    return need, params
+
+
+def _fewest_recomputed(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout,
+                       mbs: int, device: str, fit: tuple[float, int]) -> tuple[ParallelLayout, tuple[float, int]]:
+    """The layout recomputing the fewest layers per chunk that still fits (memory falls as more layers
+    recompute: bisection), given that recomputing all of them fits (``fit``)."""
+    most = max(stage_counts(model, L, w.seq_length))
+    lo, hi, best = 1, most - 1, (L, fit)
+    while lo <= hi:
+        k = (lo + hi) // 2
+        trial = replace(L, recompute_layers=k)
+        result.count()
+        stages = plan_memory(model, trial, w, device=device)
+        need = max(s.total for s in stages)
+        if need <= cluster.memory_bytes:
+            best, hi = (trial, (need, max(s.params for s in stages))), k - 1
+        else:
+            lo = k + 1
+    return best
 
 
 def no_plan_error(res: SearchResult, cluster: Cluster) -> ConfigError:

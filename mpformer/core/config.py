@@ -160,6 +160,7 @@ class FixedPlan:
     micro_batch_size: int | None = None
     zero: int | None = None
     recompute: str | None = None
+    recompute_layers: int | None = None  # pinned with recompute: the first K layers of each chunk recompute
     schedule: str | None = None
     sequence_parallel: bool | None = None
 

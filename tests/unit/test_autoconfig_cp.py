@@ -85,7 +85,7 @@ def test_ulysses_volume_and_kv_replication():
     c = replace(load_cluster("dgx-h100", nodes=2), intra_latency=0.0, inter_latency=0.0)
 
     def a2a(u: int, heads: int, spans: bool) -> float:
-        bw = c.inter_bandwidth if spans else c.intra_bandwidth
+        bw = (c.inter_bandwidth if spans else c.intra_bandwidth) * c.bus_fraction[spans]  # NCCL's share of the link
         return (u - 1) / u * (131072 // u) * max(heads, u) * 128 * 2 / bw
 
     for u in (8, 16):
@@ -93,7 +93,8 @@ def test_ulysses_volume_and_kv_replication():
         L = ParallelLayout(dp=16 // u, cp=u, cp_kind="ulysses")
         assert cp_layer_times(LLAMA8B, L, LONG, c) == pytest.approx((want, want))
     # replication: at U=16 each rank receives a whole kv head, twice the bytes of 8 kv heads cut 16 ways
-    assert a2a(16, 8, False) == pytest.approx(2 * (15 / 16) * (131072 // 16) * 8 * 128 * 2 / c.intra_bandwidth)
+    assert a2a(16, 8, False) == pytest.approx(2 * (15 / 16) * (131072 // 16) * 8 * 128 * 2
+                                              / (c.intra_bandwidth * c.bus_fraction[0]))
 
 
 def test_hybrid_is_ulysses_inside_a_ring():

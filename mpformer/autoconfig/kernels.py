@@ -1,0 +1,232 @@
+"""A transformer layer, the LM head and the embedding as the kernels that run them, counted.
+
+The cost model (cost.py) times three kinds of work from the device's own rates:
+
+    GEMMs         (m, n, k) of every matmul: the forward Y = X W (m tokens, n out, k in) and its two
+                  backward products dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m)
+    attention     the core's FLOPs (a causal mask halves the score matrix a flash kernel computes);
+                  without a flash kernel its two batched GEMMs per pass plus the score matrix that the
+                  softmax and dropout kernels read and write (Megatron before FlashAttention)
+    memory-bound  norms, rotary embedding, activation, residual adds and dropout, casts, the
+                  weight-gradient accumulation: bytes read + written, and how many kernels launch
+
+Bytes are counted per kernel from what it reads and writes (an elementwise forward reads its inputs
+and writes its output; its backward reads the saved input and the incoming gradient and writes the
+outgoing one). ``Workload.kernels`` says how the run implements the elementwise ops:
+
+    fused      one kernel per op: Megatron-LM's / Transformer Engine's fused norm, bias-GeLU,
+               SwiGLU, rotary and bias-dropout-add kernels, or torch.compile; the weight gradient
+               accumulated into the fp32 main gradient by the GEMM itself (gradient-accumulation fusion)
+    eager      PyTorch eager op by op, with torch's own fused norm kernels (mpformer on CUDA: fp32 cast,
+               F.rms_norm, cast back, weight; rotate-half RoPE; silu then mul; the 16-bit weight
+               gradient added into the fp32 main gradient by a kernel of its own)
+    composite  eager with RMSNorm written as elementwise ops (pow, mean, rsqrt, mul: Hugging Face's
+               LlamaRMSNorm, and torch before it had a fused rms_norm)
+
+Shapes per micro-batch on one rank: T = (s / cp) b tokens, t = tp, q = a d / t query width, kv = k d / t
+(kv heads replicate when tp exceeds them), f the FFN width / t (gated: two up projections), X the
+residual stream elements (T h, or T h / t under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
+
+KERNELS = ("fused", "eager", "composite")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Gemm:
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    out_bytes: int = 2  # bytes per output element (fp32 when it accumulates into the main gradient)
+    accumulate: bool = False  # reads its output too (beta = 1: gradient-accumulation fusion)
+
+
+@dataclass
+class Pass:
+    """One pass (forward, input gradients or weight gradients) of one layer, one micro-batch, one rank."""
+
+    gemms: list[Gemm] = field(default_factory=list)
+    stream_bytes: float = 0.0  # memory-bound kernels: bytes read + written
+    launches: int = 0  # kernels launched (GEMMs and attention included)
+    attention_flops: float = 0.0  # flash-kernel FLOPs (causal half counted once)
+
+    def add(self, nbytes: float, kernels: int) -> None:
+        self.stream_bytes += nbytes
+        self.launches += kernels
+
+
+@dataclass
+class LayerWork:
+    f: Pass
+    bi: Pass  # input gradients
+    bw: Pass  # weight gradients
+    attn_f: Pass = field(default_factory=Pass)  # the attention core (what selective recompute reruns)
+    attn_b: Pass = field(default_factory=Pass)
+
+
+def dims(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int) -> dict[str, int]:
+    t, s, b = L.tp, seq_length // L.cp, micro_batch
+    d = m.head_size
+    return {"T": s * b, "s": s, "s_k": s * L.cp, "b": b, "h": m.hidden_size, "d": d,
+            "q": m.num_attention_heads * d // t, "kv": max(m.kv_heads // t, 1) * d,
+            "heads": m.num_attention_heads // t, "f": m.ffn_size // t,
+            "up": (2 if m.gated_mlp else 1) * m.ffn_size // t,
+            "X": s * b * m.hidden_size // (t if L.sequence_parallel else 1)}
+
+
+def _norm(p_f: Pass, p_b: Pass, n: float, a: int, kernels: str, rms: bool) -> None:
+    """One norm over n elements. fused: read x, write y; backward reads x and dy, writes dx (one kernel
+    each, two for LayerNorm's weight and bias gradients). eager (mpformer): the fp32 cast and back
+    around the fused kernel, and the weight multiply. composite RMSNorm: cast, pow, mean, x * rsqrt,
+    cast back, * weight as separate kernels, each backward twice its forward."""
+    if kernels == "fused" or not rms:
+        p_f.add(2 * n * a, 1)
+        p_b.add(3 * n * a, 1 if rms else 2)
+        return
+    cast = 0 if a == FP32 else 1
+    if kernels == "eager":  # x.float(); F.rms_norm; .to(dtype); * weight
+        fwd = cast * 2 * n * (a + FP32) + 2 * n * FP32 + 3 * n * a
+        p_f.add(fwd, 2 + 2 * cast)
+        p_b.add(2 * fwd, 3 + 2 * cast)
+        return
+    fwd = cast * n * (a + FP32) + 2 * n * FP32 + n * FP32 + 3 * n * FP32 + cast * n * (FP32 + a) + 3 * n * a
+    p_f.add(fwd, 5 + 2 * cast)  # cast, pow, mean, (rsqrt: per row), mul, cast back, * weight
+    p_b.add(2 * fwd, 2 * (5 + 2 * cast))
+
+
+def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
+               kernels: str = "eager", flash: bool = True, main_grad_fp32: bool = True) -> LayerWork:
+    """Every kernel of one decoder layer (pre-norm attention + MLP blocks, as models/transformer.py)."""
+    a = FP32 if precision == "fp32" else 2
+    x = dims(m, L, seq_length, micro_batch)
+    T, h, q, kv, f, up, X = x["T"], x["h"], x["q"], x["kv"], x["f"], x["up"], x["X"]
+    F, BI, BW = Pass(), Pass(), Pass()
+    # The four GEMMs and their two backward products each. The weight gradient either accumulates
+    # into the fp32 main gradient inside the GEMM (fused), or is written in the compute dtype and
+    # then added into it by a kernel of its own (eager: 3 reads/writes of the weight's size).
+    fused_acc = kernels == "fused" and main_grad_fp32
+    for mm, nn_, kk in ((T, q + 2 * kv, h), (T, h, q), (T, up, h), (T, h, f)):
+        F.gemms.append(Gemm(mm, nn_, kk, out_bytes=a))
+        BI.gemms.append(Gemm(mm, kk, nn_, out_bytes=a))
+        BW.gemms.append(Gemm(kk, nn_, mm, out_bytes=FP32 if fused_acc else a, accumulate=fused_acc))
+        if not fused_acc:
+            BW.add(kk * nn_ * (a + 2 * FP32) if main_grad_fp32 else 3 * kk * nn_ * a, 1)
+    F.launches += 4
+    BI.launches += 4
+    BW.launches += 4
+    rms = m.norm_type == "rmsnorm"
+    for _ in range(2):
+        _norm(F, BI, X, a, kernels, rms)
+    # Residual adds (with dropout: GPT's bias-dropout-add; a 1-byte mask written, read in backward).
+    drop = m.hidden_dropout > 0
+    for _ in range(2):
+        if kernels == "fused" or not drop:
+            F.add(3 * X * a + (X if drop else 0), 1)
+            BI.add((2 * X * a + X) if drop else 0, 1 if drop else 0)
+        else:  # dropout, then add
+            F.add(2 * X * a + X + 3 * X * a, 2)
+            BI.add(2 * X * a + X, 1)
+    # Rotary embedding on q and k (per rank: the full sequence of its heads).
+    if not m.learned_positions:
+        n = T * (q + kv)
+        if kernels == "fused":
+            F.add(2 * n * a, 1)
+            BI.add(2 * n * a, 1)
+        else:  # x * cos + rotate_half(x) * sin: chunk+cat, two multiplies, one add
+            F.add((2 + 3 + 3 + 3) * n * a, 4)
+            BI.add((3 + 5 + 3) * n * a, 4)
+    # The activation: GeLU (bias folded into it when fused) or SwiGLU's silu(gate) * up.
+    if m.gated_mlp:
+        if kernels == "fused":
+            F.add(3 * T * f * a, 1)
+            BI.add(5 * T * f * a, 1)
+        else:  # silu, then mul
+            F.add((2 + 3) * T * f * a, 2)
+            BI.add((3 + 5) * T * f * a, 2)
+    else:
+        F.add(2 * T * f * a, 1)
+        BI.add(3 * T * f * a, 1)
+    work = LayerWork(F, BI, BW)
+    _attention(work.attn_f, work.attn_b, m, x, a, kernels, flash)
+    return work
+
+
+def _attention(F: Pass, BI: Pass, m: ModelConfig, x: dict[str, int], a: int, kernels: str, flash: bool) -> None:
+    """The attention core. A flash kernel: 4 s s_k d FLOPs per head forward, causal half, 2.5x that in
+    backward (FlashAttention-2: five matmuls to the forward's two); eager q/k/v are made contiguous
+    for it and its output copied back. Without one: QK^T and PV batched GEMMs (and two each in
+    backward), the scores written by the first, softmax and dropout reading and writing them."""
+    s, s_k, b, d, heads, kvh = x["s"], x["s_k"], x["b"], x["d"], x["heads"], max(x["kv"] // x["d"], 1)
+    bh = b * heads
+    if flash:  # causal: half the scores (a cp rank's zigzag chunks too: half of its s x s_k)
+        flops = 0.5 * 4.0 * s * s_k * d * bh
+        F.attention_flops += flops
+        BI.attention_flops += 2.5 * flops
+        F.launches += 1
+        BI.launches += 1
+        if kernels != "fused":
+            n = s * b * d * (heads + 2 * kvh)
+            F.add(2 * n * a + 2 * s * b * heads * d * a, 4)
+            BI.add(2 * n * a + 2 * s * b * heads * d * a, 4)
+        return
+    P = float(bh * s * s_k)  # the score matrix, all of it (no kernel skips the masked half)
+    F.gemms += [Gemm(s, s_k, d, batch=bh, out_bytes=a), Gemm(s, d, s_k, batch=bh, out_bytes=a)]
+    BI.gemms += [Gemm(s, s_k, d, batch=bh, out_bytes=a), Gemm(s_k, d, s, batch=bh, out_bytes=a),
+                 Gemm(s, d, s_k, batch=bh, out_bytes=a), Gemm(s_k, d, s, batch=bh, out_bytes=a)]
+    drop = m.attention_dropout > 0 or m.hidden_dropout > 0
+    F.add(2 * P * a + ((2 * P * a + P) if drop else 0), 2 + (1 if drop else 0))
+    BI.add(3 * P * a + ((2 * P * a + P) if drop else 0), 4 + (1 if drop else 0))
+
+
+def head_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
+              kernels: str = "eager", fused_cross_entropy: bool = True) -> LayerWork:
+    """The last stage's final norm, LM head and cross entropy, and (counted with it) the first stage's
+    embedding is not here: ``embedding_work``. Logits per rank: T x V/t.
+
+    Cross entropy without the fused head (Megatron's vocab-parallel CE on fp32 logits): cast, max,
+    subtract, exp, sum, divide in forward, the gradient scaled and cast back in backward: about 13
+    reads/writes of 4 bytes per logit. The fused head (mpformer's default, chunked): logits formed
+    per chunk in fp32 (written, max, exp-sum, the softmax gradient written and read by the two
+    gradient GEMMs in forward): 6 passes of 4 bytes, and no logit tensor kept."""
+    a = FP32 if precision == "fp32" else 2
+    x = dims(m, L, seq_length, micro_batch)
+    T, h = x["T"], x["h"]
+    V = -(-m.vocab_size // L.tp)
+    F, BI, BW = Pass(), Pass(), Pass()
+    _norm(F, BI, x["X"], a, kernels, m.norm_type == "rmsnorm")
+    F.gemms.append(Gemm(T, V, h, out_bytes=FP32 if fused_cross_entropy else a))
+    BI.gemms.append(Gemm(T, h, V, out_bytes=a))
+    BW.gemms.append(Gemm(h, V, T, out_bytes=FP32))
+    logits = float(T) * V
+    if fused_cross_entropy:
+        F.add(6 * FP32 * logits, 4)
+    else:
+        F.add(logits * (a + FP32) + 8 * FP32 * logits, 6)
+        BI.add(4 * FP32 * logits + logits * (FP32 + a), 3)
+    F.launches += 1
+    BI.launches += 1
+    BW.launches += 1
+    return LayerWork(F, BI, BW)
+
+
+def embedding_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str) -> LayerWork:
+    """The first stage's token (and learned position) embedding: rows gathered in forward (vocab-
+    parallel: masked, zeros elsewhere); in backward the dense gradient of the rank's V/t x h block
+    zeroed, the rows added into it and the block added into the fp32 main gradient."""
+    a = FP32 if precision == "fp32" else 2
+    x = dims(m, L, seq_length, micro_batch)
+    T, h = x["T"], x["h"]
+    V = -(-m.vocab_size // L.tp)
+    tables = 2 if m.learned_positions else 1
+    F, BI, BW = Pass(), Pass(), Pass()
+    F.add(tables * 2 * T * h * a + (3 * T * h * a if L.tp > 1 else 0), tables + (1 if L.tp > 1 else 0))
+    BW.add(V * h * a + 2 * T * h * a + V * h * (a + 2 * FP32), 3)
+    return LayerWork(F, BI, BW)

@@ -1,0 +1,118 @@
+"""A schedule's overlapped timeline compiled once into a dependency graph, then re-timed for any costs.
+
+``verify.execute(blocking=False)`` runs the action lists on a clock: a compute starts when its rank's
+previous compute has ended and its input has arrived; a message arrives ``p2p`` after both its send
+and its receive are posted, each posted when its rank reaches it, i.e. when the compute before it on
+that rank ends. Which compute waits on which, and the order in which a walk can time them, depend
+on the lists alone, not on the durations. ``compile_timeline`` walks the lists once and records, for
+every compute in that order, the three computes whose ends it waits on; ``CompiledTimeline.step_time``
+is then one pass over arrays. The auto-configurator re-times the same few schedules for thousands of
+cost vectors (cost.py); tests check it against ``simulate`` on every generated schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpformer.pipeline.actions import Op, Schedule, ScheduleError
+from mpformer.pipeline.simulate import Costs
+
+_KIND = {Op.F: "f", Op.BI: "b", Op.BW: "w"}
+
+
+@dataclass(frozen=True)
+class CompiledTimeline:
+    """Computes in a dependency order; per compute: the previous compute of its rank, the computes
+    after which its input's send and receive are posted (-1: none, the message or rank starts at 0),
+    whether it has an input, and (op, global stage) for its duration."""
+
+    num_stages: int
+    prev: tuple[int, ...]
+    send_post: tuple[int, ...]
+    recv_post: tuple[int, ...]
+    has_input: tuple[bool, ...]
+    ops: tuple[Op, ...]
+    stages: tuple[int, ...]
+
+    def step_time(self, costs: Costs) -> float:
+        """The last compute's end (= simulate(schedule, costs).step_time for the overlapped engine)."""
+        costs.check(self.num_stages)
+        table: dict[tuple[Op, int], float] = {}
+        for op in set(self.ops):
+            for s in range(self.num_stages):
+                if op is Op.B:
+                    table[op, s] = costs._at("b", s) + costs._at("w", s)
+                else:
+                    table[op, s] = costs._at(_KIND[op], s)
+        p2p, end = costs.p2p, [0.0] * len(self.prev)
+        prev, sp, rp, inp = self.prev, self.send_post, self.recv_post, self.has_input
+        for i, (op, s) in enumerate(zip(self.ops, self.stages)):
+            t = end[prev[i]] if prev[i] >= 0 else 0.0
+            if inp[i]:
+                a = end[sp[i]] if sp[i] >= 0 else 0.0
+                b = end[rp[i]] if rp[i] >= 0 else 0.0
+                t = max(t, max(a, b) + p2p)
+            end[i] = t + table[op, s]
+        return max(end, default=0.0)
+
+
+def compile_timeline(s: Schedule) -> CompiledTimeline:
+    """Walk the lists as the overlapped engine does (with no durations: only who waits on whom)."""
+    pp, acts, last_stage = s.pp, s.actions, s.num_stages - 1
+    ptr = [0] * pp
+    last = [-1] * pp  # node id of each rank's last compute so far
+    posted: dict[tuple[str, int, int], tuple[bool, int]] = {}  # message -> (its send?, node after which posted)
+    arrived: dict[tuple[str, int, int], tuple[int, int]] = {}  # message -> (send post, recv post)
+    waiting: dict[tuple[str, int, int], int] = {}
+    prev: list[int] = []
+    send_post: list[int] = []
+    recv_post: list[int] = []
+    has_input: list[bool] = []
+    ops: list[Op] = []
+    stages: list[int] = []
+    runnable = list(range(pp))
+    while runnable:
+        r = runnable.pop()
+        row = acts[r]
+        while ptr[r] < len(row):
+            a = row[ptr[r]]
+            op, stage = a.op, a.chunk * pp + a.rank
+            if op in _COMM:
+                msg = _MESSAGE[op](a.microbatch, stage)  # Action.message, inline: called for every action
+                other = posted.pop(msg, None)
+                is_send = op is Op.SEND_F or op is Op.SEND_B
+                if other is None:
+                    posted[msg] = (is_send, last[r])
+                else:  # the other side was posted before
+                    arrived[msg] = (last[r], other[1]) if is_send else (other[1], last[r])
+                    if msg in waiting:
+                        runnable.append(waiting.pop(msg))
+                ptr[r] += 1
+                continue
+            if op is Op.F:
+                need = ("F", a.microbatch, stage - 1) if stage > 0 else None
+            elif op is Op.BW:
+                need = None
+            else:
+                need = ("B", a.microbatch, stage + 1) if stage < last_stage else None
+            if need is not None and need not in arrived:
+                waiting[need] = r
+                break
+            send, recv = arrived[need] if need is not None else (-1, -1)
+            prev.append(last[r])
+            send_post.append(send)
+            recv_post.append(recv)
+            has_input.append(need is not None)
+            ops.append(op)
+            stages.append(stage)
+            last[r] = len(prev) - 1
+            ptr[r] += 1
+    if any(ptr[r] < len(acts[r]) for r in range(pp)) or posted:
+        raise ScheduleError(f"schedule {s.name!r} cannot run to its end (run verify() for the exact cause)")
+    return CompiledTimeline(s.num_stages, tuple(prev), tuple(send_post), tuple(recv_post), tuple(has_input),
+                            tuple(ops), tuple(stages))
+
+
+_COMM = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+_MESSAGE = {Op.SEND_F: lambda mb, st: ("F", mb, st), Op.SEND_B: lambda mb, st: ("B", mb, st),
+            Op.RECV_F: lambda mb, st: ("F", mb, st - 1), Op.RECV_B: lambda mb, st: ("B", mb, st + 1)}
