@@ -241,11 +241,13 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     b = [costs._at("b", s) for s in range(pp * vpp)]
     w = [costs._at("w", s) for s in range(pp * vpp)]
     hop = costs.p2p if pp > 1 else 0.0
-    extra = hop if blocking and pp > 1 else 0.0
+    # blocking: every (micro-batch, chunk) but the one whose transfers lie on the fill and tail waits
+    # for at least one transfer of its own
+    extra = hop * (microbatches - 1) * vpp if blocking and pp > 1 else 0.0
     best = 0.0
     for r in range(pp):
         mine = range(r, pp * vpp, pp)
-        work = microbatches * sum(f[s] + b[s] + w[s] + extra for s in mine)
+        work = microbatches * sum(f[s] + b[s] + w[s] for s in mine) + extra
         fill = sum(f[:r]) + r * hop
         tail = 0.0 if schedule in ("zb-h1", "zb-h2") else sum(b[:r]) + r * hop
         best = max(best, fill + work + tail)
@@ -281,8 +283,10 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
 
         fs, bs = fc, bc
     if L.pp > 1 and simulate_pipeline:
-        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p), dilation,
-                             blocking=not w.overlap_p2p)
+        costs = Costs(f=fs, b=bs, w=wc, p2p=p2p)
+        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, costs, dilation, blocking=not w.overlap_p2p)
+        if dilation is None:  # past 2p micro-batches the timeline is extrapolated: never below the bound
+            pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro, L.vpp, costs, blocking=not w.overlap_p2p))
     else:  # the closed form: a lower bound of the simulated timeline, equal to it for even stages
         pipe = pipeline_bound(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
                               blocking=not w.overlap_p2p)
@@ -307,7 +311,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     if slow is not None:
         optimizer *= interpolate(slow, c.devices_per_node)
     return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm,
-                     pp_bubble_s=max(pipe - compute - tp_comm, 0.0), p2p_s=p2p,
+                     pp_bubble_s=max(pipe - compute - tp_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
                      dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
                      extra={"microbatches": micro, "params": params_per_rank})
 

@@ -145,14 +145,21 @@ def _cp_kind(plan: dict[str, Any]) -> str:
 
 
 def _plot(res, path: Path) -> None:
+    """Predicted time against memory of every feasible plan, each at the one estimate the search holds
+    for it (the table's and plan.json's): its simulated timeline, or for a plan the search did not
+    need to simulate its closed form, a lower bound no better than the plans it returned (hollow)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter([c.memory_bytes / 1e9 for c in res.feasible], [c.time.iteration_s for c in res.feasible], s=8,
-               alpha=0.6, label="feasible plans")
+    for simulated, style in ((False, {"facecolors": "none", "edgecolors": "tab:blue", "alpha": 0.5,
+                                      "label": "feasible, lower bound (not simulated)"}),
+                             (True, {"color": "tab:blue", "alpha": 0.8, "label": "feasible, simulated"})):
+        pts = [c for c in res.feasible if (c.time.extra.get("estimate") == "simulated") == simulated]
+        if pts:
+            ax.scatter([c.memory_bytes / 1e9 for c in pts], [c.time.iteration_s for c in pts], s=10, **style)
     best = res.top[0]
     ax.scatter([best.memory_bytes / 1e9], [best.time.iteration_s], color="red", s=30, label="chosen")
     ax.set_xlabel("memory per device (GB)")

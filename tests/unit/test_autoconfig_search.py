@@ -1,0 +1,66 @@
+"""The search: branch and bound over closed forms that bound the simulation, partial recompute, the
+data-parallel tail."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mpformer.autoconfig.cluster import load_cluster
+from mpformer.autoconfig.cost import _dp_time, iteration_time
+from mpformer.autoconfig.memory import Workload, plan_memory
+from mpformer.autoconfig.search import _retime, search
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
+
+SMALL = ModelConfig(arch="llama", num_layers=16, hidden_size=2048, num_attention_heads=16, num_kv_heads=8,
+                    ffn_hidden_size=5632, vocab_size=32000, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("nodes,gbs,seq", [(2, 64, 2048), (4, 256, 4096), (1, 32, 8192)])
+def test_branch_and_bound_finds_what_simulating_every_plan_finds(nodes, gbs, seq):
+    """Every feasible plan simulated on its schedule: the best is the search's first, and every plan the
+    search did not simulate has a closed form no better than the plans it returned."""
+    c, w = load_cluster("dgx-h100", nodes=nodes), Workload(gbs, 1, seq, "bf16")
+    res = search(SMALL, c, w, top_k=3)
+    assert res.top and all(x.time.extra["estimate"] == "simulated" for x in res.top)
+    everything = sorted(_retime(SMALL, x, w, c).iteration_s for x in res.feasible)
+    assert res.top[0].time.iteration_s == pytest.approx(everything[0], rel=1e-12)
+    assert [x.time.iteration_s for x in res.top] == pytest.approx(everything[:3], rel=1e-12)
+    kth = res.top[-1].time.iteration_s
+    for x in res.feasible:
+        if x.time.extra["estimate"] == "bound":
+            assert x.time.iteration_s >= kth * (1 - 1e-12)
+            assert _retime(SMALL, x, w, c).iteration_s >= x.time.iteration_s * (1 - 1e-12)
+
+
+def test_the_fewest_recomputed_layers_that_fit():
+    """Memory between full recompute and none: the search recomputes the first K layers of each chunk,
+    K the fewest that fit (K - 1 does not)."""
+    c = replace(load_cluster("dgx-h100"), memory_gb=8)  # none needs 9.3 GB, full 5.4 (plan_memory)
+    w = Workload(64, 1, 8192, "bf16")
+    fixed = {"tp": 2, "pp": 2, "dp": 2, "cp": 1, "zero": 1, "micro_batch_size": 1, "vpp": 1, "schedule": "1f1b"}
+    res = search(SMALL, c, w, fixed=fixed, top_k=1)
+    L = res.top[0].layout
+    assert L.recompute != "none" and L.recompute_layers is not None and L.recompute_layers >= 1
+    worst = max(s.total for s in plan_memory(SMALL, L, replace(w, micro_batch_size=1)))
+    fewer = replace(L, recompute_layers=L.recompute_layers - 1) if L.recompute_layers > 1 else replace(
+        L, recompute="none", recompute_layers=None)
+    assert worst <= c.memory_bytes < max(s.total for s in plan_memory(SMALL, fewer, w))
+    pinned = search(SMALL, c, w, fixed={**fixed, "recompute": "full"}, top_k=1).top[0].layout
+    assert pinned.recompute_layers is None  # a pinned mode recomputes every layer, as its source did
+
+
+def test_data_parallel_tail():
+    """Buckets reduced behind the backward: the last bucket always shows; a run that reduces after the
+    backward (Megatron-LM before --overlap-grad-reduce) shows it all."""
+    c, w = load_cluster("dgx-h100", nodes=4), Workload(256, 1, 4096, "bf16")
+    L = ParallelLayout(dp=32, zero=0)
+    params = SMALL.num_params()
+    long_bwd = _dp_time(SMALL, L, w, c, params, 8, 1.0, 10.0, False)
+    no_overlap = _dp_time(SMALL, L, replace(w, overlap_grad_reduce=False), c, params, 8, 1.0, 10.0, False)
+    no_time = _dp_time(SMALL, L, w, c, params, 8, 0.0, 0.0, False)
+    assert 0 < long_bwd < no_time == pytest.approx(no_overlap)
+    b = iteration_time(SMALL, L, w, c, params_per_rank=params)
+    assert b.dp_comm_exposed_s > 0 and b.optimizer_s > 0
