@@ -34,9 +34,7 @@ gradient reduction does not overlap compute there (no core is free to run it).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 from mpformer.autoconfig.calibration import SPLIT, Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
@@ -45,13 +43,12 @@ from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.kernels import dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p  # noqa: F401  (RING_FACTOR: re-exported)
 from mpformer.autoconfig.memory import BYTES, Workload
-from mpformer.autoconfig.sharing import interpolate, shared_step_time, slowdowns
+from mpformer.autoconfig.pipeline_cost import pipeline_bound, pipeline_time
+from mpformer.autoconfig.sharing import interpolate, slowdowns
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
-from mpformer.pipeline.actions import Schedule
 from mpformer.pipeline.simulate import Costs
-from mpformer.pipeline.timeline import CompiledTimeline, compile_timeline
 
 # Gradient buckets of the data-parallel reduction (fp32 bytes): mpformer's train.grad_bucket_mb default
 # (25 MiB, as PyTorch DDP's bucket_cap_mb); Megatron-LM's are 40M parameters (its ddp_bucket_size).
@@ -181,82 +178,8 @@ def _edge_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, he
     return f, bi, bw_
 
 
-@lru_cache(maxsize=64)
-def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
-    from mpformer.pipeline.schedules import build_schedule
-
-    return build_schedule(name, pp, microbatches, vpp)
-
-
-@lru_cache(maxsize=64)
-def _compiled(name: str, pp: int, microbatches: int, vpp: int) -> CompiledTimeline:
-    from mpformer.pipeline.schedules import build_schedule
-
-    return compile_timeline(build_schedule(name, pp, microbatches, vpp, check=False))
-
-
-def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,
-                  dilation: Callable[[int], float] | None = None, blocking: bool = False) -> float:
-    """simulate()'s step time of the schedule. Past p micro-batches (ZB-H2: its minimum, 2p - 1) every
-    schedule here is in its steady state, where each further micro-batch adds the same time: the
-    timelines at that many and p more micro-batches are simulated and extended linearly (tests check
-    this against the full timeline), so a 64-stage pipeline of 512 micro-batches costs two small ones.
-
-    ``dilation(k)``: how much slower compute runs while k ranks of the pipeline compute at once (ranks
-    sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``.
-    ``blocking``: each batched send/receive group blocks its rank until it completes (an engine
-    without p2p overlap: Megatron-LM's and DeepSpeed's pipelines before MegaScale's change)."""
-    from mpformer.core.layout import min_microbatches
-    from mpformer.pipeline.simulate import simulate
-
-    def run(mb: int) -> float:
-        if dilation is not None:
-            return shared_step_time(_schedule(schedule, pp, mb, vpp), costs, dilation)
-        if not blocking:  # the same timeline, compiled once per schedule (pipeline/timeline.py)
-            return _compiled(schedule, pp, mb, vpp).step_time(costs)
-        return simulate(_schedule(schedule, pp, mb, vpp), costs, verified=True, blocking=blocking).step_time
-
-    lo = max(pp, min_microbatches(schedule, pp))  # ZB-H2 runs from 2p - 1 micro-batches
-    hi = lo + pp
-    if microbatches <= hi:
-        return run(microbatches)
-    t_lo, t_hi = run(lo), run(hi)
-    return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
-
-
-def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs, blocking: bool = False
-                   ) -> float:
-    """A lower bound of simulate()'s step time for every generated schedule, in closed form (the
-    search ranks every plan by it and simulates only those that can still win, search.py).
-
-    Rank r holds global stages r, r + p, ... (one per chunk). It cannot start before the first
-    micro-batch has come through the stages before it, fill_r = sum of F and p2p over stages < r; it
-    then does all its work, m x its stages' F + B + W (blocking p2p: a transfer more each); and in
-    the schedules whose B carries W (1F1B, GPipe, interleaved) its last action is a backward of its
-    first chunk, after which the stages before it still run theirs, tail_r = sum of B and p2p over
-    stages < r. T >= max_r fill_r + work_r + tail_r, which is the simulated time when stages are
-    equal ((m + p - 1) slots of 1F1B, (p - 1) / v of interleaving's fill); the zero-bubble schedules
-    may run W after that backward, so their tail is not counted."""
-    f = [costs._at("f", s) for s in range(pp * vpp)]
-    b = [costs._at("b", s) for s in range(pp * vpp)]
-    w = [costs._at("w", s) for s in range(pp * vpp)]
-    hop = costs.p2p if pp > 1 else 0.0
-    # blocking: every (micro-batch, chunk) but the one whose transfers lie on the fill and tail waits
-    # for at least one transfer of its own
-    extra = hop * (microbatches - 1) * vpp if blocking and pp > 1 else 0.0
-    best = 0.0
-    for r in range(pp):
-        mine = range(r, pp * vpp, pp)
-        work = microbatches * sum(f[s] + b[s] + w[s] for s in mine) + extra
-        fill = sum(f[:r]) + r * hop
-        tail = 0.0 if schedule in ("zb-h1", "zb-h2") else sum(b[:r]) + r * hop
-        best = max(best, fill + work + tail)
-    return best
-
-
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
                    params_per_rank: int, simulate_pipeline: bool = True) -> Breakdown:
-    from mpformer.pipeline.simulate import Costs
 
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     counts = stage_counts(m, L, w.seq_length)

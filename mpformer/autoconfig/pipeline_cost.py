@@ -1,0 +1,91 @@
+"""The pipeline term of the cost model: a schedule's simulated timeline, and its closed-form bound.
+
+``pipeline_time`` times the schedule the engine would run (its own action lists: pipeline/timeline.py
+compiles them once and re-times them for any costs; ranks sharing CPU cores go through sharing.py's
+processor-sharing fixed point); ``pipeline_bound`` is the closed form the search ranks every plan by,
+a lower bound of that timeline (tests/unit/test_pipeline_timeline.py checks it on every generated
+schedule), so that branch and bound simulates only the plans that can still win (search.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+from mpformer.autoconfig.sharing import shared_step_time
+from mpformer.pipeline.actions import Schedule
+from mpformer.pipeline.simulate import Costs
+from mpformer.pipeline.timeline import CompiledTimeline, compile_timeline
+
+
+@lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
+    from mpformer.pipeline.schedules import build_schedule
+
+    return build_schedule(name, pp, microbatches, vpp)
+
+
+@lru_cache(maxsize=64)
+def _compiled(name: str, pp: int, microbatches: int, vpp: int) -> CompiledTimeline:
+    from mpformer.pipeline.schedules import build_schedule
+
+    return compile_timeline(build_schedule(name, pp, microbatches, vpp, check=False))
+
+
+def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,
+                  dilation: Callable[[int], float] | None = None, blocking: bool = False) -> float:
+    """simulate()'s step time of the schedule. Past p micro-batches (ZB-H2: its minimum, 2p - 1) every
+    schedule here is in its steady state, where each further micro-batch adds the same time: the
+    timelines at that many and p more micro-batches are simulated and extended linearly (tests check
+    this against the full timeline), so a 64-stage pipeline of 512 micro-batches costs two small ones.
+
+    ``dilation(k)``: how much slower compute runs while k ranks of the pipeline compute at once (ranks
+    sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``.
+    ``blocking``: each batched send/receive group blocks its rank until it completes (an engine
+    without p2p overlap: Megatron-LM's and DeepSpeed's pipelines before MegaScale's change)."""
+    from mpformer.core.layout import min_microbatches
+    from mpformer.pipeline.simulate import simulate
+
+    def run(mb: int) -> float:
+        if dilation is not None:
+            return shared_step_time(_schedule(schedule, pp, mb, vpp), costs, dilation)
+        if not blocking:  # the same timeline, compiled once per schedule (pipeline/timeline.py)
+            return _compiled(schedule, pp, mb, vpp).step_time(costs)
+        return simulate(_schedule(schedule, pp, mb, vpp), costs, verified=True, blocking=blocking).step_time
+
+    lo = max(pp, min_microbatches(schedule, pp))  # ZB-H2 runs from 2p - 1 micro-batches
+    hi = lo + pp
+    if microbatches <= hi:
+        return run(microbatches)
+    t_lo, t_hi = run(lo), run(hi)
+    return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
+
+
+def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs, blocking: bool = False
+                   ) -> float:
+    """A lower bound of simulate()'s step time for every generated schedule, in closed form (the
+    search ranks every plan by it and simulates only those that can still win, search.py).
+
+    Rank r holds global stages r, r + p, ... (one per chunk). It cannot start before the first
+    micro-batch has come through the stages before it, fill_r = sum of F and p2p over stages < r; it
+    then does all its work, m x its stages' F + B + W (blocking p2p: a transfer more each); and in
+    the schedules whose B carries W (1F1B, GPipe, interleaved) its last action is a backward of its
+    first chunk, after which the stages before it still run theirs, tail_r = sum of B and p2p over
+    stages < r. T >= max_r fill_r + work_r + tail_r, which is the simulated time when stages are
+    equal ((m + p - 1) slots of 1F1B, (p - 1) / v of interleaving's fill); the zero-bubble schedules
+    may run W after that backward, so their tail is not counted."""
+    f = [costs._at("f", s) for s in range(pp * vpp)]
+    b = [costs._at("b", s) for s in range(pp * vpp)]
+    w = [costs._at("w", s) for s in range(pp * vpp)]
+    hop = costs.p2p if pp > 1 else 0.0
+    # blocking: every (micro-batch, chunk) but the one whose transfers lie on the fill and tail waits
+    # for at least one transfer of its own
+    extra = hop * (microbatches - 1) * vpp if blocking and pp > 1 else 0.0
+    best = 0.0
+    for r in range(pp):
+        mine = range(r, pp * vpp, pp)
+        work = microbatches * sum(f[s] + b[s] + w[s] for s in mine) + extra
+        fill = sum(f[:r]) + r * hop
+        tail = 0.0 if schedule in ("zb-h1", "zb-h2") else sum(b[:r]) + r * hop
+        best = max(best, fill + work + tail)
+    return best
