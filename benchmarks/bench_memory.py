@@ -5,7 +5,7 @@
 Each configuration trains a small Llama (h=256, 4 layers, ffn 704, 8/4 heads, vocab 8192; 256-token
 sequences) for ``--steps`` steps on gloo ranks through the real trainer, in fresh processes. Per rank,
 torch.profiler's memory events (``profile_memory=True``) are summed from the start of
-Trainer.__init__ to the end of training (benchmarks/common.py ``live_tensor_bytes``): the live CPU
+Trainer.__init__ to the end of training (mpformer/testing/memory.py ``train_measured``): the live CPU
 tensor bytes at every allocation and free. From them:
 
 * set-up peak: the largest sum until training starts (model built, engine filled, optimizer state
@@ -28,13 +28,13 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, format_table, live_tensor_bytes, write_json
+from common import environment, format_table, write_json
 
 from mpformer.parallel.spawn import run_distributed
+from mpformer.testing.memory import NATIVE_KERNELS
 
 MODEL = {"model": "llama-tiny", "model.num_layers": 4}
 BASE = {"train.seq_length": 256, "train.micro_batch_size": 2, "train.device": "cpu", "optim.warmup_steps": 0,
@@ -61,84 +61,36 @@ CONFIGS = {  # name: (ranks, overrides)
     "zero0 fp32 gpt2 full": (2, {**GPT2, "parallel.zero": 0, "parallel.recompute": "full"}),
 }
 BATCHES = {name: 1 for name in CONFIGS} | {"zero2 bf16 accum": 2, "pp2 1f1b fp32": 4}  # micro-batches per rank
-ENV = {"MPFORMER_CPU_DGRAD": "nn", "MPFORMER_CPU_ATTENTION": "native"}
-
-
-def _make_data(root: Path, vocab: int) -> str:
-    import numpy as np
-
-    from mpformer.data.indexed import IndexedDatasetBuilder
-
-    prefix = root / "random_text_document"
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix, np.uint16)
-    for _ in range(200):
-        builder.add_document(np.append(rng.integers(1, vocab, size=int(rng.integers(200, 600))), 0))
-    builder.finalize()
-    return str(prefix)
+ENV = NATIVE_KERNELS
 
 
 def measure(data: str, run_dir: str, overrides: dict, steps: int) -> dict:
-    """In a rank: train with the profiler on from Trainer.__init__ to the end; this rank's sums."""
-    import torch
+    """In a rank: this rank's sums over set-up and training (mpformer/testing/memory.py)."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
-    import mpformer.training.trainer as trainer_module
-    from mpformer.testing.train import overrides as to_overrides
-    from mpformer.testing.train import train
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    init, report = trainer_module.Trainer.__init__, trainer_module.memory_report
-
-    def init_profiled(self, *a, **kw) -> None:  # set-up starts with the trainer ...
-        prof.start()
-        init(self, *a, **kw)
-
-    def report_then_mark(*a, **kw) -> None:  # ... and ends once the optimizer state exists
-        report(*a, **kw)
-        with torch.profiler.record_function("mark:train"):
-            pass
-
-    trainer_module.Trainer.__init__, trainer_module.memory_report = init_profiled, report_then_mark
-    try:
-        train(to_overrides({**MODEL, **BASE, "data.paths": f"[{data}]", "train.steps": steps,
-                            **overrides}, Path(run_dir)))
-    finally:
-        trainer_module.Trainer.__init__, trainer_module.memory_report = init, report
-    prof.stop()
-    sums = live_tensor_bytes(prof, ["train"])
-    return {"rank": dist.get_rank(), "setup_peak": sums["before:train"], "held_at_start": sums["at:train"],
-            "training_peak": sums["after:train"]}
-
-
-def predict(overrides: dict, ranks: int) -> tuple[object, list]:
-    """The layout and the memory model's stages for a configuration (as the trainer composes it)."""
-    from mpformer.autoconfig.memory import Workload, plan_memory
-    from mpformer.cli.compose import compose_config
+    from mpformer.testing.memory import train_measured
     from mpformer.testing.train import overrides as to_overrides
 
-    cfg = compose_config(to_overrides({**MODEL, **BASE, "data.paths": "[unused]", **overrides}, Path("unused"))).cfg
-    t = cfg.train
-    layout = cfg.parallel.layout()
-    layout = replace(layout, dp=ranks // (layout.tp * layout.pp * layout.cp))
-    w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision,
-                 fused_cross_entropy=t.fused_cross_entropy, cross_entropy_chunk=t.cross_entropy_chunk)
-    return layout, plan_memory(cfg.model, layout, w, device="cpu", bucket_mb=t.grad_bucket_mb)
+    args = to_overrides({**MODEL, **BASE, "data.paths": f"[{data}]", "train.steps": steps, **overrides}, Path(run_dir))
+    return {"rank": dist.get_rank(), **train_measured(args)}
 
 
 def run(names: list[str], steps: int) -> list[dict]:
+    from mpformer.testing.memory import data_file, predicted
+    from mpformer.testing.train import overrides as to_overrides
+
     os.environ.update(ENV)
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = _make_data(Path(tmp), 1024)  # ids every model here knows
+        data = data_file(Path(tmp), vocab=1024)  # ids every model here knows
         for k, name in enumerate(names):
             ranks, kw = CONFIGS[name]
             kw = {"train.global_batch_size": BATCHES[name] * ranks // (kw.get("parallel.tp", 1) * kw.get(
                 "parallel.pp", 1)) * kw.get("train.micro_batch_size", BASE["train.micro_batch_size"]), **kw}
             t0 = time.perf_counter()
             per_rank = run_distributed(measure, ranks, args=(data, f"{tmp}/{k}", kw, steps), timeout=900, env=ENV)
-            layout, stages = predict(kw, ranks)
+            layout, stages = predicted(to_overrides({**MODEL, **BASE, "data.paths": "[unused]", **kw},
+                                                    Path("unused")), ranks)
             for r in per_rank:
                 stage = stages[r["rank"] // (ranks // layout.pp)]
                 out.append({"config": name, "ranks": ranks, "overrides": kw, **r,

@@ -8,7 +8,6 @@ candidate about equally instead of one of them.
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import platform
@@ -153,30 +152,3 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
-
-def live_tensor_bytes(prof, marks: Sequence[str] = ()) -> dict[str, int]:
-    """The live CPU tensor bytes over a ``torch.profiler`` window run with ``profile_memory=True``:
-    every allocation and free of c10's CPU allocator, summed in order. Returns ``peak`` (the largest
-    sum) and, for each of ``marks`` (a ``record_function("mark:NAME")`` inside the window), ``at:NAME``
-    (the sum when it was passed), ``before:NAME`` and ``after:NAME`` (the largest sum before and after
-    it). Counts every tensor byte allocated inside the window on the threads the profiler follows (not
-    gloo's workers) and nothing else: not the interpreter, not gloo's buffers, not tensors allocated
-    before the window (a free of one counts negative)."""
-    from torch.autograd import DeviceType
-
-    events = prof.profiler.kineto_results.events()
-    mem = sorted(((e.start_ns(), e.nbytes()) for e in events
-                  if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e[0])
-    when = {e.name()[5:]: e.start_ns() for e in events if e.name().startswith("mark:")}
-    times, sums, live = [], [], 0
-    for t, n in mem:  # a stable sort: one call's allocation stays before its free
-        live += n
-        times.append(t)
-        sums.append(live)
-    out = {"peak": max(sums, default=0)}
-    for name in marks:
-        i = bisect.bisect_left(times, when[name])
-        out[f"at:{name}"] = sums[i - 1] if i else 0
-        out[f"before:{name}"] = max(sums[:i], default=0)
-        out[f"after:{name}"] = max(sums[i:], default=0)
-    return out

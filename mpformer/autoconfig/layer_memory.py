@@ -110,8 +110,11 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
 
 
 def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str) -> float:
-    """Live above the kept input while a fully recomputed layer runs its backward: its activations again."""
+    """Live above the kept input while a fully recomputed layer runs its backward: its activations again,
+    of which the kept input is one where the first norm saves the input itself (LayerNorm, or RMSNorm
+    in fp32; in 16-bit RMSNorm saves an fp32 copy)."""
     if L.recompute != "full":
         return 0.0
-    full = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none")
-    return full.saved - layer_bytes(m, L, seq_length, micro_batch, precision).saved
+    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none").saved
+    shared = m.norm_type == "layernorm" or BYTES[precision] == 4
+    return again - (layer_bytes(m, L, seq_length, micro_batch, precision).saved if shared else 0.0)
