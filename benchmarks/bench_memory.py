@@ -52,6 +52,8 @@ CONFIGS = {  # name: (ranks, overrides)
     "zero3 bf16 tp2 sp": (4, {"parallel.zero": 3, "train.precision": "bf16", "parallel.tp": 2,
                               "parallel.sequence_parallel": True}),
     "zero1 bf16 selective": (2, {"parallel.zero": 1, "train.precision": "bf16", "parallel.recompute": "selective"}),
+    "zero1 bf16 full": (2, {"parallel.zero": 1, "train.precision": "bf16", "parallel.recompute": "full",
+                            "model.vocab_size": 1024}),
     "pp2 1f1b fp32": (2, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1}),
     # A smaller vocabulary moves the peak from the head's chunk into the layers' backward.
     "zero2 fp32 vocab 1k": (2, {"parallel.zero": 2, "model.vocab_size": 1024}),

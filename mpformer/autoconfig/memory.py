@@ -175,7 +175,10 @@ def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, 
 
 
 def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
-    """What the last stage's head keeps for one micro-batch beyond the layers' activations."""
+    """What the last stage's head holds for one micro-batch beyond the layers' activations, as one sum:
+    its kept gradient buffers and one chunk's logits (fused), or fp32 logits and their gradient. (An
+    upper bound: plan_memory places the kept part and the chunk at the points of the step where each
+    is live, ``_head``.)"""
     tokens, vocab = w.seq_length // L.cp * w.micro_batch_size, -(-m.vocab_size // L.tp)
     if not w.fused_cross_entropy:  # fp32 logits of this rank's vocabulary block and their gradient
         return 2.0 * tokens * vocab * 4
@@ -295,8 +298,10 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             per_chunk += head_kept
         front = 0.0
         if stage3:
-            sizes = [float(sum(u.params)) + (embed if u.name == "head" and tied else 0) for u in units]
-            biggest = [float(max(u.params)) + 0 for u in units]
+            # a tied head reads the embedding's weight: its region gathers that unit too
+            reads_embed = [embed if u.name == "head" and tied else 0 for u in units]
+            sizes = [float(sum(u.params) + e) for u, e in zip(units, reads_embed)]
+            biggest = [float(max(*u.params, e)) for u, e in zip(units, reads_embed)]
             reads = [u.name != "embedding" for u in units]
             extras = zero3_extras(runtime, sizes, biggest, reads, wb, n_d)
             units = [replace(u, extra=u.extra + e) for u, e in zip(units, extras)]

@@ -157,3 +157,28 @@ def test_buckets_are_the_engines():
     for cap in (10_000, 50_000, 10**9):
         red = Reduction(2, 2, 4, 4, cap, 2, False)
         assert [b.elems for b in buckets(units, red)] == [lay.used for lay in plan_buckets(params, 1, cap)]
+
+
+def test_the_walks_pool_lends_as_the_engines():
+    """step_memory's pool against the engine's GradPool (optim/bucket.py) on a random sequence of
+    takes and gives: the same buffer sizes lent and the same bytes left idle."""
+    import random
+
+    from mpformer.autoconfig.step_memory import _Pool
+    from mpformer.optim.bucket import GradPool
+
+    rng = random.Random(0)
+    real, model = GradPool(2), _Pool(2)
+    lent: list[tuple[torch.Tensor, float]] = []
+    for _ in range(300):
+        if lent and rng.random() < 0.5:
+            t, size = lent.pop(rng.randrange(len(lent)))
+            real.give(t)
+            model.give(size)
+        else:
+            n = rng.choice([64, 256, 1000, 4096])
+            t = real.take(n, torch.device("cpu"))
+            size = model.take(n * 4)
+            assert (t if t._base is None else t._base).numel() * 4 == size
+            lent.append((t, size))
+        assert real.bytes() == sum(model.idle)
