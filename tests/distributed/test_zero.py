@@ -11,11 +11,14 @@ over every element, shows them first: measured up to 8e-7 at zero=0 and 1.2e-6 w
 per-micro-batch reductions by step 10, 2.7e-7 with another draw of the same initial distribution. A
 missed or doubled reduction, a wrong divisor or a misplaced shard moves the norm by 1e-3 or more.)
 
-Also: bytes moved per step by the dp collectives (2 Psi ring-adjusted for stages 0-2, 3 Psi for 3),
-model-state bytes per rank against docs/formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2 with zero=2
-and zero=3 (+ full recompute), pp=2 x dp=2 with zero=1, checkpoints resumed across dp sizes and
-stages, bf16 weights with fp32 masters against the fp32 oracle, fp16 dynamic loss scaling, and the
-initial weights of ZeRO-3 (dp=2, tp=2 x dp=2, bf16 masters) and pp=2 x dp=2 bit for bit the oracle's.
+Also: bytes moved per step by the dp collectives (2 Psi ring-adjusted for stages 0-2, 3 Psi less the
+embedding's backward gather for 3; bf16 ZeRO-3 reduce-scatters in bf16), ZeRO-3 gathering at most
+the units of two neighbouring regions at any time (the embedding and the head freed like every
+layer), model-state bytes per rank against docs/formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2
+with zero=2 and zero=3 (+ full recompute), pp=2 x dp=2 with zero=1, checkpoints resumed across dp
+sizes and stages (bf16 zero=1 and zero=3 bit-identically), bf16 weights with fp32 masters against the
+fp32 oracle, fp16 dynamic loss scaling, and the initial weights of ZeRO-3 (dp=2, tp=2 x dp=2, bf16
+masters) and pp=2 x dp=2 bit for bit the oracle's.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ RUNS = {  # name: (world, overrides)
     "bf16_z1": (4, {"parallel.zero": 1, "train.precision": "bf16"}),
     "bf16_z3": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
     "bf16_z1_stop": (4, {"parallel.zero": 1, "train.precision": "bf16", "train.stop_at": 5}),
+    "bf16_z3_stop": (4, {"parallel.zero": 3, "train.precision": "bf16", "train.stop_at": 5}),
     "fp16_z2": (4, {"parallel.zero": 2, "train.precision": "fp16", "train.initial_loss_scale": 2.0**22}),
     "z1_accum": (4, {"parallel.zero": 1, "train.micro_batch_size": 1, **EVAL}),
     "z2_accum": (4, {"parallel.zero": 2, "train.micro_batch_size": 1}),
@@ -66,6 +70,7 @@ RUNS = {  # name: (world, overrides)
     "z0_dp1_resume": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
     "z0_dp1_resume_z3": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
     "bf16_z1_resume": (4, {"parallel.zero": 1, "train.precision": "bf16"}),
+    "bf16_z3_resume": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
     "z0_reduce_bf16": (4, {"parallel.zero": 0, "parallel.grad_reduce_dtype": "bf16"}),
     "z2_reduce_bf16": (4, {"parallel.zero": 2, "parallel.grad_reduce_dtype": "bf16"}),
 }
@@ -76,7 +81,7 @@ INIT = {"init_z3_dp2": (2, {"parallel.zero": 3, "train.micro_batch_size": 4}),
         "init_bf16_z3": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
         "init_z1_pp2_dp2": (4, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1})}
 RESUME_FROM = {"z1_dp2_resume": "z2_stop", "z0_dp1_resume": "z2_stop", "z0_dp1_resume_z3": "z3_stop",
-               "bf16_z1_resume": "bf16_z1_stop", "sgd_z1_resume": "sgd_z1_stop"}
+               "bf16_z1_resume": "bf16_z1_stop", "bf16_z3_resume": "bf16_z3_stop", "sgd_z1_resume": "sgd_z1_stop"}
 
 
 def _watch_gathers() -> list[tuple[frozenset[int], tuple[tuple[int, ...], ...]]]:
@@ -192,12 +197,14 @@ def test_every_layout_starts_from_the_single_device_weights(results, run):
 
 def test_resume_across_dp_sizes_and_stages(results):
     """zero=2 dp=4 stopped at step 5, resumed at zero=1 dp=2 and zero=0 dp=1, and zero=3 dp=4 resumed
-    at zero=0 dp=1: steps 6-10 as uninterrupted; bf16 zero=1 resumed bit-identically (fp32 masters)."""
+    at zero=0 dp=1: steps 6-10 as uninterrupted; bf16 zero=1 and zero=3 resumed bit-identically (fp32
+    masters: at zero=3 the only copy of the weights a rank keeps)."""
     want = results["oracle"]["losses"]
     assert results["z2_stop"]["losses"] == results["z2"]["losses"][:5]
     for run in ("z1_dp2_resume", "z0_dp1_resume", "z0_dp1_resume_z3"):
         _close(results[run]["losses"], want[5:])
-    assert results["bf16_z1_stop"]["losses"] + results["bf16_z1_resume"]["losses"] == results["bf16_z1"]["losses"]
+    for run in ("bf16_z1", "bf16_z3"):
+        assert results[f"{run}_stop"]["losses"] + results[f"{run}_resume"]["losses"] == results[run]["losses"]
 
 
 @pytest.mark.parametrize("run", ["bf16_z1", "bf16_z3"])
