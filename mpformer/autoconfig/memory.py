@@ -1,24 +1,43 @@
-"""Memory per device of a plan, per pipeline stage: model state, activations, transients, overhead.
+"""Memory per device of a plan, per pipeline stage: what the runtime keeps live at its peak.
 
-    model state   the ZeRO table (docs/formulas.md, N_d = dp x cp: cp ranks hold the same weights) for
-                  the parameters this rank holds: its stage's layers
-                  cut by tp (blocks tp replicates - norm gains, kv heads when tp > kv heads - counted
-                  whole), the embedding on the first stage, the LM head (or the tied embedding's
-                  copy) on the last; bytes per parameter from the precision (16-bit: fp32 main
-                  gradients and masters, as mpformer keeps them)
-    activations   Korthikanti et al.'s bytes per layer for 16-bit activations (x2 for fp32), with
-                  tp / sp / cp (s/cp positions per rank) and the recompute mode, plus what a cp kind
-                  saves beyond its own K/V (``cp_extra_bytes_per_layer``: allgather the gathered
-                  sequence's K/V, Ulysses kv heads repeated to U), times the layers of one pipeline chunk, times
-                  the chunks in flight that the chosen schedule really keeps on this rank (verified
-                  from the schedule's own action lists), plus the first stage's embedding output and
-                  the last stage's head: with the fused cross entropy (the default) its fp32 input
-                  and weight gradients formed in forward plus one chunk's logits (fp32 and the
-                  compute dtype, and their exp), without it the fp32 logits and their gradient
-    transients    ZeRO-2: one bucket of fp32 gradients in flight; ZeRO-3: two gathered layers and
-                  their fp32 gradients
-    overhead      a fixed runtime context (CUDA context and workspaces) and a fragmentation factor
-                  on everything else (``ALLOCATOR_FACTOR``)
+    model state   persistent per rank: the ZeRO table (docs/formulas.md, N_d = dp x cp: cp ranks hold
+                  the same weights) for the parameters this rank holds (its stage's layers cut by tp;
+                  blocks tp replicates - norm gains, kv heads when tp > kv heads - counted whole; the
+                  embedding on the first stage, the LM head or the tied embedding's copy on the last),
+                  with the bytes the engine holds (optim/engine.py): parameters w (2 or 4; 0 at stage
+                  3 with 16-bit parameters, whose ranks keep only the fp32 masters), fp32 gradients
+                  g = 4 (stages 0-1 whole, 2-3 the shard), fp32 masters m = 4 for 16-bit parameters,
+                  Adam's two moments k = 8 (another framework's runtime: its own, runtimes.py)
+    activations   what the micro-batches in flight keep for backward at the peak (the schedule's
+                  peak in-flight count per rank, verified from its own action lists) and, when the
+                  peak falls in a layer's backward, that layer's recomputed activations and its
+                  backward's own (layer_memory.py). Per layer: mpformer's own count
+                  (layer_memory.py), or for an attention that writes its scores
+                  (``flash_attention=False``: Megatron before FlashAttention, as the published runs)
+                  Korthikanti et al.'s (``activation_bytes_per_layer``); plus what a cp kind keeps
+                  beyond its own K/V (``cp_extra_bytes_per_layer``), the pipeline's received inputs and
+                  kept outputs, and on the last stage the head's: its final norm and the fused cross
+                  entropy's fp32 dX [n, h] and dW [v, h], formed in forward and held until backward
+    transients    what the point of the step at the peak adds besides activations (step_memory.py
+                  walks them): one chunk of the fused head in forward, the head's gradients cast to
+                  the compute dtype, a weight gradient before the engine takes it, the gradient
+                  buckets (stage 2: fp32 buckets, stage 3: one per unit in the parameter dtype; one
+                  filling and MAX_IN_FLIGHT reducing, from the engine's pool), stage 3's gathered
+                  units (the one in use and the one prefetched), the reductions' output shards and,
+                  on CPU, gloo's receive buffers; stages 0-1 hold every bucket's reduction at the end
+                  of the backward, when the activations are gone
+    overhead      a fixed runtime context (CUDA context and workspaces, ``RUNTIME_BYTES``) and the
+                  caching allocator's fragmentation, ``ALLOCATOR_FACTOR`` on the transients. Neither
+                  is derived: both are allowances. The factor applies to the buffers whose sizes and
+                  lifetimes vary within a step (gathered units, buckets, the head's chunk and casts)
+                  and not to the model state (allocated once at set-up, never freed) or the
+                  activations (the same sizes every layer and micro-batch, whose blocks the allocator
+                  reuses); PyTorch also returns its cached blocks and retries before it reports an
+                  out-of-memory, so what must fit is the live tensors and what cannot be returned.
+
+``StageMemory.live`` (state + activations + transients) is what the runtime's tensors hold at the
+peak: benchmarks/bench_memory.py measures it (live tensor bytes on CPU, the allocator's peak on
+CUDA) against this model.
 """
 
 from __future__ import annotations
@@ -26,15 +45,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from mpformer.autoconfig.layer_memory import BYTES, layer_bytes, norm_bytes, recompute_bytes, shape
+from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, zero3_extras
+from mpformer.autoconfig.step_memory import Reduction, Unit, walk
 from mpformer.core.layout import ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
+from mpformer.optim.engine import MAX_IN_FLIGHT
 from mpformer.optim.memory import zero_formula_bytes
 
-ALLOCATOR_FACTOR = 1.08  # caching-allocator fragmentation on top of the live tensors
+ALLOCATOR_FACTOR = 1.08  # caching-allocator fragmentation on top of the transients (an allowance, not derived)
 RUNTIME_BYTES = {"cuda": 1.5e9, "cpu": 0.4e9}  # CUDA context + cuBLAS/NCCL workspaces; torch on CPU
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -68,10 +89,16 @@ class StageMemory:
     activations: float
     transients: float
     overhead: float
+    phase: str = ""  # where the peak falls: "head forward", "layer backward", ... (step_memory.py)
 
     @property
     def total(self) -> float:
         return self.model_state + self.activations + self.transients + self.overhead
+
+    @property
+    def live(self) -> float:
+        """The tensors' bytes at the peak, without the runtime context and the allocator's allowance."""
+        return self.model_state + self.activations + self.transients
 
 
 def layer_params_per_rank(m: ModelConfig, tp: int) -> int:
@@ -160,7 +187,10 @@ def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, 
 
 
 def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
-    """What the last stage's head keeps for one micro-batch beyond the layers' activations."""
+    """What the last stage's head holds for one micro-batch beyond the layers' activations, as one sum:
+    its kept gradient buffers and one chunk's logits (fused), or fp32 logits and their gradient. (An
+    upper bound: plan_memory places the kept part and the chunk at the points of the step where each
+    is live, ``_head``.)"""
     tokens, vocab = w.seq_length // L.cp * w.micro_batch_size, -(-m.vocab_size // L.tp)
     if not w.fused_cross_entropy:  # fp32 logits of this rank's vocabulary block and their gradient
         return 2.0 * tokens * vocab * 4
@@ -168,45 +198,129 @@ def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
     return 4.0 * (tokens * m.hidden_size + vocab * m.hidden_size) + chunk * vocab * (4 + 4 + BYTES[w.precision])
 
 
+def layer_param_sizes(m: ModelConfig, tp: int) -> list[int]:
+    """One layer's parameters on one tensor-parallel rank, in model order (how the engine buckets them):
+    attention norm, qkv (and bias), o (and bias), MLP norm, up (gate|up), down (and biases)."""
+    h, d, f = m.hidden_size, m.head_size, m.ffn_size // tp
+    q, kv = m.num_attention_heads * d // tp, max(m.kv_heads // tp, 1) * d
+    norm = [h, h] if m.norm_bias else [h]
+    width = (2 if m.gated_mlp else 1) * f
+    qkv = [h * (q + 2 * kv)] + ([q + 2 * kv] if m.attention_bias else [])
+    o = [q * h] + ([h] if m.out_proj_bias else [])
+    up = [h * width] + ([width] if m.mlp_bias else [])
+    down = [f * h] + ([h] if m.mlp_bias else [])
+    return norm + qkv + o + norm + up + down
+
+
+def _layer(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtime) -> tuple[float, float]:
+    """(kept for backward, live above that in its backward) of one layer under recompute ``mode``."""
+    Lm = replace(L, recompute=mode, recompute_layers=None)
+    kept = cp_extra_bytes_per_layer(m, Lm, w)
+    again = cp_extra_bytes_per_layer(m, replace(Lm, recompute="none"), w) if mode != "none" and L.cp > 1 else 0.0
+    x, wb = shape(m, L, w.seq_length, w.micro_batch_size), BYTES[w.precision]
+    tokens = x.s_n * x.b
+    if w.flash_attention:  # mpformer's own block
+        args = (w.seq_length, w.micro_batch_size, w.precision)
+        lb = layer_bytes(m, Lm, *args)
+        if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
+            saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
+            return saved + kept, layer_bytes(m, Lm, *args, recompute="none").saved - saved + lb.backward
+        return lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args) + again
+    # Megatron's block (Korthikanti et al.). A recomputed layer's activations come back in its backward,
+    # which adds the gradients of the MLP's 4h-wide activations (while all of them live) or, once the
+    # MLP's are freed (19 s b h of the 34), the gradient of the attention probabilities.
+    saved = activation_bytes_per_layer(m, Lm, w)
+    again += activation_bytes_per_layer(m, replace(Lm, recompute="none"), w) - saved
+    mlp_part = (wb + 1) * x.s_r * x.b * x.h + 2 * wb * tokens * x.f
+    probs = wb * x.a * x.s_n * tokens if L.cp == 1 else 0.0
+    return saved + kept, again + max(2 * wb * tokens * x.f, probs - mlp_part)
+
+
+def _head(m: ModelConfig, L: ParallelLayout, w: Workload) -> tuple[float, float, float]:
+    """The last stage's head per micro-batch: (kept from its forward to its backward, what its forward's
+    chunk adds, what its backward adds). Fused (layers/fused_cross_entropy.py): fp32 dX [n, h] and dW
+    [v, h] kept; a chunk's fp32 logits with, in 16-bit, their 16-bit original, or the 16-bit gradient
+    and dW's 16-bit product; backward casts dX and dW to the compute dtype. Unfused: the fp32 log-softmax
+    [n, v] kept, its gradient and 16-bit cast in backward."""
+    x, wb = shape(m, L, w.seq_length, w.micro_batch_size), BYTES[w.precision]
+    n, v, h = x.s_n * x.b, -(-m.vocab_size // L.tp), m.hidden_size
+    norm = norm_bytes(m, x, wb) if w.flash_attention else wb * x.s_r * x.b * h
+    if not w.fused_cross_entropy:  # logits (16-bit), their fp32 copy and log-softmax; its two fp32 gradients
+        return norm + 4 * n * v + wb * n * h, (wb if wb < 4 else 0) * n * v + 4 * n * v, 8 * n * v
+    c = min(w.cross_entropy_chunk, n)
+    chunk = 4 * c * v if wb == 4 else max((wb + 4) * c * v, wb * c * v + wb * v * h + wb * c * h)
+    return norm + 4 * (n * h + v * h), chunk, (wb * (n * h + v * h) if wb < 4 else 0.0)  # fp32: no cast
+
+
 def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str = "cuda",
-                bucket_mb: float = 25.0) -> list[StageMemory]:
-    """Per pipeline rank (pp entries): the bytes one device of that stage needs."""
+                bucket_mb: float = 25.0, runtime: Runtime = MPFORMER) -> list[StageMemory]:
+    """Per pipeline rank (pp entries): the bytes one device of that stage needs at its peak (module
+    docstring). ``runtime``: whose runtime runs the plan (mpformer's unless modelling a published run
+    of another framework, runtimes.py)."""
+    from mpformer.parallel.pairwise import MAX_RANKS
+
     if L.recompute_layers == 0:  # no layer recomputes
         L = replace(L, recompute="none", recompute_layers=None)
-    wb = BYTES[w.precision]
-    g, master = 4, (4 if wb < 4 else 0)
+    wb, n_d = BYTES[w.precision], L.dp * L.cp
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     peaks = inflight(L.schedule, L.pp, micro, L.vpp) if L.pp > 1 else (1,)
     counts = stage_counts(m, L, w.seq_length)
-    act_layer = activation_bytes_per_layer(m, L, w) + cp_extra_bytes_per_layer(m, L, w)
-    plain = replace(L, recompute="none", recompute_layers=None)  # layers past recompute_layers keep everything
-    act_plain = activation_bytes_per_layer(m, plain, w) + cp_extra_bytes_per_layer(m, plain, w)
-    s, b = w.seq_length // L.cp, w.micro_batch_size
-    recomputing = 0.0  # live while one layer is recomputed: its activations (full), its cp buffers (allgather)
-    if L.recompute == "full":
-        recomputing += activation_bytes_per_layer(m, replace(L, recompute="selective"), w)
-    if L.recompute != "none" and L.cp > 1:
-        recomputing += cp_extra_bytes_per_layer(m, replace(L, recompute="none"), w)
+    x = shape(m, L, w.seq_length, w.micro_batch_size)
+    recomputed, plain = _layer(m, L, w, L.recompute, runtime), _layer(m, L, w, "none", runtime)
+    head_kept, head_fwd, head_bwd = _head(m, L, w)
+    v = -(-m.vocab_size // L.tp)
+    embed = v * m.hidden_size + (m.max_position_embeddings * m.hidden_size if m.learned_positions else 0)
+    layer_sizes = layer_param_sizes(m, L.tp)
+    rb = BYTES[L.grad_reduce_dtype]
+    stage3 = L.zero == 3
+    red = Reduction(L.zero, n_d, wb if stage3 and runtime.pooled else 4, wb if stage3 and wb < 4 else rb,
+                    bucket_mb * 2**20 / 4, runtime.in_flight if stage3 else MAX_IN_FLIGHT,
+                    device == "cpu" and 1 < n_d <= MAX_RANKS, pooled=runtime.pooled or not stage3)
+    shared_input = L.recompute == "full" or m.norm_type == "layernorm" or wb == 4  # the first norm keeps it
     out = []
     for r in range(L.pp):
-        layers = sum(counts[c * L.pp + r] for c in range(L.vpp))
         first, last = r == 0, r == L.pp - 1
-        n = stage_params(m, L, layers, first, last)
-        state = zero_formula_bytes(L.zero, n, L.dp * L.cp, w=wb, g=g, m=master, k=8)
-        chunk_layers = layers / L.vpp
-        done = chunk_layers if L.recompute == "none" or L.recompute_layers is None else \
-            min(L.recompute_layers, chunk_layers)
-        act = peaks[r] * (done * act_layer + (chunk_layers - done) * act_plain) + recomputing
-        seq_rank = s // L.tp if L.sequence_parallel else s
-        if first:
-            act += peaks[r] * seq_rank * b * m.hidden_size * wb
+        chunks = [counts[c * L.pp + r] for c in range(L.vpp)]
+        n = stage_params(m, L, sum(chunks), first, last)
+        if stage3 and runtime.shard_bytes is not None:
+            state = sum(runtime.shard_bytes) * n / n_d
+        else:
+            state = zero_formula_bytes(L.zero, n, n_d, w=0 if stage3 and wb < 4 else wb, g=4,
+                                       m=4 if wb < 4 else 0, k=8)
+        tied = m.tie_embeddings and first and last
+        # This micro-batch's units in backward order: the head, each chunk's layers from the last, the embedding.
+        units: list[Unit] = []
         if last:
-            act += head_bytes(m, L, w)
-        transient = 0.0
-        if L.zero == 2:
-            transient = min(bucket_mb * 2**20, n * 4)
-        elif L.zero == 3:
-            transient = 2 * layer_params_per_rank(m, L.tp) * (wb + 4)
-        live = state + act + transient
-        out.append(StageMemory(n, state, act, transient, (ALLOCATOR_FACTOR - 1) * live + RUNTIME_BYTES[device]))
+            head = [(2 if m.norm_bias else 1) * m.hidden_size] + ([] if tied else [v * m.hidden_size])
+            units.append(Unit("head", head, head_kept, 0.0, head_bwd))
+        # The schedule's in-flight units are (micro-batch, chunk) pairs: the walk runs the last chunk's
+        # layers; the other chunks' layers only carry their parameters into the gradient buckets.
+        for c in reversed(range(L.vpp)):
+            for i in reversed(range(chunks[c])):
+                recompute = L.recompute != "none" and (L.recompute_layers is None or i < L.recompute_layers)
+                keep, back = recomputed if recompute else plain
+                carry = wb * v * m.hidden_size if tied else 0.0  # the head's dW waits for the embedding's
+                walked = c == L.vpp - 1
+                units.append(Unit("layer", layer_sizes, keep if walked else 0.0, back if walked else 0.0, carry))
+        if first:
+            units.append(Unit("embedding", [embed], 0.0, 0.0, wb * embed))
+        io = wb * x.s_r * x.b * m.hidden_size * (((r > 0 or L.vpp > 1) and not shared_input) + (not last or L.vpp > 1))
+        per_chunk = sum(u.saved for u in units if u.name == "layer") + io
+        if last and L.vpp == 1:  # each micro-batch in flight on the last stage holds its head's (GPipe: many)
+            per_chunk += head_kept
+        front = 0.0
+        if stage3:
+            # a tied head reads the embedding's weight: its region gathers that unit too
+            reads_embed = [embed if u.name == "head" and tied else 0 for u in units]
+            sizes = [float(sum(u.params) + e) for u, e in zip(units, reads_embed)]
+            biggest = [float(max(*u.params, e)) for u, e in zip(units, reads_embed)]
+            reads = [u.name != "embedding" for u in units]
+            extras = zero3_extras(runtime, sizes, biggest, reads, wb, n_d)
+            units = [replace(u, extra=u.extra + e) for u, e in zip(units, extras)]
+            front = gathered_at_head(runtime, sizes[0], biggest[0], wb) if last else 0.0
+        peak = walk(units, red, state=state, kept=(peaks[r] - 1) * per_chunk + io,
+                    head_forward=(head_fwd if last else 0.0) + front, micro=micro)
+        transients = peak.live - state - peak.activations
+        overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0) + RUNTIME_BYTES[device]
+        out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where))
     return out

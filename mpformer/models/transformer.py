@@ -17,7 +17,8 @@ checks the result against the TP plan).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,16 @@ class Block(nn.Module):
         return out
 
 
+class RegionHooks(Protocol):
+    """Called around the parts of forward that read parameters outside the layers (ZeRO-3 gathers
+    them there, optim/gather.py): ``enter(name)`` before, ``leave(name, out)`` after, with the part's
+    output (whose gradient marks the start of the part's backward)."""
+
+    def enter(self, name: str) -> None: ...
+
+    def leave(self, name: str, out: Any) -> None: ...
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward(tokens_bs)`` gives logits ``[b, s, v]``; with labels, the mean loss."""
 
@@ -132,6 +143,7 @@ class Transformer(nn.Module):
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.document_eos = document_eos
         self.fused_cross_entropy, self.cross_entropy_chunk = fused_cross_entropy, cross_entropy_chunk
+        self.region_hooks: RegionHooks | None = None  # set by ZeRO-3 (optim/gather.py)
         if seed is not None and (device is None or torch.device(device).type != "meta"):
             self.init_weights(seed)
 
@@ -240,8 +252,26 @@ class Transformer(nn.Module):
     def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
         """The whole model (a module holding every layer, the embedding and the head)."""
         seq = self.sequence(tokens_bs)
-        x_sbh = self.run_layers(self.embed_tokens(tokens_bs, seq), range(len(self.layers)), seq)
-        return self.head_output(x_sbh, labels_bs, seq)
+        x_sbh = self._region("embedding", self.embed_tokens, tokens_bs, seq)
+        x_sbh = self.run_layers(x_sbh, range(len(self.layers)), seq)
+        return self._region("head", self.head_output, x_sbh, labels_bs, seq)
+
+    def region_params(self) -> dict[str, list[nn.Parameter]]:
+        """The parameters outside the layers by the part of forward that reads them: ``embedding``
+        (token and position embeddings, embed_tokens) and ``head`` (final norm and LM head,
+        head_output; a tied head reads the embedding's weight, which is listed under ``embedding``)."""
+        embedding = [p for m in (self.embed, self.pos_embed) if m is not None for p in m.parameters()]
+        head = [p for m in (self.final_norm, self.lm_head) if m is not None for p in m.parameters()]
+        return {"embedding": embedding, "head": head}
+
+    def _region(self, name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        hooks = self.region_hooks
+        if hooks is None:
+            return fn(*args)
+        hooks.enter(name)
+        out = fn(*args)
+        hooks.leave(name, out)
+        return out
 
     def _tp_output(self, hidden_sbh: torch.Tensor, labels_bs: torch.Tensor | None) -> torch.Tensor:
         """Logits of this rank's vocabulary block; the loss without gathering them (vocab-parallel

@@ -1,15 +1,17 @@
 """One flat bucket of the gradient engine and the state machine of its reduction.
 
-    gradients arrive   full_grads() (fp32, created on first use at stages 2-3), ready_after(p)
+    gradients arrive   full_grads() (created on first use at stages 2-3: fp32, or at stage 3 in the
+                       parameter dtype), ready_after(p)
     launch()           divided by dp, cast to the reduce dtype, all-reduced (stage 0, in place) or
                        reduce-scattered into a fresh shard (stages 1-3), asynchronously
     complete()         waited for: into the whole buffer (stage 0), the buffer's own shard (stage 1),
-                       or accumulated into the persistent shard (stages 2-3, every micro-batch)
+                       or accumulated into the persistent fp32 shard (stages 2-3, every micro-batch)
     reset()            zero_grad
 
 The engine (engine.py) decides when each happens and bounds how many are in flight. At stages 2-3
 the full buffers come from a small ``GradPool`` and go back to it once reduced: a fresh 25 MB buffer
 every micro-batch costs its page faults (first touch, ~1.4 GB/s on the CPU machines here) each time.
+The pool is emptied at the end of each step, so that between steps a rank holds its model state alone.
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ from mpformer.parallel.comm import Comm
 
 
 class GradPool:
-    """At most ``limit`` idle fp32 buffers (the engine's bound on buckets in flight) lent out as zeroed
-    full-gradient buffers. Communication buffers, as DeepSpeed's reduce buckets: not model state
-    (memory.py's table), and bounded by ``limit`` x the largest bucket."""
+    """At most ``limit`` idle buffers (the engine's bound on buckets in flight) lent out as zeroed
+    full-gradient buffers, the smallest that fits. Communication buffers, as DeepSpeed's reduce
+    buckets: not model state (memory.py's table), and bounded by ``limit`` x the largest bucket."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.idle = limit, []
 
-    def take(self, numel: int, device: torch.device) -> torch.Tensor:
-        for i, buf in enumerate(self.idle):
-            if buf.numel() >= numel and buf.device == device:
-                return self.idle.pop(i)[:numel].zero_()
-        return torch.zeros(numel, device=device)
+    def take(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        fits = [i for i, b in enumerate(self.idle) if b.numel() >= numel and b.device == device and b.dtype == dtype]
+        if fits:
+            return self.idle.pop(min(fits, key=lambda i: self.idle[i].numel()))[:numel].zero_()
+        return torch.zeros(numel, device=device, dtype=dtype)
+
+    def clear(self) -> None:
+        self.idle = []
 
     def give(self, t: torch.Tensor) -> None:
         base = t if t._base is None else t._base
@@ -55,9 +60,9 @@ class Bucket:
     layout: BucketLayout
     params: list[nn.Parameter]  # in slot order
     param_buf: torch.Tensor  # the parameters are views into it; stage 3: storage only while gathered
-    param_shard: torch.Tensor  # this rank's part (a view of param_buf below stage 3)
+    param_shard: torch.Tensor | None  # this rank's part (a view of param_buf below stage 3; 16-bit stage 3: none)
     grad_shard: torch.Tensor  # fp32, this rank's reduced gradients (a view of grad_buf at stages 0-1)
-    grad_buf: torch.Tensor | None  # fp32 full gradients (stages 2-3: only while a micro-batch's arrive)
+    grad_buf: torch.Tensor | None  # full gradients (stages 2-3: only while a micro-batch's arrive)
     masters: torch.Tensor | None = None  # fp32 master shard of 16-bit parameters
     module: nn.Module | None = None  # stage 3: the unit
     index: int = 0  # its place in the engine's list
@@ -66,12 +71,13 @@ class Bucket:
     pending: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # work, input, output
     pool: GradPool | None = None  # stages 2-3: where full buffers come from and go back to
     lent: torch.Tensor | None = None  # the pooled buffer of the reduction in flight
+    grad_dtype: torch.dtype = torch.float32  # of the full gradients: stage 3 keeps the parameter dtype
 
     def full_grads(self) -> torch.Tensor:
         if self.grad_buf is None:  # stages 2-3: the first gradient of a micro-batch, or none came
             dev = self.grad_shard.device
-            self.grad_buf = (self.pool.take(self.layout.size, dev) if self.pool is not None
-                             else torch.zeros(self.layout.size, device=dev))
+            self.grad_buf = (self.pool.take(self.layout.size, dev, self.grad_dtype) if self.pool is not None
+                             else torch.zeros(self.layout.size, device=dev, dtype=self.grad_dtype))
         return self.grad_buf
 
     def ready_after(self, p: nn.Parameter) -> bool:

@@ -2,16 +2,17 @@
 
 Where parameters live and how gradients are reduced are settings of it, not classes:
 
-    stage  parameters                  fp32 gradients                             optimizer state, masters
-    0      replicated                  all-reduced after the last micro-batch     whole
-    1      replicated                  reduce-scattered after the last one        this rank's shard
-    2      replicated                  reduce-scattered every micro-batch         this rank's shard
-    3      sharded, gathered per unit  reduce-scattered every micro-batch         this rank's shard
+    stage  parameters                  gradients                                  optimizer state, masters
+    0      replicated                  fp32, all-reduced after the last micro-batch  whole
+    1      replicated                  fp32, reduce-scattered after the last one  this rank's shard
+    2      replicated                  fp32, reduce-scattered every micro-batch   this rank's shard
+    3      sharded, gathered per unit  per unit in the parameter dtype, reduce-   this rank's shard
+                                       scattered every micro-batch
 
 Buckets (core/buffers.py): stages 0-2 pack the parameters, last first (roughly the order backward
-produces gradients), into buckets of ``bucket_mb``; stage 3 makes one per unit (each transformer
-layer, and the root: embedding, final norm, head; gather.py). A bucket is padded to a multiple of dp
-and rank r owns 1/dp of it (stage 0: all of it). Parameters become views into its ``param_buf``;
+produces gradients), into buckets of ``bucket_mb``; stage 3 makes one per unit (the embedding, each
+transformer layer, the head: final norm and LM head; gather.py). A bucket is padded to a multiple of
+dp and rank r owns 1/dp of it (stage 0: all of it). Parameters become views into its ``param_buf``;
 a model built on the meta device is filled there from the blocked initialiser (materialise.py), a
 ZeRO-3 rank allocating and drawing its shard alone.
 
@@ -20,7 +21,12 @@ Gradients reach the bucket's fp32 ``grad_buf`` either as views (fp32 parameters 
 or through a post-accumulate-grad hook that adds ``p.grad`` into its slot and drops it (Megatron's
 main_grad: 16-bit parameters accumulate in fp32, and stages 2-3 can free a bucket). When backward
 has produced every gradient of a bucket its reduction starts asynchronously, divided by dp first
-(gloo has no AVG), in ``reduce_dtype`` (bf16 halves the traffic; accumulation stays fp32).
+(gloo has no AVG), in ``reduce_dtype`` (bf16 halves the traffic; accumulation stays fp32). Stage 3
+collects a unit's gradients in the parameter dtype and reduce-scatters them in it (16-bit parameters:
+bf16/fp16, as FSDP and DeepSpeed do; fp32: ``reduce_dtype``), then adds the shard into the rank's
+fp32 gradient shard. Stages 2-3 keep at most MAX_IN_FLIGHT reductions in flight and wait for them
+once every bucket of the micro-batch has launched (its backward is over), so that no gradient buffer
+outlives its backward; their buffers come from a pool that is emptied at the end of the step.
 
 ``finish()`` makes the gradients final in the order the step needs them: a tied embedding's two
 pipeline copies summed, every reduction launched and waited for, partial tensor-parallel gradients
@@ -47,7 +53,7 @@ from mpformer.core.buffers import BucketLayout, Piece, Slot, plan_buckets
 from mpformer.core.shards import Shard
 from mpformer.models.init import ModelInit
 from mpformer.optim.bucket import Bucket, GradPool
-from mpformer.optim.gather import UnitGather
+from mpformer.optim.gather import Region, UnitGather
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
@@ -114,6 +120,8 @@ class GradEngine:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; valid: 0, 1, 2, 3")
         self.model, self.red, self.comm, self.stage, self.param_dtype = model, red, red.dp, stage, param_dtype
+        # Stage 3 reduce-scatters 16-bit parameters' gradients in their dtype (FSDP's and DeepSpeed's default).
+        self.reduce_dtype = param_dtype if stage == 3 and param_dtype != torch.float32 else red.reduce_dtype
         self.shard_rank, self.shard_dp = (0, 1) if stage == 0 else (self.comm.rank, self.comm.size)
         self.persistent = stage < 2  # full gradients live for the whole step; the shard is their view
         self.views = self.persistent and param_dtype == torch.float32
@@ -126,6 +134,7 @@ class GradEngine:
         self.init = init
         self.device = torch.device(device) if device is not None else self.params[0].device
         assert init is not None or not self.params[0].is_meta, "a meta-built model needs init to be filled from"
+        self._regions: list[Region] = []  # stage 3: set with the units (_units)
         plan = self._plan(bucket_mb)
         self.pool = GradPool(MAX_IN_FLIGHT) if not self.persistent else None
         self.buckets = [self._materialise(k, layout, module) for k, (module, layout) in enumerate(plan)]
@@ -134,6 +143,7 @@ class GradEngine:
         self._where = {id(p): (k, s) for k, b in enumerate(self.buckets) for p, s in zip(b.params, b.layout.slots)}
         self.shards = self._shard_params()
         self._in_flight: list[Bucket] = []
+        self._launched = 0  # stages 2-3: buckets launched in this micro-batch
         group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
         self.optimizer = make_optimizer([{**{k: v for k, v in g.items() if k != "params"},
                                           "params": [s.master for s in self.shards if group_of[id(s.param)] == i]}
@@ -142,7 +152,7 @@ class GradEngine:
         self.not_mine = {id(tied.param)} if tied is not None and not tied.owner else set()
         self._norm_specs = [s for s in red.specs if id(s.param) not in self.not_mine]
         self._norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
-        self.gather = UnitGather(self.buckets, self.comm) if stage == 3 else None
+        self.gather = UnitGather(self.buckets, self.comm, self._regions, model, param_dtype) if stage == 3 else None
         # Stages 1-2: the step's parameter all-gather overlaps the next forward (param_gather.py).
         self.param_gather = ParamGather(self.buckets, self.comm, model if overlap_param_gather else None) \
             if stage in (1, 2) else None
@@ -155,11 +165,7 @@ class GradEngine:
         """Buckets as (unit module, layout) with slots naming parameters by their index in ``params``."""
         index = {id(p): i for i, p in enumerate(self.params)}
         if self.stage == 3:
-            layers = list(self.model.layers)
-            inside = {id(p) for layer in layers for p in layer.parameters()}
-            units = [(self.model, [p for p in self.params if id(p) not in inside])]
-            units += [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]
-            cap = 2**62
+            units, cap = self._units(), 2**62
         else:
             units, cap = [(None, self.params)], max(1, int(bucket_mb * 2**20 / 4))  # fp32 gradient elements
         out = []
@@ -168,6 +174,24 @@ class GradEngine:
                 slots = tuple(Slot(index[id(ps[s.index])], s.start, s.numel) for s in lay.slots)
                 out.append((module, BucketLayout(slots, lay.size, lay.dp)))
         return out
+
+    def _units(self) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
+        """Stage 3's units: the embedding, each layer, the head (gather.py), and the regions of forward
+        that read them (``self._regions``)."""
+        mine = {id(p) for p in self.params}
+        layers = list(self.model.layers)
+        outside = {k: [p for p in ps if id(p) in mine] for k, ps in self.model.region_params().items()}
+        units = [(None, outside["embedding"])]
+        units += [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]
+        units.append((None, outside["head"]))
+        held = sum(len(ps) for _, ps in units)
+        assert held == len(self.params), f"ZeRO-3 units hold {held} of the {len(self.params)} parameters"
+        head, embed = len(layers) + 1, 0
+        tied = self.model.cfg.tie_embeddings  # the head reads the embedding's weight: its region gathers it
+        self._regions = [Region("embedding", (embed,), backward_reads=False)]
+        self._regions += [Region(f"layers.{i}", (i + 1,), module=layer) for i, layer in enumerate(layers)]
+        self._regions.append(Region("head", (head, embed) if tied else (head,)))
+        return units
 
     def _materialise(self, index: int, layout: BucketLayout, module: nn.Module | None) -> Bucket:
         params = [self.params[s.index] for s in layout.slots]
@@ -179,7 +203,7 @@ class GradEngine:
         lo, hi = layout.shard_range(self.shard_rank)
         if not self.persistent:
             return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module, index,
-                          pool=self.pool)
+                          pool=self.pool, grad_dtype=self.param_dtype if self.stage == 3 else torch.float32)
         grads = torch.zeros(layout.size, device=dev)
         if self.views:
             for p, s in zip(params, layout.slots):
@@ -227,12 +251,23 @@ class GradEngine:
         if b.pending is not None:  # stages 2-3: this bucket's previous micro-batch is still reducing
             self._in_flight.remove(b)
             b.complete(self.stage, self.persistent)
-        b.launch(self.comm, self.stage, self.red.reduce_dtype, self.persistent, self.red.replicas or self.comm.size)
+        b.launch(self.comm, self.stage, self.reduce_dtype, self.persistent, self.red.replicas or self.comm.size)
         if self.gather is not None:
             self.gather.release(b.index)
         self._in_flight.append(b)
-        while not self.persistent and len(self._in_flight) > MAX_IN_FLIGHT:  # bound the full buffers alive
+        if self.persistent:
+            return
+        while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the full buffers alive
             self._in_flight.pop(0).complete(self.stage, self.persistent)
+        self._launched += 1
+        if self._launched == len(self.buckets):  # the micro-batch's backward is over: its buffers go now
+            self._drain()
+
+    def _drain(self) -> None:
+        """Every reduction in flight waited for (and its buffer back in the pool)."""
+        while self._in_flight:
+            self._in_flight.pop(0).complete(self.stage, self.persistent)
+        self._launched = 0
 
     def _launch_owed(self) -> None:
         if not self.reduces:
@@ -263,8 +298,9 @@ class GradEngine:
         if tied is not None:
             tied.comm.all_reduce(self.main_grad(tied.param))
         self._launch_owed()
-        while self._in_flight:
-            self._in_flight.pop(0).complete(self.stage, self.persistent)
+        self._drain()
+        if self.pool is not None:
+            self.pool.clear()  # between steps a rank holds its model state alone
         if self.gather is not None:
             self.gather.reset()
         for g, spec in self.shard_grads([s for s in self.red.specs if s.sync is not None]):
@@ -327,7 +363,7 @@ class GradEngine:
         """16-bit parameters: the masters cast into this rank's part of them."""
         for s in self.shards:
             b = self.buckets[s.bucket]
-            if b.masters is not None:
+            if b.masters is not None and b.param_shard is not None:  # stage 3 casts the masters when gathering
                 b.param_shard[s.piece.shard_offset:s.piece.shard_offset + s.piece.numel].copy_(s.master)
 
     def step(self) -> None:
@@ -347,7 +383,7 @@ class GradEngine:
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, counted from the tensors (memory.py)."""
-        weights = [b.param_shard if self.stage == 3 else b.param_buf for b in self.buckets]
+        weights = [b.param_shard if self.stage == 3 else b.param_buf for b in self.buckets]  # stage 3 16-bit: none
         grads = [b.grad_shard for b in self.buckets] + [b.grad_buf for b in self.buckets if b.grad_buf is not None]
         return model_state_bytes(weights, grads, [b.masters for b in self.buckets if b.masters is not None],
                                  self.optimizer)

@@ -8,6 +8,9 @@ initialiser (models/init.py) instead, and only where this rank keeps values:
     0-2     the whole bucket (every rank holds it)    the parameters' home
     3       this rank's shard only                    allocated empty, viewed, freed at once
 
+At stage 3 a rank keeps its shard once: fp32 parameters as the shard itself, 16-bit ones as the fp32
+masters alone (the gathers cast them, optim/gather.py), so no 16-bit copy outlives a gather.
+
 Each piece of what a rank fills is a flat range of one (tensor-parallel) parameter; checkpoint/rows.py
 cuts it into rectangles of canonical tensors at their global offsets, which is exactly what the
 initialiser draws, so a ZeRO-3 rank draws only the blocks that meet its shard and ends with the
@@ -56,10 +59,11 @@ def free(buf: torch.Tensor) -> None:
 @torch.no_grad()
 def bucket_weights(params: Sequence[nn.Parameter], layout: BucketLayout, *, rank: int, stage: int,
                    dtype: torch.dtype, device: torch.device, canonical: Sequence[CanonicalRows],
-                   init: ModelInit | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   init: ModelInit | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(param_buf, param_shard, masters) of one bucket; ``params`` in slot order. 16-bit parameters
     get fp32 masters of this rank's shard, from the full-precision values rather than their rounding.
-    Stage 3's shard is its own tensor and its buffer is freed; below it the shard is a view."""
+    Stage 3's buffer is freed and its shard is its own tensor (fp32), or none beside the masters
+    (16-bit); below stage 3 the shard is a view of the buffer."""
     lo, hi = layout.shard_range(rank)
     low_precision = dtype != torch.float32
     if init is not None and stage == 3:  # the shard alone, drawn in fp32
@@ -69,7 +73,7 @@ def bucket_weights(params: Sequence[nn.Parameter], layout: BucketLayout, *, rank
         buf = torch.empty(layout.size, dtype=dtype, device=device)  # never written: viewed, then freed
         place(params, layout, buf)
         free(buf)
-        return buf, (mine.to(dtype) if low_precision else mine), (mine if low_precision else None)
+        return buf, (None if low_precision else mine), (mine if low_precision else None)
     buf = torch.zeros(layout.size, dtype=dtype, device=device)
     full = torch.zeros(layout.size, device=device) if low_precision else buf  # fp32 values
     for p, s in zip(params, layout.slots):
@@ -83,6 +87,6 @@ def bucket_weights(params: Sequence[nn.Parameter], layout: BucketLayout, *, rank
     masters = (full if hi - lo == layout.size else full[lo:hi].clone()) if low_precision else None
     if stage < 3:
         return buf, buf[lo:hi], masters
-    shard = buf[lo:hi].clone()
+    shard = None if low_precision else buf[lo:hi].clone()
     free(buf)
     return buf, shard, masters

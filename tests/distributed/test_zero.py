@@ -11,11 +11,14 @@ over every element, shows them first: measured up to 8e-7 at zero=0 and 1.2e-6 w
 per-micro-batch reductions by step 10, 2.7e-7 with another draw of the same initial distribution. A
 missed or doubled reduction, a wrong divisor or a misplaced shard moves the norm by 1e-3 or more.)
 
-Also: bytes moved per step by the dp collectives (2 Psi ring-adjusted for stages 0-2, 3 Psi for 3),
-model-state bytes per rank against docs/formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2 with zero=2
-and zero=3 (+ full recompute), pp=2 x dp=2 with zero=1, checkpoints resumed across dp sizes and
-stages, bf16 weights with fp32 masters against the fp32 oracle, fp16 dynamic loss scaling, and the
-initial weights of ZeRO-3 (dp=2, tp=2 x dp=2, bf16 masters) and pp=2 x dp=2 bit for bit the oracle's.
+Also: bytes moved per step by the dp collectives (2 Psi ring-adjusted for stages 0-2, 3 Psi less the
+embedding's backward gather for 3; bf16 ZeRO-3 reduce-scatters in bf16), ZeRO-3 gathering at most
+the units of two neighbouring regions at any time (the embedding and the head freed like every
+layer), model-state bytes per rank against docs/formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2
+with zero=2 and zero=3 (+ full recompute), pp=2 x dp=2 with zero=1, checkpoints resumed across dp
+sizes and stages (bf16 zero=1 and zero=3 bit-identically), bf16 weights with fp32 masters against the
+fp32 oracle, fp16 dynamic loss scaling, and the initial weights of ZeRO-3 (dp=2, tp=2 x dp=2, bf16
+masters) and pp=2 x dp=2 bit for bit the oracle's.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ RUNS = {  # name: (world, overrides)
     "bf16_z1": (4, {"parallel.zero": 1, "train.precision": "bf16"}),
     "bf16_z3": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
     "bf16_z1_stop": (4, {"parallel.zero": 1, "train.precision": "bf16", "train.stop_at": 5}),
+    "bf16_z3_stop": (4, {"parallel.zero": 3, "train.precision": "bf16", "train.stop_at": 5}),
     "fp16_z2": (4, {"parallel.zero": 2, "train.precision": "fp16", "train.initial_loss_scale": 2.0**22}),
     "z1_accum": (4, {"parallel.zero": 1, "train.micro_batch_size": 1, **EVAL}),
     "z2_accum": (4, {"parallel.zero": 2, "train.micro_batch_size": 1}),
@@ -66,6 +70,7 @@ RUNS = {  # name: (world, overrides)
     "z0_dp1_resume": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
     "z0_dp1_resume_z3": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
     "bf16_z1_resume": (4, {"parallel.zero": 1, "train.precision": "bf16"}),
+    "bf16_z3_resume": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
     "z0_reduce_bf16": (4, {"parallel.zero": 0, "parallel.grad_reduce_dtype": "bf16"}),
     "z2_reduce_bf16": (4, {"parallel.zero": 2, "parallel.grad_reduce_dtype": "bf16"}),
 }
@@ -76,11 +81,33 @@ INIT = {"init_z3_dp2": (2, {"parallel.zero": 3, "train.micro_batch_size": 4}),
         "init_bf16_z3": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
         "init_z1_pp2_dp2": (4, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1})}
 RESUME_FROM = {"z1_dp2_resume": "z2_stop", "z0_dp1_resume": "z2_stop", "z0_dp1_resume_z3": "z3_stop",
-               "bf16_z1_resume": "bf16_z1_stop", "sgd_z1_resume": "sgd_z1_stop"}
+               "bf16_z1_resume": "bf16_z1_stop", "bf16_z3_resume": "bf16_z3_stop", "sgd_z1_resume": "sgd_z1_stop"}
+
+
+def _watch_gathers() -> list[tuple[frozenset[int], tuple[tuple[int, ...], ...]]]:
+    """After every ZeRO-3 gather: the units gathered or arriving, and the regions that read them."""
+    from mpformer.optim.gather import UnitGather
+
+    seen, gather = [], UnitGather.gather
+
+    def watched(self, k: int, async_op: bool = False) -> None:
+        gather(self, k, async_op)
+        live = frozenset(i for i in range(len(self.units)) if self.gathered[i] or self.gathering[i] is not None)
+        seen.append((live, tuple(r.units for r in self.regions)))
+
+    UnitGather.gather = watched
+    return seen
+
+
+def _within_two_regions(seen: list) -> bool:
+    """Every gather left only the units of two neighbouring regions (in use and prefetched) gathered."""
+    return bool(seen) and all(any(live <= set(regions[r]) | set(regions[r + 1]) for r in range(len(regions) - 1))
+                              for live, regions in seen)
 
 
 def _worker(world: int, data: str, root: str) -> dict:
     out = {}
+    seen = _watch_gathers()
     for name, (w, kw) in RUNS.items():
         if w != world:
             continue
@@ -88,7 +115,9 @@ def _worker(world: int, data: str, root: str) -> dict:
             kw = {**kw, "checkpoint.load": str(Path(root) / RESUME_FROM[name] / "checkpoints")}
         if "eval.interval" in kw:
             kw = {**kw, "eval.tokens": str(Path(root) / "eval.npy")}
+        seen.clear()
         out[name] = train(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
+        out[name]["gathers_within_two_regions"] = _within_two_regions(seen)
     for name, (w, kw) in INIT.items():
         if w == world:
             out[name] = initial_weights(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
@@ -122,7 +151,7 @@ def _oracle(data: str) -> dict:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "grad_norms": norms, "initial": initial,
-            "psi": sum(p.numel() for p in model.parameters())}
+            "psi": sum(p.numel() for p in model.parameters()), "embedding": model.embed.weight.numel()}
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +197,14 @@ def test_every_layout_starts_from_the_single_device_weights(results, run):
 
 def test_resume_across_dp_sizes_and_stages(results):
     """zero=2 dp=4 stopped at step 5, resumed at zero=1 dp=2 and zero=0 dp=1, and zero=3 dp=4 resumed
-    at zero=0 dp=1: steps 6-10 as uninterrupted; bf16 zero=1 resumed bit-identically (fp32 masters)."""
+    at zero=0 dp=1: steps 6-10 as uninterrupted; bf16 zero=1 and zero=3 resumed bit-identically (fp32
+    masters: at zero=3 the only copy of the weights a rank keeps)."""
     want = results["oracle"]["losses"]
     assert results["z2_stop"]["losses"] == results["z2"]["losses"][:5]
     for run in ("z1_dp2_resume", "z0_dp1_resume", "z0_dp1_resume_z3"):
         _close(results[run]["losses"], want[5:])
-    assert results["bf16_z1_stop"]["losses"] + results["bf16_z1_resume"]["losses"] == results["bf16_z1"]["losses"]
+    for run in ("bf16_z1", "bf16_z3"):
+        assert results[f"{run}_stop"]["losses"] + results[f"{run}_resume"]["losses"] == results[run]["losses"]
 
 
 @pytest.mark.parametrize("run", ["bf16_z1", "bf16_z3"])
@@ -203,17 +234,36 @@ def test_fp16_dynamic_loss_scaling_skips_and_backs_off(tiny_data, results):
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dp_traffic_is_two_psi_or_three(results, zero):
     """Per step (one micro-batch per rank here): all-reduce (stage 0) or reduce-scatter + all-gather
-    (1, 2) of Psi fp32 elements, 2 Psi ring-adjusted by (n-1)/n; stage 3 gathers twice (forward and
-    backward): 3 Psi. Buckets are padded to a multiple of dp (< dp elements each)."""
-    psi, n = results["oracle"]["psi"], 4
-    want = (3 if zero == 3 else 2) * (n - 1) / n * 4 * psi
+    (1, 2) of Psi fp32 elements, 2 Psi ring-adjusted by (n-1)/n; stage 3 gathers in forward and again
+    in backward, except the embedding, whose backward reads no weights (optim/gather.py): 3 Psi - E.
+    Buckets are padded to a multiple of dp (< dp elements each: within 1e-4)."""
+    psi, n, embed = results["oracle"]["psi"], 4, results["oracle"]["embedding"]
+    gathered = 2 * psi - embed if zero == 3 else psi  # elements all-gathered per step
+    want = (psi + gathered if zero else 2 * psi) * (n - 1) / n * 4
     for by_kind in results[f"z{zero}"]["comm_by_kind"]:
         dp = {k: v for k, v in by_kind.items() if k.startswith("dp.") and not k.startswith("dp.norm.")}
         assert by_kind.get("dp.norm.all_reduce", 0) == (0 if zero == 0 else 2 * (n - 1) / n * 4)  # one fp32
         assert set(dp) == ({"dp.all_reduce"} if zero == 0 else {"dp.reduce_scatter", "dp.all_gather"})
         assert sum(dp.values()) == pytest.approx(want, rel=1e-4)
         if zero:
-            assert dp["dp.all_gather"] == (2 if zero == 3 else 1) * dp["dp.reduce_scatter"]
+            assert dp["dp.all_gather"] == pytest.approx(gathered / psi * dp["dp.reduce_scatter"], rel=1e-4)
+
+
+@pytest.mark.parametrize("run", ["z3", "bf16_z3", "z3_tp2_recompute", "z3_accum_eval"])
+def test_zero3_gathers_at_most_two_neighbouring_regions(results, run):
+    """ZeRO-3 (optim/gather.py): after every gather only the units of the region in use and of the one
+    prefetched are gathered: the embedding and the head are freed like every layer (also under full
+    recompute, with gradient accumulation and with validation between steps)."""
+    assert results[run]["gathers_within_two_regions"]
+
+
+def test_zero3_reduces_16bit_gradients_in_their_dtype(results):
+    """bf16 parameters at stage 3: each unit's gradients are reduce-scattered in bf16 (half of fp32's
+    bytes, as FSDP and DeepSpeed do), and so are the gathers; accumulation stays in the fp32 shards
+    (the bf16 run tracks the fp32 oracle: test_bf16_weights_with_fp32_masters_track_fp32)."""
+    for fp32, bf16 in zip(results["z3"]["comm_by_kind"], results["bf16_z3"]["comm_by_kind"]):
+        for kind in ("dp.reduce_scatter", "dp.all_gather"):
+            assert bf16[kind] == pytest.approx(fp32[kind] / 2, rel=1e-6), kind
 
 
 @pytest.mark.parametrize("zero", [0, 2])
@@ -236,14 +286,16 @@ def test_gradients_reduced_in_bf16_halve_the_traffic_and_track_fp32(results, zer
 @pytest.mark.parametrize("run", ["z0", "z1", "z2", "z3", "bf16_z1", "bf16_z3"])
 def test_model_state_bytes_match_the_zero_table(results, run):
     """fp32 weights are their own masters: w = g = 4, m = 0, k = 8 (Adam's m and v); bf16: w = 2,
-    fp32 main gradients g = 4, fp32 masters m = 4 (Megatron's 6 + 12/N_d at stage 1). Within 1%,
-    not counting the per-tensor step counters; bucket padding is < dp elements per bucket."""
+    fp32 main gradients g = 4, fp32 masters m = 4 (Megatron's 6 + 12/N_d at stage 1); bf16 at stage 3
+    keeps no 16-bit shard (w = 0: its gathers cast the masters, optim/gather.py), 16 Psi / N_d as FSDP.
+    Within 1%, not counting the per-tensor step counters; bucket padding is < dp elements per bucket."""
     from mpformer.optim.memory import zero_formula_bytes
 
     psi = results["oracle"]["psi"]
     report = json.loads((results["root"] / run / "memory.json").read_text())
     zero, bf16 = report["zero"], run.startswith("bf16")
-    want = zero_formula_bytes(zero, psi, 4, w=2 if bf16 else 4, g=4, m=4 if bf16 else 0, k=8)
+    w = (0 if zero == 3 else 2) if bf16 else 4
+    want = zero_formula_bytes(zero, psi, 4, w=w, g=4, m=4 if bf16 else 0, k=8)
     assert len(report["per_rank"]) == 4
     for mem in report["per_rank"]:
         assert abs(mem["total"] - mem["optimizer_scalars"] - want) <= 0.01 * want, (mem, want)

@@ -79,7 +79,7 @@ def test_plan_memory_per_stage():
     assert len(one) == 1 and one[0].params == LLAMA.num_params()
     assert one[0].model_state == zero_formula_bytes(0, LLAMA.num_params(), 1, w=2, g=4, m=4, k=8)
     z3 = plan_memory(LLAMA, ParallelLayout(dp=8, zero=3), w)[0]
-    assert z3.model_state == pytest.approx(18 * LLAMA.num_params() / 8)
+    assert z3.model_state == pytest.approx(16 * LLAMA.num_params() / 8)  # no 16-bit shard: the fp32 masters
     stages = plan_memory(LLAMA, ParallelLayout(dp=1, pp=4), w)
     assert stages[0].activations > stages[2].activations  # 1F1B: the first stage holds p micro-batches
     assert stages[3].params > stages[1].params  # the LM head

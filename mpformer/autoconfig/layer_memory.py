@@ -1,0 +1,121 @@
+"""What mpformer's own layers keep for backward, and what their backward adds, counted op by op.
+
+Korthikanti et al.'s 34 s b h (autoconfig/memory.py ``activation_bytes_per_layer``) counts Megatron's
+GPT layer (GeLU MLP of 4h, LayerNorm, dropout masks, attention scores). mpformer's block differs
+(SwiGLU, RMSNorm computed in fp32, SDPA), so the memory model counts what its modules save, per
+micro-batch and rank, in bytes (``wb``: the parameter and activation dtype's bytes; s_n = s / cp the
+rank's positions, s_r = s_n / t under sequence parallelism, else s_n; q, kv, f the rank's query,
+key/value and MLP widths, a its heads, d the head size):
+
+    norm (x2)       RMSNorm: its input in fp32 (4 s_r b h: ``x.float()``, the input itself in fp32), the
+                    1/rms rows (4 s_r b) and the normalised rows (wb s_r b h, saved by the gain's
+                    multiply); LayerNorm: its input (wb s_r b h) and mean and 1/std rows (2 wb s_r b)
+    linear input    the input of the qkv and of the MLP projection: the norm output, or under sequence
+                    parallelism the all-gathered one (wb s_n b h each)
+    attention       none: SDPA's q, k, v (wb s_n b (q + 2 kv); RoPE's outputs and contiguous copies)
+                    and output (wb s_n b q), its log-sum-exp rows (4 a s_n b), the output projection's
+                    input (a contiguous copy, wb s_n b q); RoPE tables cast to wb per call (4 s_n d wb)
+                    selective: the core's inputs: q and k after RoPE and the qkv output that v views
+                    (wb s_n b (2q + 3kv)), without RoPE the qkv output alone; the projection's input
+    MLP             SwiGLU: gate and up outputs, silu(gate), the product (4 wb s_n b f); GeLU: the up
+                    output and the GeLU output (2 wb s_n b f)
+    dropout         a 1-byte mask per hidden dropout (2 s_r b h) when model.hidden_dropout > 0
+    full recompute  the layer's input alone (wb s_r b h); during its backward the layer's activations
+                    are recomputed and live again
+
+``tests/unit/test_layer_memory.py`` checks these against the bytes autograd saves (torch's
+saved-tensor hooks) for GPT-2 and Llama blocks in fp32 and bf16 under each recompute mode.
+
+The backward of a layer adds, above what it keeps: the gradients of the MLP's f-wide activations,
+two at once for SwiGLU (of silu(gate) and of up, while the incoming one lives: 2 wb s_n b f), and for
+GeLU one (wb s_n b f) while its up projection's weight gradient is formed (wb f h). Measured on the
+same blocks (profiler memory events): exact in fp32; in bf16 a 16-bit weight gradient can still be
+held while the next node runs (up to 15% of the layer's saved bytes at h = 128, none at h = 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.model_config import ModelConfig
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One layer's saved bytes by part (one micro-batch, one rank), and what its backward adds."""
+
+    norms: float  # both norms and the two linear inputs
+    attention: float
+    mlp: float
+    other: float  # RoPE table casts, dropout masks
+    backward: float  # live above the saved bytes while the layer runs its backward
+
+    @property
+    def saved(self) -> float:
+        return self.norms + self.attention + self.mlp + self.other
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The per-rank sizes the counts use."""
+
+    s_n: float  # positions per rank (s / cp)
+    s_r: float  # positions of the residual stream (s_n / t under sequence parallelism)
+    b: int
+    h: int
+    q: int  # query width per rank (heads x head size)
+    kv: int  # key/value width per rank
+    f: int  # MLP width per rank
+    a: int  # query heads per rank
+    d: int  # head size
+
+
+def shape(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int) -> Shape:
+    s_n = seq_length / L.cp
+    d, t = m.head_size, L.tp
+    return Shape(s_n, s_n / t if L.sequence_parallel else s_n, micro_batch, m.hidden_size,
+                 m.num_attention_heads // t * d, max(m.kv_heads // t, 1) * d, m.ffn_size // t,
+                 m.num_attention_heads // t, d)
+
+
+def norm_bytes(m: ModelConfig, x: Shape, wb: int) -> float:
+    """What one norm keeps (its output is counted where it is consumed)."""
+    rows = x.s_r * x.b
+    if m.norm_type == "rmsnorm":
+        return (4 + wb) * rows * x.h + 4 * rows
+    return wb * rows * x.h + 2 * wb * rows
+
+
+def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
+                recompute: str | None = None) -> LayerBytes:
+    """mpformer's block: what one layer keeps per micro-batch on one rank under ``recompute`` (default:
+    the layout's), and what its backward adds (module docstring)."""
+    wb, x = BYTES[precision], shape(m, L, seq_length, micro_batch)
+    mode = L.recompute if recompute is None else recompute
+    tokens, gated, rope = x.s_n * x.b, m.gated_mlp, not m.learned_positions
+    mlp = (4 if gated else 2) * wb * tokens * x.f
+    backward = 2 * wb * tokens * x.f if gated else wb * tokens * x.f + wb * x.f * x.h
+    if mode == "full":
+        return LayerBytes(wb * x.s_r * x.b * x.h, 0.0, 0.0, 0.0, backward)
+    norms = 2 * norm_bytes(m, x, wb) + 2 * wb * tokens * x.h
+    if mode == "selective":
+        core_inputs = (2 * x.q + 3 * x.kv) if rope else (x.q + 2 * x.kv)
+        attention = wb * tokens * core_inputs + wb * tokens * x.q
+    else:
+        attention = wb * tokens * (x.q + 2 * x.kv) + 4 * x.a * tokens + 2 * wb * tokens * x.q
+    other = (4 * x.s_n * x.d * wb if rope and wb < 4 else 0.0) + (2 * x.s_r * x.b * x.h if m.hidden_dropout > 0 else 0)
+    return LayerBytes(norms, attention, mlp, other, backward)
+
+
+def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str) -> float:
+    """Live above the kept input while a fully recomputed layer runs its backward: its activations again,
+    of which the kept input is one where the first norm saves the input itself (LayerNorm, or RMSNorm
+    in fp32; in 16-bit RMSNorm saves an fp32 copy)."""
+    if L.recompute != "full":
+        return 0.0
+    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none").saved
+    shared = m.norm_type == "layernorm" or BYTES[precision] == 4
+    return again - (layer_bytes(m, L, seq_length, micro_batch, precision).saved if shared else 0.0)

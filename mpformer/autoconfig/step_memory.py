@@ -1,0 +1,176 @@
+"""The peak of one pipeline stage's step, walked through the points where it can occur.
+
+memory.py's plan_memory gives each stage its persistent model state, what each micro-batch keeps
+for backward, and what each point of the step adds; this module walks the last micro-batch through
+those points, as the runtime runs them, and takes the largest total:
+
+    head forward     every saved activation of the micro-batches in flight, the head's chunk
+    head backward    the head's gradients cast to the compute dtype, its gradient bucket
+    layer i backward (i from the last) the saved activations of layers 0..i, layer i's recomputed
+                     ones and its backward's own, the gradient buckets (stage 2-3: filling and in
+                     flight, as the engine's pool lends them), the gathered units (stage 3)
+    embedding        its weight gradient, the buckets
+    end of backward  stages 0-1: every bucket's reduction in flight (the activations are gone)
+
+Gradient buckets follow the engine (optim/engine.py): stages 0-2 pack the parameters last first into
+buckets of ``bucket_mb`` of fp32 elements, stage 3 has one per unit (embedding, layers, head); a
+bucket launches once the backward of the unit holding its last parameter is over. Stages 0-1 keep
+every reduction in flight until the step's end; stages 2-3 keep ``in_flight`` and draw their buffers
+from a pool (the smallest idle buffer that fits, at most ``in_flight`` idle) that is emptied when the
+micro-batch's reductions are drained. On CPU (gloo) a reduce-scatter also holds receive buffers of
+(n-1)/n of its input (parallel/pairwise.py); NCCL writes in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What backward meets, in order: a part of the stage with its parameters and activations."""
+
+    name: str
+    params: Sequence[int]  # element counts of its parameters, in model order
+    saved: float  # activation bytes this unit keeps for backward (one micro-batch)
+    backward: float = 0.0  # activation bytes live above ``saved`` in its backward (recompute, the backward's own)
+    extra: float = 0.0  # other bytes live in its backward: gradients before the engine takes them, the
+    # ZeRO-3 units gathered (itself and the one prefetched), another implementation's gradient buffers
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How the stage's gradients are bucketed and reduced."""
+
+    stage: int  # ZeRO stage
+    dp: int  # ranks the gradients are reduced over (dp x cp)
+    grad_bytes: int  # bytes per element of the full gradient buffers (fp32; stage 3: the parameter dtype)
+    reduce_bytes: int  # bytes per element of the collective
+    bucket_elems: float  # stages 0-2: the bucket cap in elements
+    in_flight: int  # stages 2-3: reductions in flight beside the bucket filling
+    pairwise: bool  # gloo on CPU: receive buffers of (n-1)/n of each reduce-scatter input
+    pooled: bool = True  # stage 3: mpformer's buffers (walked here); False: the units' ``extra`` holds them
+
+
+@dataclass
+class _Pool:
+    """The engine's GradPool: lends the smallest idle buffer that fits, keeps at most ``limit`` idle."""
+
+    limit: int
+    idle: list[float] = field(default_factory=list)
+
+    def take(self, size: float) -> float:
+        fits = [b for b in self.idle if b >= size]
+        if not fits:
+            return size
+        self.idle.remove(min(fits))
+        return min(fits)
+
+    def give(self, size: float) -> None:
+        self.idle.append(size)
+        if len(self.idle) > self.limit:
+            self.idle.remove(min(self.idle))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    elems: float
+    first: int  # the unit (backward order) whose gradients reach it first: its buffer is taken then
+    last: int  # the unit whose backward completes it: it launches then
+
+
+def buckets(units: Sequence[Unit], red: Reduction) -> list[Bucket]:
+    """The engine's buckets in launch order: stage 3 one per unit; stages 0-2 the parameters packed
+    last first (core/buffers.py plan_buckets: a bucket closes before the parameter that would pass
+    the cap; a larger parameter gets one of its own)."""
+    if red.stage == 3:
+        return [Bucket(float(sum(u.params)), k, k) for k, u in enumerate(units)]
+    out: list[Bucket] = []
+    size, first, last = 0.0, 0, 0
+    for k, u in enumerate(units):
+        for n in reversed(u.params):
+            if size and size + n > red.bucket_elems:
+                out.append(Bucket(size, first, last))
+                size = 0.0
+            if not size:
+                first = k
+            size, last = size + n, k
+    if size:
+        out.append(Bucket(size, first, last))
+    return out
+
+
+def comm_bytes(elems: float, red: Reduction) -> float:
+    """What one reduction in flight holds besides its input buffer: its output shard (stages 1-3), the
+    receive buffers of gloo's pairwise reduce-scatter, and a copy in the collective's dtype when it
+    differs from the buffer's."""
+    if red.dp == 1 and red.stage < 2:
+        return 0.0
+    shard = elems * red.reduce_bytes / red.dp if red.stage > 0 else 0.0
+    recv = elems * red.reduce_bytes * (red.dp - 1) / red.dp if red.pairwise and red.stage > 0 else 0.0
+    cast = elems * red.reduce_bytes if red.reduce_bytes != red.grad_bytes else 0.0
+    return shard + recv + cast
+
+
+@dataclass(frozen=True)
+class Peak:
+    live: float  # bytes
+    activations: float  # of which activations (saved, recomputed, the backward's own)
+    where: str
+
+
+def walk(units: Sequence[Unit], red: Reduction, *, state: float, kept: float, head_forward: float,
+         micro: int = 1) -> Peak:
+    """The stage's peak and where it occurs, in the last of ``micro`` micro-batches of a step. ``units``
+    in backward order (the head first, the embedding last); ``state``: the persistent bytes; ``kept``:
+    activation bytes live throughout (the other micro-batches in flight, the pipeline's inputs and
+    outputs); ``head_forward``: what the end of this micro-batch's forward adds (the head's chunk, the
+    gathered head). With gradient accumulation at stages 2-3 the pool still holds the buffers the
+    previous micro-batch gave back (emptied only at the step's end)."""
+    pool = _Pool(red.in_flight)
+    if micro > 1 and red.stage >= 2 and red.pooled:
+        _backward(units, red, pool, state, kept)
+    idle = sum(pool.idle)
+    saved = sum(u.saved for u in units)
+    head = Peak(state + kept + saved + head_forward + idle, kept + saved, "head forward" if head_forward else "forward")
+    back = _backward(units, red, pool, state, kept)
+    return back if back.live > head.live else head
+
+
+def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float, kept: float) -> Peak:
+    """One micro-batch's backward: the largest total at any unit, or at its end (stages 0-1, whose
+    reductions all stay in flight until the step's end). ``pool``: as it was before, left as after."""
+    saved = [u.saved for u in units]
+    peak = Peak(0.0, 0.0, "")
+    plan, pooled = buckets(units, red), red.stage >= 2 and red.pooled
+    filling: dict[int, float] = {}  # bucket -> its buffer's bytes (stages 2-3)
+    in_flight: list[tuple[int, float]] = []  # (bucket, its buffer's bytes; 0 for stages 0-1's own)
+    comm = 0.0
+    for k, u in enumerate(units):
+        if pooled:
+            for j, bk in enumerate(plan):
+                if bk.first == k:
+                    filling[j] = pool.take(bk.elems * red.grad_bytes)
+        buffers = sum(filling.values()) + sum(b for _, b in in_flight) + sum(pool.idle)
+        act = kept + sum(saved[k:]) + u.backward
+        live = state + act + u.extra + buffers + comm
+        if live > peak.live:
+            peak = Peak(live, act, f"{u.name} backward")
+        saved[k] = 0.0
+        if red.stage >= 2 and not red.pooled:
+            continue
+        for j, bk in enumerate(plan):
+            if bk.last != k:
+                continue
+            comm += comm_bytes(bk.elems, red)
+            in_flight.append((j, filling.pop(j, 0.0)))
+            while pooled and len(in_flight) > red.in_flight:
+                i, size = in_flight.pop(0)
+                comm -= comm_bytes(plan[i].elems, red)
+                pool.give(size)
+    for _, size in in_flight if pooled else []:  # the micro-batch's last launch drains them into the pool
+        pool.give(size)
+    if red.stage < 2 and state + comm > peak.live:
+        peak = Peak(state + comm, 0.0, "end of backward")
+    return peak
