@@ -108,7 +108,7 @@ def _cluster_key(c: Cluster) -> str:
 
 def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> LayerTimes:
     dt = w.precision
-    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.kernels, w.flash_attention)
+    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, w.flash_attention)
     x = dims(m, L, w.seq_length, w.micro_batch_size)
     measured = measured_attention(c, dt, x["s"], x["s_k"], x["d"], x["b"] * x["heads"]) if w.flash_attention else None
     return layer_times_from(c, dt, work, measured)
@@ -121,19 +121,21 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     whole forward (and its tensor-parallel collectives)."""
     lt = layer_compute(m, L, w, c)
     f, bi, bw_ = lt.f, lt.bi, lt.bw
-    if L.recompute == "selective":
-        bi += lt.attn_f
-    elif L.recompute == "full":
-        bi += f
-    elif w.op_checkpoint:  # torchtitan's op-level checkpointing: wk, wo, w3 and every elementwise op again
+    if L.recompute == "selective" and w.runtime.selective == "op":
+        # torchtitan's op-level checkpointing: the outputs of every other matmul (wq, wv, w1, w2) and
+        # of SDPA kept; wk, wo, w3 and every elementwise op run again
         q, kv = m.num_attention_heads * m.head_size, m.kv_heads * m.head_size
         qkv, o, up = lt.f_gemms[:3]
         bi += qkv * kv / (q + 2 * kv) + o + (up / 2 if m.gated_mlp else 0.0) + lt.f_memory
+    elif L.recompute == "selective":
+        bi += lt.attn_f
+    elif L.recompute == "full":
+        bi += f
     t, act = L.tp, w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
     spans = t > c.devices_per_node
     kinds = ("all_gather", "reduce_scatter") if L.sequence_parallel else ("all_reduce", None)
     per = sum(_collective(c, k, act, t, spans) for k in kinds if k)  # one AR, or one AG + one RS
-    if w.tp_comm_overlap and t > 1:
+    if w.runtime.tp_comm_overlap and t > 1:
         # Transformer Engine's overlap (Megatron-LM --tp-comm-overlap): each collective is cut into t
         # chunks exchanged while the adjacent GEMM computes the chunk before (all-gather -> QKV / FC1,
         # RS after O / FC2; the same in backward): the first chunk, and what the GEMM cannot cover,
@@ -172,7 +174,7 @@ def _edge_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head
 
 def _edge_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head: bool) -> tuple[float, float, float]:
     dt = w.precision
-    work = (head_work(m, L, w.seq_length, w.micro_batch_size, dt, w.kernels, w.fused_cross_entropy) if head
+    work = (head_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, w.fused_cross_entropy) if head
             else embedding_work(m, L, w.seq_length, w.micro_batch_size, dt))
     f, bi, bw_ = (pass_time(c, dt, p, backward=k > 0).total for k, p in enumerate((work.f, work.bi, work.bw)))
     return f, bi, bw_
@@ -207,12 +209,12 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         fs, bs = fc, bc
     if L.pp > 1 and simulate_pipeline:
         costs = Costs(f=fs, b=bs, w=wc, p2p=p2p)
-        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, costs, dilation, blocking=not w.overlap_p2p)
+        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, costs, dilation, blocking=not w.runtime.overlap_p2p)
         if dilation is None:  # past 2p micro-batches the timeline is extrapolated: never below the bound
-            pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro, L.vpp, costs, blocking=not w.overlap_p2p))
+            pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro, L.vpp, costs, blocking=not w.runtime.overlap_p2p))
     else:  # the closed form: a lower bound of the simulated timeline, equal to it for even stages
         pipe = pipeline_bound(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
-                              blocking=not w.overlap_p2p)
+                              blocking=not w.runtime.overlap_p2p)
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
     if dilation is not None:
@@ -311,7 +313,7 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
     head, pp = 1) gathers unit i+1 while unit i computes and reduce-scatters a unit's gradients behind
     the next unit's backward: per micro-batch the first gather and the last reduce-scatter are
     exposed, and each unit's traffic beyond its compute. A run that reduces after the backward
-    (``Workload.overlap_grad_reduce=False``: Megatron-LM before September 2023) exposes all of it.
+    (``Runtime.overlap_grad_reduce=False``: Megatron-LM before September 2023) exposes all of it.
     On a CPU host whose ranks share the cores
     nothing hides (the collectives' copies and sums need the same cores; their measured fits were
     taken with every rank busy) and the collectives' latency counts once per kind."""
@@ -328,7 +330,7 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
     def hidden(kind: str, total: float, behind: float) -> float:
         n = max(1, math.ceil(total / BUCKET_BYTES))
         t = coll(kind, total, n)
-        if cores_shared or not w.overlap_grad_reduce:
+        if cores_shared or not w.runtime.overlap_grad_reduce:
             return t
         return max(t / n, t - behind * (1 - 1 / n))
 

@@ -68,18 +68,7 @@ class Workload:
     flash_attention: bool = True  # False: attention scores materialised (Megatron before FlashAttention)
     fused_cross_entropy: bool = True  # train.fused_cross_entropy (layers/fused_cross_entropy.py)
     cross_entropy_chunk: int = 1024  # train.cross_entropy_chunk: tokens per chunk of the fused head
-    kernels: str = "eager"  # how elementwise ops run: fused | eager (mpformer) | composite (kernels.py)
-    # What the run's software overlaps (mpformer: bucketed gradient reduction during backward, tensor-
-    # parallel collectives not overlapped). Megatron-LM before --overlap-grad-reduce (September 2023)
-    # reduced after the backward; --tp-comm-overlap (Transformer Engine) hides TP collectives in GEMMs.
-    overlap_grad_reduce: bool = True
-    tp_comm_overlap: bool = False
-    overlap_p2p: bool = True  # False: each send/receive blocks its rank (Megatron-LM's and DeepSpeed's pipelines)
-    # torchtitan's op-level selective activation checkpointing of a layout without recompute: the
-    # outputs of every other matmul (wq, wv, w1, w2) and of SDPA saved, wk, wo, w3 and every elementwise
-    # op recomputed in backward (its parallelize_llama.py of 2024). A published run's policy: mpformer
-    # has no such mode; the cost model prices it, the memory model counts the layout's recompute.
-    op_checkpoint: bool = False
+    runtime: Runtime = MPFORMER  # whose software runs it (runtimes.py): mpformer's, or a published run's
 
 
 @dataclass(frozen=True)
@@ -253,12 +242,13 @@ def _head(m: ModelConfig, L: ParallelLayout, w: Workload) -> tuple[float, float,
 
 
 def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str = "cuda",
-                bucket_mb: float = 25.0, runtime: Runtime = MPFORMER) -> list[StageMemory]:
+                bucket_mb: float = 25.0, runtime: Runtime | None = None) -> list[StageMemory]:
     """Per pipeline rank (pp entries): the bytes one device of that stage needs at its peak (module
     docstring). ``runtime``: whose runtime runs the plan (mpformer's unless modelling a published run
-    of another framework, runtimes.py)."""
+    of another framework, runtimes.py; default: the workload's)."""
     from mpformer.parallel.pairwise import MAX_RANKS
 
+    runtime = w.runtime if runtime is None else runtime
     if L.recompute_layers == 0:  # no layer recomputes
         L = replace(L, recompute="none", recompute_layers=None)
     wb, n_d = BYTES[w.precision], L.dp * L.cp

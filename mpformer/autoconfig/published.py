@@ -18,6 +18,7 @@ from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.memory import Workload
+from mpformer.autoconfig.runtimes import DEEPSPEED, MEGATRON, MEGATRON_CORE, TORCHTITAN
 from mpformer.core.model_config import ModelConfig
 
 # The published large runs the cost model is checked against (sources in each row), kept in the package.
@@ -46,8 +47,7 @@ def published_cases(path: Path = REFERENCE) -> list[Case]:
         vpp = 3 if r["model"] in ("175B", "530B") else 1  # "interleaving with 3 chunks for 175B and 530B"
         c = load_cluster("dgx-a100-80gb", nodes=max(1, r["gpus"] // 8))
         # Megatron-LM of 2022: fused kernels, no FlashAttention yet, blocking pipeline send/receive.
-        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False, kernels="fused",
-                     overlap_p2p=False)
+        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False, runtime=MEGATRON)
         for rec, key in (("selective", "iteration_time_s"), ("full", "full_recompute_iteration_time_s")):
             fixed = {"tp": r["tp"], "pp": r["pp"], "dp": 1, "cp": 1, "micro_batch_size": r["micro_batch"],
                      "recompute": rec, "sequence_parallel": r["sequence_parallel"], "vpp": vpp, "zero": 0,
@@ -76,8 +76,7 @@ def _bloom(rows: list[dict]) -> list[Case]:
     for r in rows:
         m = replace(_gpt(r), activation="gelu", tie_embeddings=True)
         c = replace(load_cluster("dgx-a100-80gb", nodes=r["gpus"] // 8), inter_bandwidth=6.25e9)
-        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False, kernels="fused",
-                     overlap_grad_reduce=False, overlap_p2p=False)
+        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", flash_attention=False, runtime=DEEPSPEED)
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["dp"], "cp": 1, "micro_batch_size": r["micro_batch"],
                  "recompute": "full", "vpp": 1, "schedule": "1f1b", "sequence_parallel": False}
         out.append(Case(f"bloom {r['model']} {r['gpus']} GPUs", m, c, w, fixed, iteration_time_s=r["iteration_time_s"],
@@ -91,8 +90,7 @@ def _mt_nlg(rows: list[dict]) -> list[Case]:
     for r in rows:
         m = _gpt(r)
         c = load_cluster("dgx-a100-80gb", nodes=r["gpus"] // 8)
-        w = Workload(r["global_batch"], 1, r["seq"], "bf16", flash_attention=False, kernels="fused",
-                     overlap_grad_reduce=False, overlap_p2p=False)
+        w = Workload(r["global_batch"], 1, r["seq"], "bf16", flash_attention=False, runtime=DEEPSPEED)
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["gpus"] // (r["tp"] * r["pp"]), "cp": 1, "recompute": "full",
                  "vpp": 1, "schedule": "1f1b"}
         out.append(Case(f"mt-nlg 530B {r['gpus']} GPUs", m, c, w, fixed, iteration_time_s=r["iteration_time_s"],
@@ -108,8 +106,7 @@ def _megascale(d: dict) -> list[Case]:
         for r in d.get(key, []):
             m = _gpt(r)
             c = load_cluster("dgx-a100-80gb", nodes=r["gpus"] // 8)
-            w = Workload(r["global_batch"], 1, r["seq"], "bf16", kernels="fused", overlap_grad_reduce=False,
-                         overlap_p2p=False)
+            w = Workload(r["global_batch"], 1, r["seq"], "bf16", runtime=MEGATRON)
             fixed = {"tp": r["tp"], "pp": r["pp"], "vpp": r["vpp"], "schedule": "interleaved", "cp": 1,
                      "dp": r["gpus"] // (r["tp"] * r["pp"])}
             kw = ({"iteration_time_s": r["iteration_time_s"]} if "iteration_time_s" in r
@@ -127,7 +124,7 @@ def _megatron_core(rows: list[dict]) -> list[Case]:
         m = _gpt(r)
         c = load_cluster("dgx-h100", nodes=r["gpus"] // 8)
         # Transformer Engine's fused kernels and tensor-parallel overlap, --overlap-grad-reduce (the source)
-        w = Workload(r["global_batch"], 1, r["seq"], "bf16", kernels="fused", tp_comm_overlap=True)
+        w = Workload(r["global_batch"], 1, r["seq"], "bf16", runtime=MEGATRON_CORE)
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": r["gpus"] // (r["tp"] * r["pp"]), "cp": 1}
         out.append(Case(f"mcore {r['model']} tp{r['tp']} pp{r['pp']}", m, c, w, fixed,
                         tflops_per_gpu=r["tflops_per_gpu"], source="megatron_core_h100_weak_scaling",
@@ -158,8 +155,9 @@ LLAMA3 = {  # the Llama 3 architectures (the Llama 3 paper; torchtitan's benchma
 def _torchtitan(rows: list[dict]) -> list[Case]:
     """FSDP is ZeRO-3 over the dp ranks (FSDP2, bf16 parameters, fp32 reduce); the Grand Teton H100 96GB
     at 500 W (configs/cluster/grand-teton-h100-96gb.yaml). Eager torch of December 2024 ran RMSNorm as
-    elementwise ops (``composite``), torch.compile fuses them (``fused``); the 8B rows checkpoint op by
-    op (``op_checkpoint``) at micro-batch = local batch (no accumulation). Float8 rows are skipped:
+    elementwise ops (``composite``), torch.compile fuses them (``fused``); the 8B rows' selective
+    checkpointing is op by op (runtimes.TORCHTITAN), at micro-batch = local batch (no accumulation), the
+    loss on fp32 logits (no fused head). Float8 rows are skipped:
     mpformer has no fp8 path and the cost model no fp8 term."""
     out = []
     for r in rows:
@@ -172,13 +170,10 @@ def _torchtitan(rows: list[dict]) -> list[Case]:
         fixed = {"tp": r["tp"], "pp": r["pp"], "dp": dp, "cp": r["cp"], "zero": 3 if r["pp"] == 1 else 1}
         if "schedule" in r:
             fixed["schedule"] = r["schedule"]
-        op = r.get("activation_checkpoint") == "selective-op"
-        if op:
-            fixed |= {"recompute": "none", "micro_batch_size": r["local_batch"]}
-        elif r.get("activation_checkpoint") == "full":
-            fixed["recompute"] = "full"
-        w = Workload(gbs, r["local_batch"], r["seq"], "bf16", kernels="fused" if r.get("compile") else "composite",
-                     op_checkpoint=op)
+        fixed |= {"recompute": "selective" if r.get("activation_checkpoint") == "selective-op" else "full",
+                  "micro_batch_size": r["local_batch"]}
+        rt = replace(TORCHTITAN, kernels="fused" if r.get("compile") else "composite")
+        w = Workload(gbs, r["local_batch"], r["seq"], "bf16", fused_cross_entropy=False, runtime=rt)
         note = "torch.compile" if r.get("compile") else "eager"
         if r["pp"] > 1:
             note += "; FSDP with pp pinned as zero=1 (zero=3 cannot run with pp)"

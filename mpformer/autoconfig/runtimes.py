@@ -1,7 +1,17 @@
-"""Whose runtime a plan's memory describes: mpformer's own, or another framework's for published runs.
+"""Whose software runs a plan: mpformer's own, or another framework's for the published runs.
 
-plan_memory (memory.py) models mpformer's runtime by default. The published runs it is checked
-against (tests/unit/test_memory_published.py) ran on other frameworks, which keep other things live:
+The auto-configurator models mpformer's runtime (``Workload.runtime`` defaults to MPFORMER). The
+published runs it is checked against ran on other frameworks, which keep other things live (memory.py,
+tests/unit/test_memory_published.py) and run or overlap other kernels (cost.py, kernels.py):
+
+    kernels      how elementwise ops run: "fused" (Megatron-LM's / Transformer Engine's fused norm,
+                 bias-GeLU, SwiGLU, rotary, bias-dropout-add kernels, or torch.compile), "eager"
+                 (PyTorch op by op with torch's fused norm kernels: mpformer), "composite" (RMSNorm as
+                 elementwise ops too: torch before its fused rms_norm, Hugging Face's LlamaRMSNorm)
+    overlaps     gradient reduction during backward (Megatron-LM only since --overlap-grad-reduce,
+                 September 2023), pipeline send/receive without blocking the rank (MegaScale lists it
+                 among its additions to Megatron-LM), tensor-parallel collectives hidden in GEMMs
+                 (Transformer Engine's --tp-comm-overlap)
 
     mpformer     ZeRO-3 units: the embedding, each layer, the head, gathered whole with the next one
                  prefetched (optim/gather.py); each unit's gradients collected in the parameter dtype
@@ -38,13 +48,22 @@ class Runtime:
     reduce_bucket: float = 0.0  # DeepSpeed: elements of its reduce bucket
     shard_bytes: tuple[int, int, int, int] | None = None  # ZeRO-3 (w, g, m, k); None: mpformer's engine
     selective: str = "attention"  # recompute=selective: "attention" (Korthikanti; mpformer) or "op" (torchtitan)
+    kernels: str = "eager"  # elementwise ops: fused | eager | composite (kernels.py)
+    overlap_grad_reduce: bool = True  # buckets reduced during the backward
+    overlap_p2p: bool = True  # False: each send/receive group blocks its rank until it completes
+    tp_comm_overlap: bool = False  # tensor-parallel collectives chunked into the adjacent GEMMs
 
 
 MPFORMER = Runtime("mpformer")
 TORCHTITAN = Runtime("torchtitan", in_flight=1, reduce_bytes=4, pooled=False, shard_bytes=(0, 4, 4, 8),
-                     selective="op")
+                     selective="op", kernels="composite")  # December 2024's eager torch; compiled: fused
 DEEPSPEED = Runtime("deepspeed", units="module", in_flight=1, pooled=False, max_live=1e9, prefetch_bucket=5e7,
-                    reduce_bucket=5e8, shard_bytes=(2, 2, 4, 8))
+                    reduce_bucket=5e8, shard_bytes=(2, 2, 4, 8), kernels="fused", overlap_grad_reduce=False,
+                    overlap_p2p=False)  # with Megatron-LM's fused kernels and its pipeline engine (2021-2022)
+# Megatron-LM as the published runs used it: before --overlap-grad-reduce and p2p overlap (2021-2023),
+# and Megatron-Core with Transformer Engine and every overlap on (its 2024 weak-scaling table).
+MEGATRON = Runtime("megatron-lm", kernels="fused", overlap_grad_reduce=False, overlap_p2p=False)
+MEGATRON_CORE = Runtime("megatron-core", kernels="fused", tp_comm_overlap=True)
 
 
 def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: list[bool], wb: int,

@@ -12,6 +12,7 @@ from mpformer.autoconfig.compute import gemm_efficiency, size_factor, wave_effic
 from mpformer.autoconfig.cost import layer_compute, layer_times_parts
 from mpformer.autoconfig.kernels import head_work, layer_work
 from mpformer.autoconfig.memory import Workload
+from mpformer.autoconfig.runtimes import TORCHTITAN
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -100,5 +101,5 @@ def test_recompute_modes_add_what_they_rerun():
     assert sel[1] == pytest.approx(none[1] + lt.attn_f)
     assert full[1] == pytest.approx(none[1] + lt.f)
     assert full[3] == pytest.approx(1.5 * none[3])  # the recomputed forward's two collectives
-    op = layer_times_parts(LLAMA, L, replace(w, op_checkpoint=True), c)
+    op = layer_times_parts(LLAMA, replace(L, recompute="selective"), replace(w, runtime=TORCHTITAN), c)
     assert none[1] < op[1] < full[1]  # torchtitan's op-level policy reruns part of the forward

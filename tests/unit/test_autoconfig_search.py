@@ -10,6 +10,7 @@ import pytest
 from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.cost import _dp_time, iteration_time
 from mpformer.autoconfig.memory import Workload, plan_memory
+from mpformer.autoconfig.runtimes import MEGATRON
 from mpformer.autoconfig.search import _retime, search
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -59,7 +60,7 @@ def test_data_parallel_tail():
     L = ParallelLayout(dp=32, zero=0)
     params = SMALL.num_params()
     long_bwd = _dp_time(SMALL, L, w, c, params, 8, 1.0, 10.0, False)
-    no_overlap = _dp_time(SMALL, L, replace(w, overlap_grad_reduce=False), c, params, 8, 1.0, 10.0, False)
+    no_overlap = _dp_time(SMALL, L, replace(w, runtime=MEGATRON), c, params, 8, 1.0, 10.0, False)
     no_time = _dp_time(SMALL, L, w, c, params, 8, 0.0, 0.0, False)
     assert 0 < long_bwd < no_time == pytest.approx(no_overlap)
     b = iteration_time(SMALL, L, w, c, params_per_rank=params)
