@@ -267,10 +267,8 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
                     bucket_mb * 2**20 / 4, runtime.in_flight if stage3 else MAX_IN_FLIGHT,
                     device == "cpu" and 1 < n_d <= MAX_RANKS, pooled=runtime.pooled or not stage3)
     shared_input = L.recompute == "full" or m.norm_type == "layernorm" or wb == 4  # the first norm keeps it
-    out = []
-    for r in range(L.pp):
-        first, last = r == 0, r == L.pp - 1
-        chunks = [counts[c * L.pp + r] for c in range(L.vpp)]
+    def build(r: int, first: bool, last: bool, chunks: tuple[int, ...]) -> tuple:
+        """One stage shape: its parameters, persistent bytes, units and what a micro-batch in flight keeps."""
         n = stage_params(m, L, sum(chunks), first, last)
         if stage3 and runtime.shard_bytes is not None:
             state = sum(runtime.shard_bytes) * n / n_d
@@ -308,8 +306,20 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             extras = zero3_extras(runtime, sizes, biggest, reads, wb, n_d)
             units = [replace(u, extra=u.extra + e) for u, e in zip(units, extras)]
             front = gathered_at_head(runtime, sizes[0], biggest[0], wb) if last else 0.0
-        peak = walk(units, red, state=state, kept=(peaks[r] - 1) * per_chunk + io,
-                    head_forward=(head_fwd if last else 0.0) + front, micro=micro)
+        return n, state, units, per_chunk, io, (head_fwd if last else 0.0) + front
+
+    # Ranks of the same shape (most of a deep pipeline) differ only in how many micro-batches they
+    # keep in flight, which walk() adds last: one build per shape.
+    out, shapes = [], {}
+    for r in range(L.pp):
+        first, last = r == 0, r == L.pp - 1
+        chunks = tuple(counts[c * L.pp + r] for c in range(L.vpp))
+        key = (first, last, chunks, r > 0)
+        if key not in shapes:
+            shapes[key] = build(r, first, last, chunks)
+        n, state, units, per_chunk, io, head_forward = shapes[key]
+        peak = walk(units, red, state=state, kept=(peaks[r] - 1) * per_chunk + io, head_forward=head_forward,
+                    micro=micro)
         transients = peak.live - state - peak.activations
         overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0) + RUNTIME_BYTES[device]
         out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where))

@@ -15,7 +15,7 @@ from functools import lru_cache
 from mpformer.autoconfig.sharing import shared_step_time
 from mpformer.pipeline.actions import Schedule
 from mpformer.pipeline.simulate import Costs
-from mpformer.pipeline.timeline import CompiledTimeline, compile_timeline
+from mpformer.pipeline.timeline import CompiledTimeline, compile_schedule
 
 
 @lru_cache(maxsize=64)
@@ -27,9 +27,9 @@ def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
 
 @lru_cache(maxsize=64)
 def _compiled(name: str, pp: int, microbatches: int, vpp: int) -> CompiledTimeline:
-    from mpformer.pipeline.schedules import build_schedule
-
-    return compile_timeline(build_schedule(name, pp, microbatches, vpp, check=False))
+    """The schedule's timeline compiled from its generator's orders and message placements (the lists
+    the engine runs are made of them; tests check the two agree on every generated schedule)."""
+    return compile_schedule(name, pp, microbatches, vpp)
 
 
 def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,

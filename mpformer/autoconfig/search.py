@@ -29,13 +29,15 @@ first that fits is timed, as recompute modes are.
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.cost import Breakdown, cp_layer_times, iteration_time
-from mpformer.autoconfig.memory import Workload, plan_memory
+from mpformer.autoconfig.memory import Workload, plan_memory, stage_params
 from mpformer.autoconfig.sharing import slowdowns
 from mpformer.core.config import FixedPlan
 from mpformer.core.errors import ConfigError
@@ -93,6 +95,8 @@ class SearchResult:
     smallest: Candidate | None = None  # the least memory among valid plans (when none fits)
     evaluated: int = 0
     seconds: float = 0.0
+    structures: list[tuple[list[ParallelLayout], int]] = field(default_factory=list)  # (cp-kind variants, mbs)
+    pruned: int = 0  # structures never evaluated: their closed form could not enter the top k
 
     def count(self) -> None:
         """One more layout evaluated."""
@@ -139,26 +143,75 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: d
                     result.reject("world size", f"tp={tp} cp={cp} pp={pp} leave dp={dp} of {world} devices")
                     continue
                 _structure(model, cluster, workload, result, fixed, tp, cp, pp, dp, gbs, options, device)
-    return result.finished(_rank(model, cluster, workload, result, top_k), time.perf_counter() - t0)
+    top = _rank(model, cluster, workload, result, top_k, options, device)
+    return result.finished(top, time.perf_counter() - t0)
 
 
-def _rank(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, top_k: int) -> list[Candidate]:
-    """Branch and bound over the feasible plans' closed forms (lower bounds of their simulations):
-    simulate in bound order until the next bound cannot enter the top k. Plans without a pipeline
-    are exact already; on a CPU host every plan is simulated (its closed form is no bound)."""
-    exact_everywhere = slowdowns(cluster) is None
-    ranked = sorted(result.feasible, key=lambda c: c.time.iteration_s)
+def _rank(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, top_k: int, options: Pins,
+          device: str) -> list[Candidate]:
+    """Branch and bound. Each valid structure (every field but recompute) gets the closed form of its
+    cheapest recompute (none, or the pinned mode): no plan of it can be faster. Structures are taken in
+    that order; each yields its plan (memory, the recompute that fits) with its own closed form, a
+    lower bound of its simulated timeline; plans are simulated in bound order. The search stops when
+    the next bound, of a plan or of a structure, cannot enter the top k: what it never evaluated or
+    simulated cannot beat what it returns. Plans without a pipeline are exact already. On a CPU host
+    the closed form is no bound (processor sharing, calibration): every plan is evaluated and simulated."""
+    if slowdowns(cluster) is not None:
+        for bases, mbs in result.structures:
+            _recompute_choice(model, cluster, w, result, options, device, bases, mbs)
+        done = [replace(c, time=_retime(model, c, w, cluster)) for c in result.feasible]
+        for c in done:
+            c.time.extra["estimate"] = "simulated"
+        result.feasible = done
+        return sorted(done, key=lambda c: c.time.iteration_s)[:top_k]
+    order = sorted(((_structure_bound(model, cluster, w, bases, mbs, options), i)
+                    for i, (bases, mbs) in enumerate(result.structures)))
     done: list[Candidate] = []
-    for i, c in enumerate(ranked):
-        if exact_everywhere and len(done) >= top_k and c.time.iteration_s >= done[top_k - 1].time.iteration_s:
+    waiting: list[tuple[float, int, Candidate]] = []  # (bound, tie-break, plan) not yet simulated
+
+    def kth() -> float:
+        return done[top_k - 1].time.iteration_s if len(done) >= top_k else math.inf
+
+    nxt = 0
+    while nxt < len(order) or waiting:
+        struct_bound = order[nxt][0] if nxt < len(order) else math.inf
+        if waiting and waiting[0][0] <= struct_bound:
+            bound, _, c = heapq.heappop(waiting)
+            if bound >= kth():
+                break
+            if c.layout.pp > 1:
+                c.time = _retime(model, c, w, cluster)
+            c.time.extra["estimate"] = "simulated"
+            done = sorted([*done, c], key=lambda x: x.time.iteration_s)
+            continue
+        if struct_bound >= kth():
             break
-        if c.layout.pp > 1 or not exact_everywhere:
-            c = replace(c, time=_retime(model, c, w, cluster))
-            ranked[i] = c
-        c.time.extra["estimate"] = "simulated"
-        done = sorted([*done, c], key=lambda x: x.time.iteration_s)
-    result.feasible = ranked
+        bases, mbs = result.structures[order[nxt][1]]
+        nxt += 1
+        before = len(result.feasible)
+        _recompute_choice(model, cluster, w, result, options, device, bases, mbs)
+        for c in result.feasible[before:]:
+            heapq.heappush(waiting, (c.time.iteration_s, id(c), c))
+    result.pruned = len(order) - nxt
     return done[:top_k]
+
+
+def _structure_bound(model: ModelConfig, cluster: Cluster, w: Workload, bases: list[ParallelLayout], mbs: int,
+                     options: Pins) -> float:
+    """The closed form of the structure's cheapest plan: its pinned recompute (or none), the fastest of
+    its cp kinds, its most loaded stage's parameters; a lower bound of every plan it can yield."""
+    ww = _with_mbs(w, mbs)
+    rec = options("recompute", ["none"])[0]
+    k = options("recompute_layers", [None])[0] if rec != "none" else None
+    best = math.inf
+    for L in bases:
+        L = replace(L, recompute=rec, recompute_layers=k)
+        counts = stage_counts(model, L, w.seq_length)
+        params = max(stage_params(model, L, sum(counts[c * L.pp + r] for c in range(L.vpp)), r == 0, r == L.pp - 1)
+                     for r in range(L.pp))
+        best = min(best, iteration_time(model, L, ww, cluster, params_per_rank=params,
+                                        simulate_pipeline=False).iteration_s)
+    return best
 
 
 def cp_values(ranks: int, seq_length: int) -> list[int]:
@@ -218,33 +271,17 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
                         part = "uniform" if model.num_layers % (pp * vpp) == 0 else "balanced"
                         base = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, vpp=vpp, schedule=schedule,
                                               sequence_parallel=sp, zero=zero, pp_partition=part)
-                        _recompute_choice(model, cluster, w, result, options, device,
-                                          [replace(base, cp_kind=k, cp_ulysses=u) for k, u in kinds], mbs)
+                        valid = _valid_kinds(model, cluster, w, result, mbs,
+                                             [replace(base, cp_kind=k, cp_ulysses=u) for k, u in kinds])
+                        if valid:
+                            result.structures.append((valid, mbs))
 
 
 def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, options: Pins,
                       device: str, bases: list[ParallelLayout], mbs: int) -> None:
     """The cheapest recompute mode that fits (none < selective < full in time), unless pinned; at
-    each, the layout's cp kinds (``bases``, alike but for cp_kind / cp_ulysses) fastest first."""
-    ww = _with_mbs(w, mbs)
-
-    def invalid(L: ParallelLayout) -> str | None:
-        try:
-            validate(L, model, cluster.world_size, global_batch_size=w.global_batch_size, micro_batch_size=mbs,
-                     seq_length=w.seq_length)
-        except ConfigError as e:
-            result.count()
-            result.reject("invalid layout", str(e))
-            return str(e)
-        return None
-
-    # Every rule a ring layout must meet binds every other kind too (they add rules of their own):
-    # one check rejects the whole batch of kinds for a reason none of them can fix.
-    if len(bases) > 1 and invalid(replace(bases[0], cp_kind="ring", cp_ulysses=1)):
-        return
-    valid = [L for L in bases if not invalid(L)]
-    if not valid:
-        return
+    each, the layout's cp kinds (``bases``: valid, alike but for cp_kind / cp_ulysses) fastest first."""
+    ww, valid = _with_mbs(w, mbs), bases
     search_k = "recompute" not in options and "recompute_layers" not in options
     found: list[Candidate] = []
     for rec in options("recompute", ["none", "selective", "full"]):
@@ -267,6 +304,26 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
             break  # nothing recomputed fits: no recompute can be faster
     if found:
         result.add(min(found, key=lambda c: c.time.iteration_s))
+
+
+def _valid_kinds(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, mbs: int,
+                 bases: list[ParallelLayout]) -> list[ParallelLayout]:
+    """The layouts of ``bases`` (alike but for the cp kind) that validate() accepts; the rest rejected."""
+    def invalid(L: ParallelLayout) -> str | None:
+        try:
+            validate(L, model, cluster.world_size, global_batch_size=w.global_batch_size, micro_batch_size=mbs,
+                     seq_length=w.seq_length)
+        except ConfigError as e:
+            result.count()
+            result.reject("invalid layout", str(e))
+            return str(e)
+        return None
+
+    # Every rule a ring layout must meet binds every other kind too (they add rules of their own):
+    # one check rejects the whole batch of kinds for a reason none of them can fix.
+    if len(bases) > 1 and invalid(replace(bases[0], cp_kind="ring", cp_ulysses=1)):
+        return []
+    return [L for L in bases if not invalid(L)]
 
 
 def _fits(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout, mbs: int,

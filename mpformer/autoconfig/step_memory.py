@@ -127,50 +127,80 @@ def walk(units: Sequence[Unit], red: Reduction, *, state: float, kept: float, he
     activation bytes live throughout (the other micro-batches in flight, the pipeline's inputs and
     outputs); ``head_forward``: what the end of this micro-batch's forward adds (the head's chunk, the
     gathered head). With gradient accumulation at stages 2-3 the pool still holds the buffers the
-    previous micro-batch gave back (emptied only at the step's end)."""
+    previous micro-batch gave back (emptied only at the step's end).
+
+    ``kept`` adds to every point but the end of the backward (its activations are gone), so the walk
+    runs once per stage shape and ``kept`` is added after: the search walks every stage of thousands
+    of plans, most of whose stages have the same shape."""
+    key = (tuple((u.name, tuple(u.params), u.saved, u.backward, u.extra) for u in units), red, state,
+           head_forward, micro)
+    hit = _WALKS.get(key)
+    if hit is None:
+        if len(_WALKS) > 200_000:
+            _WALKS.clear()
+        hit = _WALKS[key] = _walk(units, red, state, head_forward, micro)
+    inner, end = hit
+    peak = Peak(inner.live + kept, inner.activations + kept, inner.where)
+    return end if end is not None and end.live > peak.live else peak
+
+
+_WALKS: dict[tuple, tuple[Peak, Peak | None]] = {}
+
+
+def _walk(units: Sequence[Unit], red: Reduction, state: float, head_forward: float, micro: int
+          ) -> tuple[Peak, Peak | None]:
+    """walk() without ``kept``: the largest point that includes it, and the end of the backward."""
     pool = _Pool(red.in_flight)
     if micro > 1 and red.stage >= 2 and red.pooled:
-        _backward(units, red, pool, state, kept)
+        _backward(units, red, pool, state)
     idle = sum(pool.idle)
     saved = sum(u.saved for u in units)
-    head = Peak(state + kept + saved + head_forward + idle, kept + saved, "head forward" if head_forward else "forward")
-    back = _backward(units, red, pool, state, kept)
-    return back if back.live > head.live else head
+    head = Peak(state + saved + head_forward + idle, saved, "head forward" if head_forward else "forward")
+    back, end = _backward(units, red, pool, state)
+    return (back if back.live > head.live else head), end
 
 
-def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float, kept: float) -> Peak:
-    """One micro-batch's backward: the largest total at any unit, or at its end (stages 0-1, whose
-    reductions all stay in flight until the step's end). ``pool``: as it was before, left as after."""
-    saved = [u.saved for u in units]
+def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float) -> tuple[Peak, Peak | None]:
+    """One micro-batch's backward: the largest total at any unit (without ``kept``), and at its end
+    (stages 0-1, whose reductions all stay in flight until the step's end; None at stages 2-3).
+    ``pool``: as it was before, left as after."""
+    # Suffix sums of the saved activations and the buckets indexed by the unit that opens and closes
+    # them: the walk is linear in the units (the search walks every stage of thousands of plans).
+    after = [0.0] * (len(units) + 1)
+    for k in range(len(units) - 1, -1, -1):
+        after[k] = after[k + 1] + units[k].saved
     peak = Peak(0.0, 0.0, "")
     plan, pooled = buckets(units, red), red.stage >= 2 and red.pooled
+    opens: dict[int, list[int]] = {}
+    closes: dict[int, list[int]] = {}
+    for j, bk in enumerate(plan):
+        opens.setdefault(bk.first, []).append(j)
+        closes.setdefault(bk.last, []).append(j)
     filling: dict[int, float] = {}  # bucket -> its buffer's bytes (stages 2-3)
     in_flight: list[tuple[int, float]] = []  # (bucket, its buffer's bytes; 0 for stages 0-1's own)
-    comm = 0.0
+    comm = buffers_in_flight = 0.0
     for k, u in enumerate(units):
         if pooled:
-            for j, bk in enumerate(plan):
-                if bk.first == k:
-                    filling[j] = pool.take(bk.elems * red.grad_bytes)
-        buffers = sum(filling.values()) + sum(b for _, b in in_flight) + sum(pool.idle)
-        act = kept + sum(saved[k:]) + u.backward
+            for j in opens.get(k, ()):
+                filling[j] = pool.take(plan[j].elems * red.grad_bytes)
+        buffers = sum(filling.values()) + buffers_in_flight + sum(pool.idle)
+        act = after[k] + u.backward
         live = state + act + u.extra + buffers + comm
         if live > peak.live:
             peak = Peak(live, act, f"{u.name} backward")
-        saved[k] = 0.0
         if red.stage >= 2 and not red.pooled:
             continue
-        for j, bk in enumerate(plan):
-            if bk.last != k:
-                continue
-            comm += comm_bytes(bk.elems, red)
-            in_flight.append((j, filling.pop(j, 0.0)))
+        for j in closes.get(k, ()):
+            comm += comm_bytes(plan[j].elems, red)
+            size = filling.pop(j, 0.0)
+            in_flight.append((j, size))
+            buffers_in_flight += size
             while pooled and len(in_flight) > red.in_flight:
                 i, size = in_flight.pop(0)
+                buffers_in_flight -= size
                 comm -= comm_bytes(plan[i].elems, red)
                 pool.give(size)
     for _, size in in_flight if pooled else []:  # the micro-batch's last launch drains them into the pool
         pool.give(size)
-    if red.stage < 2 and state + comm > peak.live:
-        peak = Peak(state + comm, 0.0, "end of backward")
-    return peak
+    end = Peak(state + comm, 0.0, "end of backward") if red.stage < 2 else None
+    return peak, end

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from mpformer.core.layout import check_args
 from mpformer.pipeline.actions import Action, Op, Schedule, make_schedule
@@ -42,13 +43,15 @@ Compute = tuple[Op, int, int]  # (op, microbatch, chunk) on the rank whose order
 TICKS = {Op.F: 1, Op.B: 2, Op.BI: 1, Op.BW: 1}  # the clock that places messages: T_F = T_BI = T_W
 
 
-def gpipe(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
-    orders = [[(Op.F, i, 0) for i in range(microbatches)] + [(Op.B, i, 0) for i in range(microbatches)]
-              for _ in range(pp)]
-    return make_schedule("gpipe", pp, 1, microbatches, _aligned_comm(pp, 1, orders))
+Orders = list[list[Compute]]
 
 
-def one_f_one_b(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+def _gpipe_orders(pp: int, microbatches: int, vpp: int = 1) -> tuple[int, Orders]:
+    return 1, [[(Op.F, i, 0) for i in range(microbatches)] + [(Op.B, i, 0) for i in range(microbatches)]
+               for _ in range(pp)]
+
+
+def _1f1b_orders(pp: int, microbatches: int, vpp: int = 1) -> tuple[int, Orders]:
     m, orders = microbatches, []
     for r in range(pp):
         w = min(pp - r - 1, m)
@@ -57,11 +60,11 @@ def one_f_one_b(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
             order += [(Op.F, w + i, 0), (Op.B, i, 0)]
         order += [(Op.B, i, 0) for i in range(m - w, m)]
         orders.append(order)
-    return make_schedule("1f1b", pp, 1, m, _aligned_comm(pp, 1, orders))
+    return 1, orders
 
 
-def interleaved_1f1b(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
-    m, v, total = microbatches, vpp, microbatches * vpp
+def _interleaved_orders(pp: int, microbatches: int, vpp: int = 2) -> tuple[int, Orders]:
+    v, total = vpp, microbatches * vpp
 
     def mb(k: int) -> int:
         return (k // (pp * v)) * pp + k % pp
@@ -76,10 +79,10 @@ def interleaved_1f1b(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
             order += [fwd[w + i], bwd[i]]
         order += bwd[total - w:]
         orders.append(order)
-    return make_schedule("interleaved", pp, v, m, _aligned_comm(pp, v, orders))
+    return v, orders
 
 
-def _zero_bubble(name: str, pp: int, m: int, k: int) -> Schedule:
+def _zero_bubble_orders(pp: int, m: int, k: int) -> tuple[int, Orders]:
     """Qi et al.'s handcrafted order: step x of rank r runs F x, BI x - k(p-1-r), BW x - k(p-1)."""
     orders = []
     for r in range(pp):
@@ -88,7 +91,7 @@ def _zero_bubble(name: str, pp: int, m: int, k: int) -> Schedule:
         for x in range(m + lag_w):
             order += [(op, i, 0) for op, i in ((Op.F, x), (Op.BI, x - lag_b), (Op.BW, x - lag_w)) if 0 <= i < m]
         orders.append(order)
-    return make_schedule(name, pp, 1, m, _aligned_comm(pp, 1, orders))
+    return 1, orders
 
 
 def _messages(pp: int, vpp: int, r: int, op: Op, mb: int, c: int) -> tuple[tuple | None, tuple | None]:
@@ -129,7 +132,22 @@ def _clock(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[int]]:
     return starts
 
 
-def _aligned_comm(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[Action]]:
+@dataclass(frozen=True)
+class Placement:
+    """Where a message's two sides go: the sender's compute ``i`` on rank ``r`` posts its send in gap
+    ``gs`` of its rank (gap g precedes compute g), the receive sits in gap ``gr`` of rank ``q``, before
+    its consumer, compute ``consumer``; ``key`` orders the messages of a gap alike on both ranks."""
+
+    r: int
+    i: int
+    gs: int
+    q: int
+    gr: int
+    consumer: int
+    key: tuple
+
+
+def _placements(pp: int, vpp: int, orders: Orders) -> tuple[list[list[int]], list[Placement]]:
     """Post both sides of every message at one tick where sender and receiver both sit in a gap.
 
     On the TICKS clock (no waiting for messages: the ideal timeline) a rank's gaps are the
@@ -137,6 +155,7 @@ def _aligned_comm(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[A
     producer ends and before the consumer starts, that lies in a gap of both ranks, and put the
     send and the receive in those gaps. Every group then finds all its peers posted while it is
     open, so the blocking execution reproduces the ideal timeline: no deadlock, no added wait.
+    Returns every compute's start tick and the placements.
     """
     starts = _clock(pp, vpp, orders)
     ends = [[t + TICKS[op] for t, (op, _, _) in zip(st, o)] for st, o in zip(starts, orders)]
@@ -145,15 +164,14 @@ def _aligned_comm(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[A
     def gap(r: int, g: int) -> tuple[int, float]:  # gap g precedes compute g
         return (ends[r][g - 1] if g else 0), (starts[r][g] if g < len(starts[r]) else float("inf"))
 
-    groups: dict[tuple[int, int], list[tuple[int, int, tuple[str, int, int], Action]]] = {}
+    out: list[Placement] = []
     for r, order in enumerate(orders):
         for i, (op, mb, c) in enumerate(order):
             msg = _messages(pp, vpp, r, op, mb, c)[1]
             if msg is None:
                 continue
-            send = Action(r, Op.SEND_F if op == Op.F else Op.SEND_B, mb, c)
-            q, qc = send.peer(pp)
-            recv = Action(q, Op.RECV_F if op == Op.F else Op.RECV_B, mb, qc)
+            q = (msg[2] + (1 if op == Op.F else -1)) % pp  # the neighbouring global stage's rank
+            qc = (msg[2] + (1 if op == Op.F else -1)) // pp
             consumer = index[q][(Op.F if op == Op.F else Op.B, mb, qc)]
             gs, gr = i + 1, bisect_left(starts[q], ends[r][i])  # first gaps at or after the send
             while True:
@@ -167,28 +185,63 @@ def _aligned_comm(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[A
                     gs = max(gs + 1, bisect_left(starts[r], a_r, gs + 1))
                 else:
                     gr = min(consumer, max(gr + 1, bisect_left(starts[q], a_s, gr + 1)))
-            tick = max(a_s, a_r)
-            key = (tick, ends[r][i], msg)
-            groups.setdefault((r, gs), []).append((*key, send))
-            groups.setdefault((q, gr), []).append((*key, recv))
+            out.append(Placement(r, i, gs, q, gr, consumer, (max(a_s, a_r), ends[r][i], msg)))
+    return starts, out
+
+
+def _aligned_comm(pp: int, vpp: int, orders: Orders) -> list[list[Action]]:
+    """The action lists: every rank's computes with the messages placed by ``_placements``."""
+    groups: dict[tuple[int, int], list[tuple[tuple, Action]]] = {}
+    for pl in _placements(pp, vpp, orders)[1]:
+        op, mb, c = orders[pl.r][pl.i]
+        fwd = op == Op.F
+        qc = orders[pl.q][pl.consumer][2]
+        groups.setdefault((pl.r, pl.gs), []).append((pl.key, Action(pl.r, Op.SEND_F if fwd else Op.SEND_B, mb, c)))
+        groups.setdefault((pl.q, pl.gr), []).append((pl.key, Action(pl.q, Op.RECV_F if fwd else Op.RECV_B, mb, qc)))
     out = []
     for r, order in enumerate(orders):
         acts: list[Action] = []
         for g in range(len(order) + 1):
             # Both ends of a message use the same sort key, so two ranks order their messages alike.
-            acts += [a for *_, a in sorted(groups.get((r, g), []))]
+            acts += [a for _, a in sorted(groups.get((r, g), []), key=lambda x: x[0])]
             if g < len(order):
                 acts.append(Action(r, *order[g]))
         out.append(acts)
     return out
 
 
+def gpipe(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    return _make("gpipe", pp, microbatches, vpp)
+
+
+def one_f_one_b(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    return _make("1f1b", pp, microbatches, vpp)
+
+
+def interleaved_1f1b(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
+    return _make("interleaved", pp, microbatches, vpp)
+
+
 def zb_h1(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
-    return _zero_bubble("zb-h1", pp, microbatches, 1)
+    return _make("zb-h1", pp, microbatches, vpp)
 
 
 def zb_h2(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
-    return _zero_bubble("zb-h2", pp, microbatches, 2)
+    return _make("zb-h2", pp, microbatches, vpp)
+
+
+ORDERS: dict[str, Callable[[int, int, int], tuple[int, Orders]]] = {
+    "gpipe": _gpipe_orders,
+    "1f1b": _1f1b_orders,
+    "interleaved": _interleaved_orders,
+    "zb-h1": lambda pp, m, vpp=1: _zero_bubble_orders(pp, m, 1),
+    "zb-h2": lambda pp, m, vpp=1: _zero_bubble_orders(pp, m, 2),
+}
+
+
+def _make(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
+    v, orders = ORDERS[name](pp, microbatches, vpp)
+    return make_schedule(name, pp, v, microbatches, _aligned_comm(pp, v, orders))
 
 
 Generator = Callable[[int, int, int], Schedule]

@@ -11,7 +11,7 @@ from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.cost import _dp_time, iteration_time
 from mpformer.autoconfig.memory import Workload, plan_memory
 from mpformer.autoconfig.runtimes import MEGATRON
-from mpformer.autoconfig.search import _retime, search
+from mpformer.autoconfig.search import Pins, SearchResult, _recompute_choice, _retime, search
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -21,13 +21,17 @@ SMALL = ModelConfig(arch="llama", num_layers=16, hidden_size=2048, num_attention
 
 @pytest.mark.parametrize("nodes,gbs,seq", [(2, 64, 2048), (4, 256, 4096), (1, 32, 8192)])
 def test_branch_and_bound_finds_what_simulating_every_plan_finds(nodes, gbs, seq):
-    """Every feasible plan simulated on its schedule: the best is the search's first, and every plan the
-    search did not simulate has a closed form no better than the plans it returned."""
+    """Every structure the search enumerated evaluated (memory, recompute) and its plan simulated on
+    its schedule: the top k are the search's; every plan the search evaluated but did not simulate has
+    a closed form no better than the plans it returned and no lower than its simulation."""
     c, w = load_cluster("dgx-h100", nodes=nodes), Workload(gbs, 1, seq, "bf16")
     res = search(SMALL, c, w, top_k=3)
     assert res.top and all(x.time.extra["estimate"] == "simulated" for x in res.top)
-    everything = sorted(_retime(SMALL, x, w, c).iteration_s for x in res.feasible)
-    assert res.top[0].time.iteration_s == pytest.approx(everything[0], rel=1e-12)
+    every = SearchResult([], [])
+    for bases, mbs in res.structures:
+        _recompute_choice(SMALL, c, w, every, Pins({}), "cuda", bases, mbs)
+    assert len(every.feasible) > len(res.feasible) or res.pruned == 0
+    everything = sorted(_retime(SMALL, x, w, c).iteration_s for x in every.feasible)
     assert [x.time.iteration_s for x in res.top] == pytest.approx(everything[:3], rel=1e-12)
     kth = res.top[-1].time.iteration_s
     for x in res.feasible:

@@ -61,3 +61,17 @@ def test_closed_form_bounds_the_simulated_timeline(blocking):
         if name == "zb-h2":
             continue  # its single-step timeline keeps the fill it removes across steps
         assert pipeline_bound(name, 4, 8, vpp, even) == pytest.approx(pipeline_time(name, 4, 8, vpp, even))
+
+
+def test_compiled_from_the_orders_equals_compiled_from_the_lists():
+    """The cost model's shortcut (no action lists) times every schedule as its lists do."""
+    from mpformer.pipeline.timeline import compile_schedule
+
+    rng = random.Random(2)
+    for s in _schedules():
+        direct, lists = compile_schedule(s.name, s.pp, s.microbatches, s.vpp), compile_timeline(s)
+        c = _costs(rng, s.num_stages, s.name.startswith("zb"))
+        assert direct.step_time(c) == pytest.approx(lists.step_time(c), rel=1e-12, abs=1e-12), s.name
+    big = build_schedule("interleaved", 16, 32, 3)
+    c = _costs(rng, big.num_stages, False)
+    assert compile_schedule("interleaved", 16, 32, 3).step_time(c) == pytest.approx(simulate(big, c).step_time)
