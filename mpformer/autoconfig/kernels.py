@@ -188,8 +188,8 @@ def _attention(F: Pass, BI: Pass, m: ModelConfig, x: dict[str, int], a: int, ker
 
 def head_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
               kernels: str = "eager", fused_cross_entropy: bool = True) -> LayerWork:
-    """The last stage's final norm, LM head and cross entropy, and (counted with it) the first stage's
-    embedding is not here: ``embedding_work``. Logits per rank: T x V/t.
+    """The last stage's final norm, LM head and cross entropy (the first stage's embedding is
+    ``embedding_work``). Logits per rank: T x V/t.
 
     Cross entropy without the fused head (Megatron's vocab-parallel CE on fp32 logits): cast, max,
     subtract, exp, sum, divide in forward, the gradient scaled and cast back in backward: about 13

@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = {"plan": best.plan(), "predicted": _predicted(best, cfg.model, cluster.world_size, w),
                "top": [{"plan": c.plan(), "predicted": _predicted(c, cfg.model, cluster.world_size, w)}
                        for c in res.top],
-               "candidates_evaluated": res.evaluated, "search_time_s": res.seconds,
+               "candidates_evaluated": res.evaluated, "structures_pruned": res.pruned, "search_time_s": res.seconds,
                "rejected": res.rejected, "cluster": cluster.name, "nodes": cluster.nodes}
     if explanation is not None:
         payload["explain"] = explanation.to_dict()
@@ -97,7 +97,8 @@ def _print(res, model, cluster, w) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{len(res.feasible)} feasible of {res.evaluated} evaluated on {cluster.name} x "
+    pruned = f", {res.pruned} more pruned by their bound" if res.pruned else ""
+    table = Table(title=f"{len(res.feasible)} feasible of {res.evaluated} evaluated{pruned} on {cluster.name} x "
                         f"{cluster.nodes} ({res.seconds:.1f} s)")
     for col in ("dp", "tp", "pp", "cp", "cp kind", "vpp", "schedule", "mbs", "zero", "recompute", "sp", "iter s",
                 "GB/dev", "TFLOP/s/dev", "compute", "tp comm", "cp comm", "bubble", "dp comm"):
