@@ -21,9 +21,11 @@
     transients    what the point of the step at the peak adds besides activations (step_memory.py
                   walks them): one chunk of the fused head in forward, the head's gradients cast to
                   the compute dtype, a weight gradient before the engine takes it, the gradient
-                  buckets (stage 2: fp32 buckets, stage 3: one per unit in the parameter dtype; one
-                  filling and MAX_IN_FLIGHT reducing, from the engine's pool), stage 3's gathered
-                  units (the one in use and the one prefetched), the reductions' output shards and,
+                  buckets (stage 2: fp32 buckets, one filling and MAX_IN_FLIGHT reducing; stage 3: one
+                  per unit in the parameter dtype, taken once the reductions in flight and it hold at
+                  most the runtime's ``reduce_numel``; both from the engine's pool), stage 3's gathered
+                  units (units of a layer's parts, runtimes.py: the one in use and the next in use
+                  order within ``prefetch_numel``), the reductions' output shards and,
                   on CPU, gloo's receive buffers; stages 0-1 hold every bucket's reduction at the end
                   of the backward, when the activations are gone
     overhead      a fixed runtime context (CUDA context and workspaces, ``RUNTIME_BYTES``) and the

@@ -252,6 +252,10 @@ def check_training_config(cfg: Config) -> None:
         raise ConfigError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
     if t.cross_entropy_chunk < 1:
         raise ConfigError(f"train.cross_entropy_chunk={t.cross_entropy_chunk} must be >= 1 (tokens per chunk)")
+    for key in ("zero3_unit_numel", "zero3_prefetch_numel", "zero3_reduce_numel"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (elements; 0: a unit per part of a layer, "
+                              "no prefetch, no reduction in flight beside a new buffer)")
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"train.threads={t.threads} must be >= 1, or null for torch's default")
     for key, value in (("train.micro_batch_size", t.micro_batch_size),
