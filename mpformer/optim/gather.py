@@ -1,6 +1,6 @@
 """ZeRO stage 3's parameters: each unit gathered just before it is used and freed right after.
 
-Units are the engine's stage-3 buckets (engine.py ``_units``): the embedding (token and position
+Units are the engine's stage-3 buckets (units.py): the embedding (token and position
 embeddings), the head (final norm, LM head) and each transformer layer's parts (Block.parts(): the
 attention's norm and qkv projection, its output projection, the MLP's norm and up projection, its down
 projection), consecutive parts of a layer merged into units of at most ``train.zero3_unit_numel``
@@ -25,17 +25,20 @@ forward again first, from its first region, inside its backward.
                in, the engine reduce-scatters them and ``release`` frees it.
     recompute  a hook on a fully recomputed layer's output (its backward begins: its forward runs again
                first) prefetches its first region; the recomputed forward gathers and frees region by
-               region as forward does, and its last region stays for its backward (which prefetches the
-               next). A split layer's units are so gathered three times per micro-batch (forward,
-               recompute, backward; its last unit twice), a whole-layer unit twice, as without recompute.
+               region as forward does, its last region stays for its backward and the one before it,
+               the next in use order, stays too if within the prefetch budget. A split layer's units
+               are so gathered three times per micro-batch (forward, recompute, backward; its last unit
+               and, within the budget, the one before it twice), a whole-layer unit twice, as without
+               recompute.
     step       nothing is gathered until the next forward sees the updated shards
 
 A prefetch happens only when the units it would gather hold at most ``prefetch_numel`` elements (else
-they are gathered when used). So at most two units are gathered at any time: the one in use and the
-next in use order, if small enough (the memory model, autoconfig/step_memory.py, counts them). Per
-micro-batch that is Psi all-gathered in forward, Psi less the embedding in backward, each recomputed
-split layer less its last unit again, and Psi reduce-scattered. Not with pipeline parallelism
-(validate() says so).
+they are gathered when used). So at most the units of two regions are gathered at any time: the one in
+use and the next in use order, if small enough (the memory model counts them: runtimes.py
+``parts_gathered``, walked by autoconfig/step_memory.py). Per micro-batch that is Psi all-gathered in
+forward, Psi less the embedding in backward (a tied head gathers the embedding again in both), each
+recomputed split layer again less what stays, and Psi reduce-scattered (docs/formulas.md counts the
+collectives). Not with pipeline parallelism (validate() says so).
 """
 
 from __future__ import annotations

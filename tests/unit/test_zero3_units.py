@@ -170,3 +170,39 @@ def test_the_models_gathered_elements_are_the_engines(name, recompute, unit, pre
     assert got == want
     if unit == SPLIT:
         assert [sum(p) for p in layer_part_sizes(cfg, 1)] == [used[k] for r in g.regions[1:5] for k in r.units]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("unit,prefetch", [(WHOLE, 10**9), (SPLIT, 10**9), (SPLIT, 3000)])
+def test_collectives_per_micro_batch(name, recompute, unit, prefetch):
+    """What the cost model prices (docs/formulas.md): with U units (2 + the layers' u_i), one micro-batch
+    runs U reduce-scatters and U + (U - 1) all-gathers (forward, then backward less the embedding's),
+    one more in each for a tied head (its region reads the embedding's unit), and under full recompute
+    u_i - 1 more per layer, one fewer when the unit before a layer's last fits the prefetch budget."""
+    cfg = CONFIGS[name]
+    model, engine = _engine(cfg, recompute, unit, prefetch)
+    g = engine.gather
+    gathers, reductions = [], []
+    gather, launch = g.gather, engine._launch
+
+    def counted(k, async_op=False):
+        if not (g.gathered[k] or g.gathering[k] is not None):
+            gathers.append(k)
+        gather(k, async_op)
+
+    def launched(b):
+        reductions.append(b.index)
+        launch(b)
+
+    g.gather, engine._launch = counted, launched
+    model(_tokens()[:, :-1], _tokens()[:, 1:]).backward()
+    layer_units = [[k for r in g.regions if r.layer == i for k in r.units] for i in range(cfg.num_layers)]
+    n_units, tied = len(engine.buckets), int(cfg.tie_embeddings)
+    again = 0
+    if recompute == "full":
+        for units in layer_units:
+            kept = len(units) >= 2 and engine.buckets[units[-2]].layout.used <= prefetch
+            again += len(units) - 1 - kept
+    assert len(reductions) == n_units == 2 + sum(len(u) for u in layer_units)
+    assert len(gathers) == n_units + tied + (n_units - 1 + tied) + again
