@@ -42,6 +42,7 @@ BASE = {"train.seq_length": 256, "train.micro_batch_size": 2, "train.device": "c
 GPT2 = {"model": "tiny-gpt2", "model.num_layers": 4, "model.hidden_size": 256, "model.num_attention_heads": 8,
         "model.num_kv_heads": 8, "model.ffn_hidden_size": 1024, "model.vocab_size": 2048,
         "model.max_position_embeddings": 256}
+SPLIT = {"train.zero3_unit_numel": 0}
 CONFIGS = {  # name: (ranks, overrides)
     "zero0 fp32": (2, {"parallel.zero": 0}),
     "zero1 bf16": (2, {"parallel.zero": 1, "train.precision": "bf16"}),
@@ -61,6 +62,16 @@ CONFIGS = {  # name: (ranks, overrides)
     # GPT-2: LayerNorm, GeLU, learned positions, a tied head (whose region gathers the embedding's unit).
     "zero3 bf16 gpt2 tied": (2, {**GPT2, "parallel.zero": 3, "train.precision": "bf16"}),
     "zero0 fp32 gpt2 full": (2, {**GPT2, "parallel.zero": 0, "parallel.recompute": "full"}),
+    # ZeRO-3 with a unit per part of a layer (train.zero3_unit_numel=0; these layers are whole units by
+    # default): the attention's and MLP's units gathered, prefetched and reduced one by one, the full
+    # recompute gathering a layer again unit by unit; one with no prefetch and no reduction in flight.
+    "zero3 bf16 split": (2, {"parallel.zero": 3, "train.precision": "bf16", **SPLIT}),
+    "zero3 fp32 full split": (2, {"parallel.zero": 3, "parallel.recompute": "full", **SPLIT}),
+    "zero3 bf16 vocab 1k split serial": (2, {"parallel.zero": 3, "train.precision": "bf16", "model.vocab_size": 1024,
+                                             **SPLIT, "train.zero3_prefetch_numel": 0,
+                                             "train.zero3_reduce_numel": 0}),
+    "zero3 bf16 gpt2 tied split full": (2, {**GPT2, "parallel.zero": 3, "train.precision": "bf16",
+                                            "parallel.recompute": "full", **SPLIT}),
 }
 BATCHES = {name: 1 for name in CONFIGS} | {"zero2 bf16 accum": 2, "pp2 1f1b fp32": 4}  # micro-batches per rank
 ENV = NATIVE_KERNELS

@@ -28,7 +28,8 @@ saved-tensor hooks) for GPT-2 and Llama blocks in fp32 and bf16 under each recom
 
 The backward of a layer adds, above what it keeps: the gradients of the MLP's f-wide activations,
 two at once for SwiGLU (of silu(gate) and of up, while the incoming one lives: 2 wb s_n b f), and for
-GeLU one (wb s_n b f) while its up projection's weight gradient is formed (wb f h). Measured on the
+GeLU one (wb s_n b f) while its up projection's weight gradient is formed (wb f h; not under ZeRO-3,
+whose projections form their weight gradients in the unit's buffer). Measured on the
 same blocks (profiler memory events): exact in fp32; in bf16 a 16-bit weight gradient can still be
 held while the next node runs (up to 15% of the layer's saved bytes at h = 128, none at h = 256).
 """
@@ -90,14 +91,15 @@ def norm_bytes(m: ModelConfig, x: Shape, wb: int) -> float:
 
 
 def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
-                recompute: str | None = None) -> LayerBytes:
+                recompute: str | None = None, sunk: bool = False) -> LayerBytes:
     """mpformer's block: what one layer keeps per micro-batch on one rank under ``recompute`` (default:
-    the layout's), and what its backward adds (module docstring)."""
+    the layout's), and what its backward adds (module docstring); ``sunk``: its weight gradients are
+    formed in a gradient buffer (ZeRO-3's gradient sink, layers/linear.py), not beside it."""
     wb, x = BYTES[precision], shape(m, L, seq_length, micro_batch)
     mode = L.recompute if recompute is None else recompute
     tokens, gated, rope = x.s_n * x.b, m.gated_mlp, not m.learned_positions
     mlp = (4 if gated else 2) * wb * tokens * x.f
-    backward = 2 * wb * tokens * x.f if gated else wb * tokens * x.f + wb * x.f * x.h
+    backward = 2 * wb * tokens * x.f if gated else wb * tokens * x.f + (0 if sunk else wb * x.f * x.h)
     if mode == "full":
         return LayerBytes(wb * x.s_r * x.b * x.h, 0.0, 0.0, 0.0, backward)
     norms = 2 * norm_bytes(m, x, wb) + 2 * wb * tokens * x.h

@@ -21,9 +21,11 @@
     transients    what the point of the step at the peak adds besides activations (step_memory.py
                   walks them): one chunk of the fused head in forward, the head's gradients cast to
                   the compute dtype, a weight gradient before the engine takes it, the gradient
-                  buckets (stage 2: fp32 buckets, stage 3: one per unit in the parameter dtype; one
-                  filling and MAX_IN_FLIGHT reducing, from the engine's pool), stage 3's gathered
-                  units (the one in use and the one prefetched), the reductions' output shards and,
+                  buckets (stage 2: fp32 buckets, one filling and MAX_IN_FLIGHT reducing; stage 3: one
+                  per unit in the parameter dtype, taken once the reductions in flight and it hold at
+                  most the runtime's ``reduce_numel``; both from the engine's pool), stage 3's gathered
+                  units (units of a layer's parts, runtimes.py: the one in use and the next in use
+                  order within ``prefetch_numel``), the reductions' output shards and,
                   on CPU, gloo's receive buffers; stages 0-1 hold every bucket's reduction at the end
                   of the backward, when the activations are gone
     overhead      a fixed runtime context (CUDA context and workspaces, ``RUNTIME_BYTES``) and the
@@ -46,8 +48,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from mpformer.autoconfig.layer_memory import BYTES, layer_bytes, norm_bytes, recompute_bytes, shape
-from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, zero3_extras
+from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, parts_gathered, zero3_extras
 from mpformer.autoconfig.step_memory import Reduction, Unit, walk
+from mpformer.core.buffers import zero3_groups
 from mpformer.core.layout import ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
@@ -201,8 +204,23 @@ def layer_param_sizes(m: ModelConfig, tp: int) -> list[int]:
     return norm + qkv + o + norm + up + down
 
 
-def _layer(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtime) -> tuple[float, float]:
-    """(kept for backward, live above that in its backward) of one layer under recompute ``mode``."""
+def layer_part_sizes(m: ModelConfig, tp: int) -> list[list[int]]:
+    """layer_param_sizes by the layer's parts (Block.parts(), how mpformer's ZeRO-3 makes units): attention
+    norm and qkv, output projection, MLP norm and up, down."""
+    sizes = layer_param_sizes(m, tp)
+    norm = 2 if m.norm_bias else 1
+    cuts = [norm + 1 + m.attention_bias, 1 + m.out_proj_bias, norm + 1 + m.mlp_bias, 1 + m.mlp_bias]
+    out, at = [], 0
+    for c in cuts:
+        out.append(sizes[at:at + c])
+        at += c
+    return out
+
+
+def _layer(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtime,
+           sunk: bool = False) -> tuple[float, float]:
+    """(kept for backward, live above that in its backward) of one layer under recompute ``mode``; ``sunk``:
+    its projections' weight gradients go straight into the gradient buffers (mpformer's ZeRO-3)."""
     Lm = replace(L, recompute=mode, recompute_layers=None)
     kept = cp_extra_bytes_per_layer(m, Lm, w)
     again = cp_extra_bytes_per_layer(m, replace(Lm, recompute="none"), w) if mode != "none" and L.cp > 1 else 0.0
@@ -210,7 +228,7 @@ def _layer(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtim
     tokens = x.s_n * x.b
     if w.flash_attention:  # mpformer's own block
         args = (w.seq_length, w.micro_batch_size, w.precision)
-        lb = layer_bytes(m, Lm, *args)
+        lb = layer_bytes(m, Lm, *args, sunk=sunk)
         if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
             saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
             return saved + kept, layer_bytes(m, Lm, *args, recompute="none").saved - saved + lb.backward
@@ -256,16 +274,21 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
     peaks = inflight(L.schedule, L.pp, micro, L.vpp) if L.pp > 1 else (1,)
     counts = stage_counts(m, L, w.seq_length)
     x = shape(m, L, w.seq_length, w.micro_batch_size)
-    recomputed, plain = _layer(m, L, w, L.recompute, runtime), _layer(m, L, w, "none", runtime)
+    stage3 = L.zero == 3
+    sunk = stage3 and runtime.pooled  # mpformer's ZeRO-3 forms its projections' weight gradients in the buckets
+    recomputed, plain = _layer(m, L, w, L.recompute, runtime, sunk), _layer(m, L, w, "none", runtime, sunk)
     head_kept, head_fwd, head_bwd = _head(m, L, w)
     v = -(-m.vocab_size // L.tp)
     embed = v * m.hidden_size + (m.max_position_embeddings * m.hidden_size if m.learned_positions else 0)
-    layer_sizes = layer_param_sizes(m, L.tp)
+    layer_units = [layer_param_sizes(m, L.tp)]  # a layer's ZeRO-3 units in forward order (else: one bucket list)
+    if stage3 and runtime.units == "parts":
+        parts = layer_part_sizes(m, L.tp)
+        layer_units = [[n for j in g for n in parts[j]] for g in zero3_groups([sum(p) for p in parts],
+                                                                               runtime.unit_numel)]
     rb = BYTES[L.grad_reduce_dtype]
-    stage3 = L.zero == 3
     red = Reduction(L.zero, n_d, wb if stage3 and runtime.pooled else 4, wb if stage3 and wb < 4 else rb,
-                    bucket_mb * 2**20 / 4, runtime.in_flight if stage3 else MAX_IN_FLIGHT,
-                    device == "cpu" and 1 < n_d <= MAX_RANKS, pooled=runtime.pooled or not stage3)
+                    bucket_mb * 2**20 / 4, MAX_IN_FLIGHT, device == "cpu" and 1 < n_d <= MAX_RANKS,
+                    pooled=runtime.pooled or not stage3, budget=runtime.reduce_numel)
     shared_input = L.recompute == "full" or m.norm_type == "layernorm" or wb == 4  # the first norm keeps it
     def build(r: int, first: bool, last: bool, chunks: tuple[int, ...]) -> tuple:
         """One stage shape: its parameters, persistent bytes, units and what a micro-batch in flight keeps."""
@@ -283,13 +306,19 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             units.append(Unit("head", head, head_kept, 0.0, head_bwd))
         # The schedule's in-flight units are (micro-batch, chunk) pairs: the walk runs the last chunk's
         # layers; the other chunks' layers only carry their parameters into the gradient buckets.
+        # A layer's units from its last: its kept activations end with its first, each sees its backward's
+        # (the layer's peak: conservative for all but the unit where it falls).
+        full = {}  # walked layers that run their forward again in their backward
         for c in reversed(range(L.vpp)):
             for i in reversed(range(chunks[c])):
                 recompute = L.recompute != "none" and (L.recompute_layers is None or i < L.recompute_layers)
                 keep, back = recomputed if recompute else plain
                 carry = wb * v * m.hidden_size if tied else 0.0  # the head's dW waits for the embedding's
                 walked = c == L.vpp - 1
-                units.append(Unit("layer", layer_sizes, keep if walked else 0.0, back if walked else 0.0, carry))
+                full[(c, i)] = recompute and L.recompute == "full"
+                for j in reversed(range(len(layer_units))):
+                    units.append(Unit("layer", layer_units[j], keep if walked and j == 0 else 0.0,
+                                      back if walked else 0.0, carry, layer=(c, i)))
         if first:
             units.append(Unit("embedding", [embed], 0.0, 0.0, wb * embed))
         io = wb * x.s_r * x.b * m.hidden_size * (((r > 0 or L.vpp > 1) and not shared_input) + (not last or L.vpp > 1))
@@ -303,7 +332,12 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             sizes = [float(sum(u.params) + e) for u, e in zip(units, reads_embed)]
             biggest = [float(max(*u.params, e)) for u, e in zip(units, reads_embed)]
             reads = [u.name != "embedding" for u in units]
-            extras = zero3_extras(runtime, sizes, biggest, reads, wb, n_d)
+            if runtime.units == "parts":
+                gathered = parts_gathered(sizes, reads, [u.layer for u in units],
+                                          [full.get(u.layer, False) for u in units], runtime.prefetch_numel)
+                extras = [wb * g for g in gathered]
+            else:
+                extras = zero3_extras(runtime, sizes, biggest, reads, wb, n_d)
             units = [replace(u, extra=u.extra + e) for u, e in zip(units, extras)]
             front = gathered_at_head(runtime, sizes[0], biggest[0], wb) if last else 0.0
         return n, state, units, per_chunk, io, (head_fwd if last else 0.0) + front

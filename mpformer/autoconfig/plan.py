@@ -18,6 +18,7 @@ from typing import Any
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.cost import calibration
 from mpformer.autoconfig.memory import Workload
+from mpformer.autoconfig.runtimes import mpformer_runtime
 from mpformer.autoconfig.search import (
     NOT_SEARCHED,
     PLAN_FIELDS,
@@ -93,7 +94,8 @@ def run_cluster(name: str | None, world_size: int, device: str) -> Cluster:
 def workload(cfg: Config) -> Workload:
     t = cfg.train
     return Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision,
-                    fused_cross_entropy=t.fused_cross_entropy, cross_entropy_chunk=t.cross_entropy_chunk)
+                    fused_cross_entropy=t.fused_cross_entropy, cross_entropy_chunk=t.cross_entropy_chunk,
+                    runtime=mpformer_runtime(t))
 
 
 def pinned_fields(composed: Composed) -> dict[str, Any]:

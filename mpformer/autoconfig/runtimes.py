@@ -13,10 +13,14 @@ tests/unit/test_memory_published.py) and run or overlap other kernels (cost.py, 
                  among its additions to Megatron-LM), tensor-parallel collectives hidden in GEMMs
                  (Transformer Engine's --tp-comm-overlap)
 
-    mpformer     ZeRO-3 units: the embedding, each layer, the head, gathered whole with the next one
-                 prefetched (optim/gather.py); each unit's gradients collected in the parameter dtype
-                 from a pool, MAX_IN_FLIGHT reducing beside the one filling (walked by step_memory.py);
-                 16 bytes per parameter of shards over N_d (fp32 masters, gradients, Adam's moments)
+    mpformer     ZeRO-3 units (optim/units.py, gather.py): the embedding, the head, and each layer's
+                 parts (attention norm + qkv, output projection, MLP norm + up, down) merged up to
+                 ``unit_numel`` elements; the next unit in use order prefetched when it has at most
+                 ``prefetch_numel`` (``parts_gathered``); a fully recomputed layer gathered again unit by
+                 unit in its recomputed forward. Each unit's gradients formed in a buffer in the parameter
+                 dtype (its projections' weight gradients straight into it), taken once the reductions in
+                 flight and it hold at most ``reduce_numel`` elements (walked by step_memory.py); 16 bytes
+                 per parameter of shards over N_d (fp32 masters, gradients, Adam's moments)
     torchtitan   FSDP2: the same units and prefetch; autograd's gradients of a unit copied into an fp32
                  reduce-scatter input (torchtitan's default mixed_precision_reduce=float32), the
                  previous unit's held until the next is issued; 16 bytes of shards (fp32 parameters,
@@ -31,16 +35,22 @@ tests/unit/test_memory_published.py) and run or overlap other kernels (cost.py, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
 
-from mpformer.optim.engine import MAX_IN_FLIGHT
+from mpformer.core.buffers import ZERO3_PREFETCH_NUMEL, ZERO3_REDUCE_NUMEL, ZERO3_UNIT_NUMEL
+from mpformer.core.config import TrainConfig
 
 
 @dataclass(frozen=True)
 class Runtime:
     name: str
-    units: str = "layer"  # "layer": whole units with the next prefetched; "module": each submodule as it runs
-    in_flight: int = MAX_IN_FLIGHT  # unit reductions in flight beside the one filling (mpformer's pool)
+    # "parts": mpformer's units of a layer's parts; "layer": whole layers with the next prefetched (FSDP2);
+    # "module": each submodule gathered as it runs (DeepSpeed)
+    units: str = "parts"
+    unit_numel: float = ZERO3_UNIT_NUMEL  # mpformer: train.zero3_unit_numel (core/buffers.py)
+    prefetch_numel: float = ZERO3_PREFETCH_NUMEL  # mpformer: train.zero3_prefetch_numel
+    reduce_numel: float = ZERO3_REDUCE_NUMEL  # mpformer: train.zero3_reduce_numel
     reduce_bytes: int | None = None  # of the gradient collective; None: the parameter dtype
     pooled: bool = True  # mpformer's gradient pool (walked by step_memory.py); else ``zero3_extras``
     max_live: float = 0.0  # DeepSpeed: elements gathered before it releases
@@ -55,15 +65,21 @@ class Runtime:
 
 
 MPFORMER = Runtime("mpformer")
-TORCHTITAN = Runtime("torchtitan", in_flight=1, reduce_bytes=4, pooled=False, shard_bytes=(0, 4, 4, 8),
+TORCHTITAN = Runtime("torchtitan", units="layer", reduce_bytes=4, pooled=False, shard_bytes=(0, 4, 4, 8),
                      selective="op", kernels="composite")  # December 2024's eager torch; compiled: fused
-DEEPSPEED = Runtime("deepspeed", units="module", in_flight=1, pooled=False, max_live=1e9, prefetch_bucket=5e7,
+DEEPSPEED = Runtime("deepspeed", units="module", pooled=False, max_live=1e9, prefetch_bucket=5e7,
                     reduce_bucket=5e8, shard_bytes=(2, 2, 4, 8), kernels="fused", overlap_grad_reduce=False,
                     overlap_p2p=False)  # with Megatron-LM's fused kernels and its pipeline engine (2021-2022)
 # Megatron-LM as the published runs used it: before --overlap-grad-reduce and p2p overlap (2021-2023),
 # and Megatron-Core with Transformer Engine and every overlap on (its 2024 weak-scaling table).
 MEGATRON = Runtime("megatron-lm", kernels="fused", overlap_grad_reduce=False, overlap_p2p=False)
 MEGATRON_CORE = Runtime("megatron-core", kernels="fused", tp_comm_overlap=True)
+
+
+def mpformer_runtime(t: TrainConfig) -> Runtime:
+    """mpformer's runtime as a training config sets it up (its train.zero3_* settings)."""
+    return replace(MPFORMER, unit_numel=t.zero3_unit_numel, prefetch_numel=t.zero3_prefetch_numel,
+                   reduce_numel=t.zero3_reduce_numel)
 
 
 def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: list[bool], wb: int,
@@ -92,4 +108,36 @@ def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: l
 
 def gathered_at_head(rt: Runtime, head: float, biggest: float, wb: int) -> float:
     """What a ZeRO-3 runtime has gathered while the head runs forward (bytes)."""
-    return (head if rt.units == "layer" else min(head, max(rt.max_live, biggest))) * wb
+    return (head if rt.units != "module" else min(head, max(rt.max_live, biggest))) * wb
+
+
+def parts_gathered(sizes: Sequence[float], reads: Sequence[bool], layers: Sequence[Hashable | None],
+                   recomputed: Sequence[bool], prefetch: float) -> list[float]:
+    """mpformer's ZeRO-3 (optim/gather.py): per unit in backward order (head, each layer's units from its
+    last, the embedding), the elements gathered while its backward runs. The units are used in this
+    order: the head; per layer, if fully recomputed its units in forward order (the recomputed forward),
+    then its units in backward order; the embedding's backward reads none. At each use the unit is
+    gathered, and the next distinct unit used if it has at most ``prefetch`` elements. A recomputed
+    layer's forward happens at the point of its first unit in backward (the activations walked there
+    include the recomputed ones), so that point takes the largest of those uses too. ``layers``: the
+    layer each unit belongs to (None: the head, the embedding)."""
+    uses: list[tuple[int, int]] = []  # (unit, the walk point it falls at)
+    k, n = 0, len(sizes)
+    while k < n:
+        if layers[k] is None:
+            uses += [(k, k)] if reads[k] else []
+            k += 1
+            continue
+        end = k
+        while end < n and layers[end] == layers[k]:
+            end += 1
+        if recomputed[k]:
+            uses += [(q, k) for q in reversed(range(k, end))]
+        uses += [(q, q) for q in range(k, end)]
+        k = end
+    out = [0.0] * n
+    for t, (q, point) in enumerate(uses):
+        nxt = next((u for u, _ in uses[t + 1:] if u != q), None)
+        ahead = sizes[nxt] if nxt is not None and sizes[nxt] <= prefetch else 0.0
+        out[point] = max(out[point], sizes[q] + ahead)
+    return out

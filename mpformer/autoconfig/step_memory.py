@@ -13,17 +13,21 @@ those points, as the runtime runs them, and takes the largest total:
     end of backward  stages 0-1: every bucket's reduction in flight (the activations are gone)
 
 Gradient buckets follow the engine (optim/engine.py): stages 0-2 pack the parameters last first into
-buckets of ``bucket_mb`` of fp32 elements, stage 3 has one per unit (embedding, layers, head); a
-bucket launches once the backward of the unit holding its last parameter is over. Stages 0-1 keep
-every reduction in flight until the step's end; stages 2-3 keep ``in_flight`` and draw their buffers
-from a pool (the smallest idle buffer that fits, at most ``in_flight`` idle) that is emptied when the
-micro-batch's reductions are drained. On CPU (gloo) a reduce-scatter also holds receive buffers of
-(n-1)/n of its input (parallel/pairwise.py); NCCL writes in place.
+buckets of ``bucket_mb`` of fp32 elements, stage 3 has one per unit (the embedding, each layer's
+units, the head); a bucket launches once the backward of the unit holding its last parameter is
+over. Stages 0-1 keep every reduction in flight until the step's end. Stage 2 keeps ``in_flight``
+and draws its buffers from a pool (the smallest idle buffer that fits, at most ``in_flight`` idle).
+Stage 3 takes a unit's buffer when its backward forms its first gradient, after waiting for the
+oldest reductions in flight until they and it hold at most ``budget`` elements; its pool keeps idle
+buffers up to ``budget`` elements (a larger one is freed), so at a unit both the moment before the
+take (the reductions still in flight) and after it (the unit's own buffer) are walked. Both pools are
+emptied when the micro-batch's reductions are drained. On CPU (gloo) a reduce-scatter also holds
+receive buffers of (n-1)/n of its input (parallel/pairwise.py); NCCL writes in place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -37,6 +41,7 @@ class Unit:
     backward: float = 0.0  # activation bytes live above ``saved`` in its backward (recompute, the backward's own)
     extra: float = 0.0  # other bytes live in its backward: gradients before the engine takes them, the
     # ZeRO-3 units gathered (itself and the one prefetched), another implementation's gradient buffers
+    layer: Hashable | None = None  # the layer it is (a part of); None: the head, the embedding
 
 
 @dataclass(frozen=True)
@@ -48,16 +53,19 @@ class Reduction:
     grad_bytes: int  # bytes per element of the full gradient buffers (fp32; stage 3: the parameter dtype)
     reduce_bytes: int  # bytes per element of the collective
     bucket_elems: float  # stages 0-2: the bucket cap in elements
-    in_flight: int  # stages 2-3: reductions in flight beside the bucket filling
+    in_flight: int  # stage 2: reductions in flight beside the bucket filling
     pairwise: bool  # gloo on CPU: receive buffers of (n-1)/n of each reduce-scatter input
     pooled: bool = True  # stage 3: mpformer's buffers (walked here); False: the units' ``extra`` holds them
+    budget: float = float("inf")  # stage 3: elements of the reductions in flight with a new buffer, and idle
 
 
 @dataclass
 class _Pool:
-    """The engine's GradPool: lends the smallest idle buffer that fits, keeps at most ``limit`` idle."""
+    """The engine's GradPool: lends the smallest idle buffer that fits, keeps at most ``limit`` idle and at
+    most ``limit_bytes`` of them (a larger one is not kept), the smallest dropped first."""
 
-    limit: int
+    limit: int | None
+    limit_bytes: float = float("inf")
     idle: list[float] = field(default_factory=list)
 
     def take(self, size: float) -> float:
@@ -68,8 +76,11 @@ class _Pool:
         return min(fits)
 
     def give(self, size: float) -> None:
+        if size > self.limit_bytes:
+            return
         self.idle.append(size)
-        if len(self.idle) > self.limit:
+        while self.idle and ((self.limit is not None and len(self.idle) > self.limit)
+                             or sum(self.idle) > self.limit_bytes):
             self.idle.remove(min(self.idle))
 
 
@@ -150,7 +161,7 @@ _WALKS: dict[tuple, tuple[Peak, Peak | None]] = {}
 def _walk(units: Sequence[Unit], red: Reduction, state: float, head_forward: float, micro: int
           ) -> tuple[Peak, Peak | None]:
     """walk() without ``kept``: the largest point that includes it, and the end of the backward."""
-    pool = _Pool(red.in_flight)
+    pool = _Pool(red.in_flight, float("inf")) if red.stage < 3 else _Pool(None, red.budget * red.grad_bytes)
     if micro > 1 and red.stage >= 2 and red.pooled:
         _backward(units, red, pool, state)
     idle = sum(pool.idle)
@@ -178,16 +189,35 @@ def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float) 
         closes.setdefault(bk.last, []).append(j)
     filling: dict[int, float] = {}  # bucket -> its buffer's bytes (stages 2-3)
     in_flight: list[tuple[int, float]] = []  # (bucket, its buffer's bytes; 0 for stages 0-1's own)
-    comm = buffers_in_flight = 0.0
-    for k, u in enumerate(units):
-        if pooled:
-            for j in opens.get(k, ()):
-                filling[j] = pool.take(plan[j].elems * red.grad_bytes)
+    comm = buffers_in_flight = elems_in_flight = 0.0
+
+    def complete_oldest() -> None:
+        nonlocal comm, buffers_in_flight, elems_in_flight
+        i, size = in_flight.pop(0)
+        comm -= comm_bytes(plan[i].elems, red)
+        buffers_in_flight -= size
+        elems_in_flight -= plan[i].elems
+        pool.give(size)
+
+    def at(k: int, u: Unit) -> None:
+        nonlocal peak
         buffers = sum(filling.values()) + buffers_in_flight + sum(pool.idle)
         act = after[k] + u.backward
         live = state + act + u.extra + buffers + comm
         if live > peak.live:
             peak = Peak(live, act, f"{u.name} backward")
+
+    for k, u in enumerate(units):
+        if pooled:
+            taking = opens.get(k, [])
+            if red.stage == 3 and taking:
+                at(k, u)  # before its buffer is taken: the reductions still in flight
+                for j in taking:
+                    while in_flight and elems_in_flight + plan[j].elems > red.budget:
+                        complete_oldest()
+            for j in taking:
+                filling[j] = pool.take(plan[j].elems * red.grad_bytes)
+        at(k, u)
         if red.stage >= 2 and not red.pooled:
             continue
         for j in closes.get(k, ()):
@@ -195,12 +225,10 @@ def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float) 
             size = filling.pop(j, 0.0)
             in_flight.append((j, size))
             buffers_in_flight += size
-            while pooled and len(in_flight) > red.in_flight:
-                i, size = in_flight.pop(0)
-                buffers_in_flight -= size
-                comm -= comm_bytes(plan[i].elems, red)
-                pool.give(size)
-    for _, size in in_flight if pooled else []:  # the micro-batch's last launch drains them into the pool
-        pool.give(size)
+            elems_in_flight += plan[j].elems
+            while pooled and red.stage == 2 and len(in_flight) > red.in_flight:
+                complete_oldest()
+    while pooled and in_flight:  # the micro-batch's last launch drains them into the pool
+        complete_oldest()
     end = Peak(state + comm, 0.0, "end of backward") if red.stage < 2 else None
     return peak, end

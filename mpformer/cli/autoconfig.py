@@ -45,6 +45,7 @@ def _predicted(c, model, world: int, w) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.memory import Workload
+    from mpformer.autoconfig.runtimes import mpformer_runtime
     from mpformer.autoconfig.search import no_plan_error, search
     from mpformer.cli.compose import compose_config
 
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ac.plot:
         check_output_file(ac.plot, "autoconfig.plot", PLOT_SUFFIXES)
     cluster = load_cluster(ac.cluster or "local-cpu", ac.nodes)
-    w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision)
+    w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision, runtime=mpformer_runtime(t))
     device = "cpu" if cluster.cores else "cuda"
     fixed = ac.fixed.pinned()
     res = search(cfg.model, cluster, w, fixed=fixed, top_k=ac.top_k, device=device)

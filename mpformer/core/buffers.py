@@ -111,3 +111,38 @@ def pieces_by_param(buckets: Sequence[BucketLayout], rank: int) -> dict[int, lis
         for piece in b.pieces(rank):
             out.setdefault(piece.index, []).append((k, piece))
     return out
+
+
+# ZeRO-3's granularity (optim/engine.py, optim/gather.py; the memory model walks the same rules). In
+# elements of the parameters:
+#   unit      a layer's parts (its submodules in forward order, Block.parts()) merge into units of at most
+#             this many; a layer no larger is one unit. Each unit costs per micro-batch an all-gather in
+#             forward, one in backward and a reduce-scatter, each with a fixed cost (launch, ring latency:
+#             tens of microseconds in a node, more across nodes). At 5e7 elements (100 MB in bf16, 4 ms at
+#             25 GB/s) that fixed cost is ~1% of the transfer, and the gathered parameters of a large model
+#             are bounded by a submodule, not a layer (530B: 3.4 GB, not 10 GB)
+#   prefetch  the next unit is gathered while the current one computes when it has at most this many:
+#             hides the gather, costs its memory. 5e8 (1 GB in bf16, ~1% of an 80 GB device) prefetches
+#             every unit of models up to ~70B; the 4h x h projections of 175B/530B are gathered when used
+#   reduce    a unit's gradient buffer is taken once the reductions in flight and it hold at most this
+#             many elements (older ones waited first); idle buffers are kept for reuse within it too.
+#             Twice a full unit: as the two reductions in flight mpformer kept before, now in bytes, so a
+#             unit larger than it never has a second buffer alive beside its own
+ZERO3_UNIT_NUMEL = 50_000_000
+ZERO3_PREFETCH_NUMEL = 500_000_000
+ZERO3_REDUCE_NUMEL = 2 * ZERO3_UNIT_NUMEL
+
+
+def zero3_groups(sizes: Sequence[int], cap: float) -> list[list[int]]:
+    """Consecutive parts (given by element count) grouped into ZeRO-3 units: a group grows while it stays
+    at most ``cap`` elements; a part larger than ``cap`` is a unit of its own."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if groups and total + n <= cap:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups

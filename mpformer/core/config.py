@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, get_type_hints
 
+from mpformer.core.buffers import ZERO3_PREFETCH_NUMEL, ZERO3_REDUCE_NUMEL, ZERO3_UNIT_NUMEL
 from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -69,6 +70,12 @@ class TrainConfig:
     # is treated as a non-finite one (train.on_nan says what happens). 0: off.
     spike_factor: float = 0.0
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
+    # ZeRO-3 (elements; why these defaults: core/buffers.py): a layer's submodules merge into units of at
+    # most zero3_unit_numel, the next unit is gathered ahead when it has at most zero3_prefetch_numel, and a
+    # unit's gradient buffer waits for reductions in flight until they and it hold at most zero3_reduce_numel
+    zero3_unit_numel: int = ZERO3_UNIT_NUMEL
+    zero3_prefetch_numel: int = ZERO3_PREFETCH_NUMEL
+    zero3_reduce_numel: int = ZERO3_REDUCE_NUMEL
     overlap_param_gather: bool = True  # zero 1-2: the step's parameter all-gather hides behind the next forward
     initial_loss_scale: float = 65536.0  # fp16: dynamic loss scaling starts here (2^16) ...
     loss_scale_window: int = 1000  # ... doubles after this many steps without inf/nan, halves on one
@@ -245,6 +252,10 @@ def check_training_config(cfg: Config) -> None:
         raise ConfigError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
     if t.cross_entropy_chunk < 1:
         raise ConfigError(f"train.cross_entropy_chunk={t.cross_entropy_chunk} must be >= 1 (tokens per chunk)")
+    for key in ("zero3_unit_numel", "zero3_prefetch_numel", "zero3_reduce_numel"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (elements; 0: a unit per part of a layer, "
+                              "no prefetch, no reduction in flight beside a new buffer)")
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"train.threads={t.threads} must be >= 1, or null for torch's default")
     for key, value in (("train.micro_batch_size", t.micro_batch_size),

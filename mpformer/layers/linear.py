@@ -16,12 +16,21 @@ given a ``WeightGradStore`` computes ``dX`` in backward as usual; while the stor
 queues ``dW = dY^T X`` (and ``db``) instead, and ``WeightGradStore.run`` performs the queued GEMMs
 and accumulates them into ``.grad`` as autograd would have. Outside a capture (a combined backward,
 validation, a one-stage pipeline) the same function returns the weight gradients directly.
+
+Why a gradient sink: ZeRO-3 (optim/engine.py) collects a unit's gradients in one flat buffer to
+reduce-scatter it. Formed by autograd, a weight gradient exists twice for a moment (autograd's dW,
+then its copy in the buffer): for a 4h x h projection of a 530B model, 3.4 GB more at the step's
+peak. A parameter that carries a sink (``set_grad_sink``) has its ``dW = dY^T X`` (and ``db``) added
+straight into the buffer the sink lends, then the sink is told it arrived; autograd sees no weight
+gradient (Megatron's gradient-accumulation fusion into ``main_grad``, with the buffer lent when the
+gradient is formed rather than held all step).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +39,31 @@ from torch import nn
 from mpformer.layers.kernels import cpu_kernels
 
 _LOW = (torch.bfloat16, torch.float16)
+
+
+class GradSink(Protocol):
+    """Where a parameter's gradient goes instead of ``.grad`` (ZeRO-3's unit buffers, optim/engine.py)."""
+
+    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like ``p`` (in its dtype) to add ``p``'s gradient into."""
+        ...
+
+    def grad_arrived(self, p: torch.Tensor) -> None:
+        """``p``'s gradient of this backward is in its buffer."""
+        ...
+
+
+_SINK = "_mpformer_grad_sink"
+
+
+def set_grad_sink(p: torch.Tensor, sink: GradSink | None) -> None:
+    """Linear layers add ``p``'s gradient into ``sink`` instead of handing it to autograd (None: autograd's).
+    Only for a parameter that one ``linear`` call per backward reads whole (a projection's weight or bias)."""
+    setattr(p, _SINK, sink)
+
+
+def grad_sink(p: torch.Tensor | None) -> GradSink | None:
+    return getattr(p, _SINK, None) if p is not None else None
 
 
 class _CpuLowPrecisionLinear(torch.autograd.Function):
@@ -96,16 +130,16 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 
 
 class _SplitLinear(torch.autograd.Function):
-    """y = x W^T + b whose weight gradients can be deferred to a ``WeightGradStore``; ``dtype`` is
-    the autocast dtype to compute in (None: the inputs' dtype)."""
+    """y = x W^T + b whose weight gradients can be deferred to a ``WeightGradStore`` or added into a
+    ``GradSink``'s buffer; ``dtype`` is the autocast dtype to compute in (None: the inputs' dtype)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore,
-                dtype: torch.dtype | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                store: WeightGradStore | None, sink: GradSink | None, dtype: torch.dtype | None) -> torch.Tensor:
         xc, wc = (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
         bc = bias if bias is None or dtype is None else bias.to(dtype)
         ctx.save_for_backward(xc, wc)
-        ctx.store, ctx.params, ctx.x_dtype = store, (weight, bias), x.dtype
+        ctx.store, ctx.sink, ctx.params, ctx.x_dtype = store, sink, (weight, bias), x.dtype
         return F.linear(xc, wc, bc)
 
     @staticmethod
@@ -126,8 +160,11 @@ class _SplitLinear(torch.autograd.Function):
             db = dy2.sum(0).to(bias.dtype) if want_b else None
             return dw, db
 
-        if ctx.store.capturing is None:
-            return (dx, *weight_grads(), None, None)
+        if ctx.sink is not None:  # after dX: the sink may free the gathered weight once its gradients are in
+            _into_sink(ctx.sink, weight, bias, dy, xc, want_w, want_b)
+            return dx, None, None, None, None, None
+        if ctx.store is None or ctx.store.capturing is None:
+            return (dx, *weight_grads(), None, None, None)
 
         def job() -> list[torch.Tensor]:
             dw, db = weight_grads()
@@ -137,18 +174,37 @@ class _SplitLinear(torch.autograd.Function):
             return [p for p, _ in done]
 
         ctx.store.capturing.append(job)
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
+
+
+def _into_sink(sink: GradSink, weight: torch.Tensor, bias: torch.Tensor | None, dy: torch.Tensor,
+               xc: torch.Tensor, want_w: bool, want_b: bool) -> None:
+    """dW = dY^T X added into the sink's buffer in place (no dW of its own when the dtypes agree), db too."""
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), xc.reshape(-1, xc.shape[-1])
+    if want_w:
+        buf = sink.grad_buffer(weight)
+        if buf.dtype == dy2.dtype:
+            buf.addmm_(dy2.t(), x2)
+        else:
+            buf.add_(dy2.t().mm(x2))
+        sink.grad_arrived(weight)
+    if want_b:
+        sink.grad_buffer(bias).add_(dy2.sum(0))
+        sink.grad_arrived(bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            store: WeightGradStore | None = None) -> torch.Tensor:
     """F.linear, except on CPU under bf16/fp16 autocast where the input gradient takes the layout the
-    probe found fast,
-    and with a ``store`` whose captures defer the weight gradients (``weight`` must then be a leaf)."""
-    if store is not None:
+    probe found fast, with a ``store`` whose captures defer the weight gradients (``weight`` must then
+    be a leaf), and for a weight with a gradient sink (ZeRO-3), whose gradients go into its buffer."""
+    sink = grad_sink(weight)
+    if store is not None or sink is not None:
+        assert store is None or sink is None, "a deferred weight gradient has no ZeRO-3 unit buffer to go to"
+        assert bias is None or grad_sink(bias) is sink, "a weight and its bias go to the same sink"
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         with torch.autocast(x.device.type, enabled=False):
-            return _SplitLinear.apply(x, weight, bias, store, dt)
+            return _SplitLinear.apply(x, weight, bias, store, sink, dt)
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dt = torch.get_autocast_dtype("cpu")
         if dt in _LOW and cpu_kernels().dgrad_transposed:

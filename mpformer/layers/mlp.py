@@ -11,7 +11,7 @@ from torch import nn
 
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.shards import Shard
-from mpformer.layers.linear import Linear, WeightGradStore, linear
+from mpformer.layers.linear import Linear, WeightGradStore, grad_sink, linear
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.tensor_parallel import Part, TPContext
@@ -38,9 +38,10 @@ class MLP(nn.Module):
             self.down = RowParallelLinear(self.ffn, cfg.hidden_size, tp, bias=cfg.mlp_bias, **kw)
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
-        # Single device only (parallel layers own their collectives), and not when weight gradients
-        # are deferred (the store accumulates into whole parameters, not row views).
-        if self.gated and type(self.up) is Linear and self.up.store is None:
+        # Single device only (parallel layers own their collectives), not when weight gradients are
+        # deferred (the store accumulates into whole parameters, not row views), and not under ZeRO-3
+        # (a gradient sink): its units are gathered and collected around each projection's own call.
+        if self.gated and type(self.up) is Linear and self.up.store is None and grad_sink(self.up.weight) is None:
             # Two GEMMs on the row halves of the fused weight: storage stays fused (one parameter,
             # contiguous tensor-parallel slices); the two narrower GEMMs run faster on CPU (measured
             # in benchmarks/bench_throughput.py) and need no split/concat of the activations.

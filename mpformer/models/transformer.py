@@ -68,6 +68,12 @@ class Block(nn.Module):
         x_sbh = x_sbh + self._dropout(self.attn(self.attn_norm(x_sbh), seq, recompute_core))
         return x_sbh + self._dropout(self.mlp(self.mlp_norm(x_sbh)))
 
+    def parts(self) -> list[tuple[str, list[nn.Module]]]:
+        """The block's parameter-holding submodules in forward order, as ZeRO-3 gathers them (optim/engine.py):
+        each norm with the projection it feeds. Every parameter of the block is in exactly one part."""
+        return [("attn_in", [self.attn_norm, self.attn.qkv]), ("attn_out", [self.attn.o]),
+                ("mlp_in", [self.mlp_norm, self.mlp.up]), ("mlp_out", [self.mlp.down])]
+
     def _dropout(self, x_sbh: torch.Tensor) -> torch.Tensor:
         # Sequence-parallel chunks differ per tp rank: tp-rank stream. Otherwise every tp rank holds
         # the same residual stream and must draw the same mask: default stream.
@@ -198,14 +204,20 @@ class Transformer(nn.Module):
         chunk's first ``recompute_layers`` layers."""
         for n, i in enumerate(local):
             layer = self.layers[i]
-            mode = self.recompute if self.training and (self.recompute_layers is None or n < self.recompute_layers) \
-                else "none"
+            mode = self.recompute_mode(n)
             if mode == "full":
                 kw = {"context_fn": self.tp.checkpoint_context_fn()} if self.tp is not None else {}
                 x_sbh = checkpoint(layer, x_sbh, seq, use_reentrant=False, **kw)
             else:
                 x_sbh = layer(x_sbh, seq, mode == "selective")
         return x_sbh
+
+    def recompute_mode(self, n: int) -> str:
+        """How the ``n``-th layer of a chunk recomputes in training (none | selective | full); "full" runs
+        its forward again inside its backward (ZeRO-3 gathers its units again there)."""
+        if not self.training or (self.recompute_layers is not None and n >= self.recompute_layers):
+            return "none"
+        return self.recompute
 
     def head_output(self, x_sbh: torch.Tensor, labels_bs: torch.Tensor | None, seq: SeqShard) -> torch.Tensor:
         """The last stage: final norm, then the loss (or logits ``[b, s, v]`` without labels; under cp

@@ -10,7 +10,8 @@
 
 The engine (engine.py) decides when each happens and bounds how many are in flight. At stages 2-3
 the full buffers come from a small ``GradPool`` and go back to it once reduced: a fresh 25 MB buffer
-every micro-batch costs its page faults (first touch, ~1.4 GB/s on the CPU machines here) each time.
+every micro-batch costs its page faults (first touch, ~1.4 GB/s on the CPU machines here) each time
+(on CUDA the caching allocator would keep them anyway).
 The pool is emptied at the end of each step, so that between steps a rank holds its model state alone.
 """
 
@@ -27,12 +28,13 @@ from mpformer.parallel.comm import Comm
 
 
 class GradPool:
-    """At most ``limit`` idle buffers (the engine's bound on buckets in flight) lent out as zeroed
-    full-gradient buffers, the smallest that fits. Communication buffers, as DeepSpeed's reduce
-    buckets: not model state (memory.py's table), and bounded by ``limit`` x the largest bucket."""
+    """Idle buffers lent out as zeroed full-gradient buffers, the smallest that fits: at most ``limit``
+    of them (stage 2: the engine's bound on buckets in flight) and at most ``limit_bytes`` together
+    (stage 3: its reduction budget; a larger buffer is not kept), the smallest dropped first.
+    Communication buffers, as DeepSpeed's reduce buckets: not model state (memory.py's table)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.idle = limit, []
+    def __init__(self, limit: int | None, limit_bytes: float = float("inf")) -> None:
+        self.limit, self.limit_bytes, self.idle = limit, limit_bytes, []
 
     def take(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         fits = [i for i, b in enumerate(self.idle) if b.numel() >= numel and b.device == device and b.dtype == dtype]
@@ -45,8 +47,11 @@ class GradPool:
 
     def give(self, t: torch.Tensor) -> None:
         base = t if t._base is None else t._base
+        if base.numel() * base.element_size() > self.limit_bytes:
+            return  # freed: never kept beside the budget
         self.idle.append(base)
-        if len(self.idle) > self.limit:
+        while self.idle and ((self.limit is not None and len(self.idle) > self.limit)
+                             or self.bytes() > self.limit_bytes):
             self.idle.pop(min(range(len(self.idle)), key=lambda i: self.idle[i].numel()))  # keep the largest
 
     def bytes(self) -> int:

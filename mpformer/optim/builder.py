@@ -15,6 +15,7 @@ from torch import nn
 from mpformer.core.config import OptimConfig
 from mpformer.models.init import ModelInit
 from mpformer.optim.engine import GradEngine, Reduction
+from mpformer.optim.units import ZERO3_DEFAULTS, Zero3Settings
 from mpformer.parallel.device import DeviceLike
 
 
@@ -46,10 +47,13 @@ def make_optimizer(groups: list[dict], cfg: OptimConfig, device_kind: str = "cpu
 
 def build_engine(model: nn.Module, red: Reduction, zero: int, cfg: OptimConfig, device_kind: str,
                  bucket_mb: float, param_dtype: torch.dtype = torch.float32, init: ModelInit | None = None,
-                 device: DeviceLike = None, overlap_param_gather: bool = False) -> GradEngine:
+                 device: DeviceLike = None, overlap_param_gather: bool = False,
+                 zero3: Zero3Settings = ZERO3_DEFAULTS) -> GradEngine:
     """The gradient engine for ZeRO stage ``zero``; a 16-bit ``param_dtype`` casts the model's
     parameters to it and keeps fp32 masters (any stage). ``init``: a meta-built model's parameters
-    are allocated on ``device`` and filled from it (only what this rank keeps)."""
+    are allocated on ``device`` and filled from it (only what this rank keeps). ``zero3``: stage 3's
+    unit, prefetch and reduction bounds."""
     return GradEngine(model, red, stage=zero, groups=param_groups(model, cfg.weight_decay),
                       make_optimizer=lambda g: make_optimizer(g, cfg, device_kind), param_dtype=param_dtype,
-                      bucket_mb=bucket_mb, init=init, device=device, overlap_param_gather=overlap_param_gather)
+                      bucket_mb=bucket_mb, init=init, device=device, overlap_param_gather=overlap_param_gather,
+                      zero3=zero3)

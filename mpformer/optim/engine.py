@@ -11,7 +11,8 @@ Where parameters live and how gradients are reduced are settings of it, not clas
 
 Buckets (core/buffers.py): stages 0-2 pack the parameters, last first (roughly the order backward
 produces gradients), into buckets of ``bucket_mb``; stage 3 makes one per unit (the embedding, each
-transformer layer, the head: final norm and LM head; gather.py). A bucket is padded to a multiple of
+transformer layer's submodules merged up to ``zero3.unit_numel`` elements, the head: final norm and
+LM head; units.py, gather.py). A bucket is padded to a multiple of
 dp and rank r owns 1/dp of it (stage 0: all of it). Parameters become views into its ``param_buf``;
 a model built on the meta device is filled there from the blocked initialiser (materialise.py), a
 ZeRO-3 rank allocating and drawing its shard alone.
@@ -24,9 +25,14 @@ has produced every gradient of a bucket its reduction starts asynchronously, div
 (gloo has no AVG), in ``reduce_dtype`` (bf16 halves the traffic; accumulation stays fp32). Stage 3
 collects a unit's gradients in the parameter dtype and reduce-scatters them in it (16-bit parameters:
 bf16/fp16, as FSDP and DeepSpeed do; fp32: ``reduce_dtype``), then adds the shard into the rank's
-fp32 gradient shard. Stages 2-3 keep at most MAX_IN_FLIGHT reductions in flight and wait for them
-once every bucket of the micro-batch has launched (its backward is over), so that no gradient buffer
-outlives its backward; their buffers come from a pool that is emptied at the end of the step.
+fp32 gradient shard; its projections' weight gradients are formed in that buffer (the engine is their
+gradient sink, layers/linear.py), not beside it. Stage 2 keeps at most MAX_IN_FLIGHT reductions in
+flight; stage 3 bounds them in elements: a unit's buffer is taken (when its first gradient arrives)
+only once the reductions in flight and it hold at most ``zero3.reduce_numel``, older ones waited
+first, so a unit larger than that never has another's buffer alive beside its own. Both wait for
+every reduction once every bucket of the micro-batch has launched (its backward is over), so that no
+gradient buffer outlives its backward; their buffers come from a pool (stage 3: at most
+``zero3.reduce_numel`` idle) that is emptied at the end of the step.
 
 ``finish()`` makes the gradients final in the order the step needs them: a tied embedding's two
 pipeline copies summed, every reduction launched and waited for, partial tensor-parallel gradients
@@ -51,6 +57,7 @@ from torch import nn
 from mpformer.checkpoint.rows import canonical_rows
 from mpformer.core.buffers import BucketLayout, Piece, Slot, plan_buckets
 from mpformer.core.shards import Shard
+from mpformer.layers.linear import set_grad_sink
 from mpformer.models.init import ModelInit
 from mpformer.optim.bucket import Bucket, GradPool
 from mpformer.optim.gather import Region, UnitGather
@@ -59,12 +66,13 @@ from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.param_gather import ParamGather
 from mpformer.optim.state import EngineState
+from mpformer.optim.units import ZERO3_DEFAULTS, Zero3Settings, build_units
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.tensor_parallel import GradSpec
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
-MAX_IN_FLIGHT = 2  # stages 2-3: full gradient buffers reducing at once (and idle in the pool)
+MAX_IN_FLIGHT = 2  # stage 2: full gradient buffers reducing at once (and idle in the pool)
 
 
 @dataclass(frozen=True)
@@ -111,12 +119,13 @@ class GradEngine:
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
                  param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
                  init: ModelInit | None = None, device: DeviceLike = None,
-                 overlap_param_gather: bool = False) -> None:
+                 overlap_param_gather: bool = False, zero3: Zero3Settings = ZERO3_DEFAULTS) -> None:
         """``init``: the model was built on the meta device (models/parallelize.py, deferred) and the
         buckets are filled from it on ``device``, each rank drawing only what it keeps; otherwise the
         parameters' values are copied in (their device). ``overlap_param_gather`` (stages 1-2): step()
         returns with the parameters' all-gather in flight and each block waits for its own at its next
-        forward; whoever else reads parameters first calls ``wait_params()``."""
+        forward; whoever else reads parameters first calls ``wait_params()``. ``zero3``: stage 3's unit
+        size, prefetch and reduction bounds (units.py)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}; valid: 0, 1, 2, 3")
         self.model, self.red, self.comm, self.stage, self.param_dtype = model, red, red.dp, stage, param_dtype
@@ -134,9 +143,13 @@ class GradEngine:
         self.init = init
         self.device = torch.device(device) if device is not None else self.params[0].device
         assert init is not None or not self.params[0].is_meta, "a meta-built model needs init to be filled from"
-        self._regions: list[Region] = []  # stage 3: set with the units (_units)
+        self.zero3 = zero3
+        self._regions: list[Region] = []  # stage 3: set with the units (_plan)
+        self._sunk: list[nn.Parameter] = []
         plan = self._plan(bucket_mb)
-        self.pool = GradPool(MAX_IN_FLIGHT) if not self.persistent else None
+        grad_bytes = torch.finfo(param_dtype).bits // 8
+        self.pool = None if self.persistent else GradPool(MAX_IN_FLIGHT) if stage == 2 else \
+            GradPool(None, zero3.reduce_numel * grad_bytes)
         self.buckets = [self._materialise(k, layout, module) for k, (module, layout) in enumerate(plan)]
         left = [n for n, p in model.named_parameters() if p.is_meta]
         assert not left, f"parameters left on the meta device (no gradient, so in no bucket): {left}"
@@ -152,12 +165,15 @@ class GradEngine:
         self.not_mine = {id(tied.param)} if tied is not None and not tied.owner else set()
         self._norm_specs = [s for s in red.specs if id(s.param) not in self.not_mine]
         self._norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
-        self.gather = UnitGather(self.buckets, self.comm, self._regions, model, param_dtype) if stage == 3 else None
+        self.gather = UnitGather(self.buckets, self.comm, self._regions, model, param_dtype,
+                                 zero3.prefetch_numel) if stage == 3 else None
         # Stages 1-2: the step's parameter all-gather overlaps the next forward (param_gather.py).
         self.param_gather = ParamGather(self.buckets, self.comm, model if overlap_param_gather else None) \
             if stage in (1, 2) else None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+        for p in self._sunk:  # stage 3's projections: weight gradients formed in their unit's buffer
+            set_grad_sink(p, self)
         self.state = EngineState(self)
 
     # ---- construction ------------------------------------------------------------------------
@@ -165,7 +181,9 @@ class GradEngine:
         """Buckets as (unit module, layout) with slots naming parameters by their index in ``params``."""
         index = {id(p): i for i, p in enumerate(self.params)}
         if self.stage == 3:
-            units, cap = self._units(), 2**62
+            found = build_units(self.model, self.params, self.zero3.unit_numel)
+            self._regions, self._sunk = found.regions, found.sunk
+            units, cap = list(zip(found.modules, found.params)), 2**62
         else:
             units, cap = [(None, self.params)], max(1, int(bucket_mb * 2**20 / 4))  # fp32 gradient elements
         out = []
@@ -174,24 +192,6 @@ class GradEngine:
                 slots = tuple(Slot(index[id(ps[s.index])], s.start, s.numel) for s in lay.slots)
                 out.append((module, BucketLayout(slots, lay.size, lay.dp)))
         return out
-
-    def _units(self) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
-        """Stage 3's units: the embedding, each layer, the head (gather.py), and the regions of forward
-        that read them (``self._regions``)."""
-        mine = {id(p) for p in self.params}
-        layers = list(self.model.layers)
-        outside = {k: [p for p in ps if id(p) in mine] for k, ps in self.model.region_params().items()}
-        units = [(None, outside["embedding"])]
-        units += [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]
-        units.append((None, outside["head"]))
-        held = sum(len(ps) for _, ps in units)
-        assert held == len(self.params), f"ZeRO-3 units hold {held} of the {len(self.params)} parameters"
-        head, embed = len(layers) + 1, 0
-        tied = self.model.cfg.tie_embeddings  # the head reads the embedding's weight: its region gathers it
-        self._regions = [Region("embedding", (embed,), backward_reads=False)]
-        self._regions += [Region(f"layers.{i}", (i + 1,), module=layer) for i, layer in enumerate(layers)]
-        self._regions.append(Region("head", (head, embed) if tied else (head,)))
-        return units
 
     def _materialise(self, index: int, layout: BucketLayout, module: nn.Module | None) -> Bucket:
         params = [self.params[s.index] for s in layout.slots]
@@ -237,15 +237,30 @@ class GradEngine:
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # a split backward's BI: the weight gradient comes later, from BW
             return
-        k, slot = self._where[id(p)]
-        b = self.buckets[k]
         if not self.views:
-            b.full_grads()[slot.start:slot.end].view_as(p).add_(p.grad)
+            self.grad_buffer(p).add_(p.grad)
             p.grad = None
-        if self.sync and self.reduces and b.ready_after(p):
-            self._launch(b)
+        self.grad_arrived(p)
 
     grad_ready = _on_grad  # a split backward's BW hands its weight gradients on as autograd's hooks would
+
+    def grad_buffer(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s slot of its bucket's full gradients (stages 2-3: the buffer is taken on first use; stage
+        3 first waits for reductions in flight until they and it hold at most zero3.reduce_numel).
+        Also what stage 3's sunk projections add their weight gradients into (layers/linear.py)."""
+        k, slot = self._where[id(p)]
+        b = self.buckets[k]
+        if b.grad_buf is None and self.stage == 3:
+            need = b.layout.used
+            while self._in_flight and sum(x.layout.used for x in self._in_flight) + need > self.zero3.reduce_numel:
+                self._in_flight.pop(0).complete(self.stage, self.persistent)
+        return b.full_grads()[slot.start:slot.end].view_as(p)
+
+    def grad_arrived(self, p: nn.Parameter) -> None:
+        """``p``'s gradient of this micro-batch is in its bucket: launch the bucket's reduction once all are."""
+        b = self.buckets[self._where[id(p)][0]]
+        if self.sync and self.reduces and b.ready_after(p):
+            self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
         if b.pending is not None:  # stages 2-3: this bucket's previous micro-batch is still reducing
@@ -257,7 +272,7 @@ class GradEngine:
         self._in_flight.append(b)
         if self.persistent:
             return
-        while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the full buffers alive
+        while self.stage == 2 and len(self._in_flight) > MAX_IN_FLIGHT:  # bound the full buffers alive
             self._in_flight.pop(0).complete(self.stage, self.persistent)
         self._launched += 1
         if self._launched == len(self.buckets):  # the micro-batch's backward is over: its buffers go now

@@ -1,29 +1,44 @@
 """ZeRO stage 3's parameters: each unit gathered just before it is used and freed right after.
 
-Units are the engine's stage-3 buckets: the embedding (token and position embeddings), every
-transformer layer, and the head (final norm, LM head). A unit's parameters are views into its
-``param_buf``, whose storage exists only while the unit is gathered (FSDP's storage trick:
-``resize_(0)`` frees it, the views stay valid and see the data again once it is re-grown and
-all-gathered). What is gathered is this rank's fp32 master shard cast to the parameter dtype (or,
-for fp32 parameters, the shard itself): no 16-bit copy of the parameters is kept between uses.
+Units are the engine's stage-3 buckets (units.py): the embedding (token and position
+embeddings), the head (final norm, LM head) and each transformer layer's parts (Block.parts(): the
+attention's norm and qkv projection, its output projection, the MLP's norm and up projection, its down
+projection), consecutive parts of a layer merged into units of at most ``train.zero3_unit_numel``
+elements (a small layer is one unit). A unit's parameters are views into its ``param_buf``, whose
+storage exists only while the unit is gathered (FSDP's storage trick: ``resize_(0)`` frees it, the
+views stay valid and see the data again once it is re-grown and all-gathered). What is gathered is
+this rank's fp32 master shard cast to the parameter dtype (or, for fp32 parameters, the shard itself):
+no 16-bit copy of the parameters is kept between uses.
 
-Regions are where forward reads units, in forward order: the embedding (Transformer.embed_tokens,
-through the model's ``region_hooks``), each layer (its module's forward hooks), the head
-(Transformer.head_output; a tied head also reads the embedding's unit).
+Regions are where forward reads units, in forward order, one per unit: a layer's unit entered at its
+first module's forward pre-hook and left at its last module's forward hook (a whole-layer unit: the
+layer's own hooks), the embedding (Transformer.embed_tokens) and the head (Transformer.head_output, a
+tied head also reading the embedding's unit) through the model's ``region_hooks``. The next region "in
+use order" is r + 1 in forward; in backward it is r - 1, except that a fully recomputed layer runs its
+forward again first, from its first region, inside its backward.
 
     forward    region r: gather its units (prefetched), prefetch region r+1's, run, free them
-               (not while r's backward is pending: full recompute runs r's forward inside it)
-    backward   a hook on region r's output fires when its gradient arrives: region r+1's backward
-               is over, free its units; gather r's (prefetched) and prefetch r-1's. The embedding's
-               backward reads no weights (an embedding's gradient is a scatter of the output
-               gradient into rows), so it is not gathered there. Once a unit's gradients are all in,
-               the engine reduce-scatters them and ``release`` frees it.
+    backward   a hook on region r's output fires when its gradient arrives: region r+1's backward is
+               over, free its units; gather r's (prefetched) and prefetch the next in use order.
+               The embedding's backward reads no weights (an embedding's gradient is a scatter of the
+               output gradient into rows), so it is not gathered there. Once a unit's gradients are all
+               in, the engine reduce-scatters them and ``release`` frees it.
+    recompute  a hook on a fully recomputed layer's output (its backward begins: its forward runs again
+               first) prefetches its first region; the recomputed forward gathers and frees region by
+               region as forward does, its last region stays for its backward and the one before it,
+               the next in use order, stays too if within the prefetch budget. A split layer's units
+               are so gathered three times per micro-batch (forward, recompute, backward; its last unit
+               and, within the budget, the one before it twice), a whole-layer unit twice, as without
+               recompute.
     step       nothing is gathered until the next forward sees the updated shards
 
-So at most two units are gathered at any time: the one in use and the one prefetched (the memory
-model, autoconfig/memory.py, counts them). Per micro-batch that is Psi all-gathered in forward,
-Psi less the embedding in backward and Psi reduce-scattered (docs/formulas.md's 3 Psi, less the
-embedding's backward gather). Not with pipeline parallelism (validate() says so).
+A prefetch happens only when the units it would gather hold at most ``prefetch_numel`` elements (else
+they are gathered when used). So at most the units of two regions are gathered at any time: the one in
+use and the next in use order, if small enough (the memory model counts them: runtimes.py
+``parts_gathered``, walked by autoconfig/step_memory.py). Per micro-batch that is Psi all-gathered in
+forward, Psi less the embedding in backward (a tied head gathers the embedding again in both), each
+recomputed split layer again less what stays, and Psi reduce-scattered (docs/formulas.md counts the
+collectives). Not with pipeline parallelism (validate() says so).
 """
 
 from __future__ import annotations
@@ -44,31 +59,46 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Region:
-    """A part of forward that reads ``units``: a layer (``module``, hooked through its forward hooks) or
-    a part the model announces through its ``region_hooks`` (``name``, module None)."""
+    """A part of forward that reads ``units``: a layer's unit (hooked on its ``first`` and ``last``
+    modules), or a part the model announces through its ``region_hooks`` (``name``; modules None).
+    ``layer``: the layer's position in the model (its recompute mode), ``start``: its first region."""
 
     name: str
     units: tuple[int, ...]
-    module: nn.Module | None = None
+    first: nn.Module | None = None
+    last: nn.Module | None = None
     backward_reads: bool = True  # its backward needs its weights (not an embedding's)
+    layer: int | None = None
+    start: int | None = None
 
 
 class UnitGather:
     def __init__(self, units: Sequence[Bucket], comm: Comm, regions: Sequence[Region], model: nn.Module,
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, prefetch_numel: float = float("inf")) -> None:
         self.units, self.comm, self.regions, self.dtype = list(units), comm, list(regions), compute_dtype
+        self.model, self.prefetch_numel = model, prefetch_numel
         n = len(self.units)
         self.gathered = [True] * n
         self.gathering: list[dist.Work | None] = [None] * n
         self.pending = [False] * len(self.regions)  # region r's backward has begun and is not over
-        self.by_name = {r.name: k for k, r in enumerate(self.regions) if r.module is None}
+        self.recomputing: int | None = None  # the layer whose forward runs again inside its backward
+        self.kept: int | None = None  # the last region of that forward: its backward is next
+        self.by_name = {r.name: k for k, r in enumerate(self.regions) if r.first is None}
+        self.ends = {r: self._ends_layer(r) for r in range(len(self.regions))}
         for k in range(n):
             self.free(k)
+        layers = getattr(model, "layers", None) or []
+        for i, layer in enumerate(layers):  # before the regions' hooks: a layer's backward begins first
+            layer.register_forward_hook(lambda m, a, out, i=i: self._layer_out(i, out))
         for r, region in enumerate(self.regions):
-            if region.module is not None:
-                region.module.register_forward_pre_hook(lambda m, a, r=r: self._enter(r))
-                region.module.register_forward_hook(lambda m, a, out, r=r: self._leave(r, out))
+            if region.first is not None:
+                region.first.register_forward_pre_hook(lambda m, a, r=r: self._enter(r))
+                region.last.register_forward_hook(lambda m, a, out, r=r: self._leave(r, out))
         model.region_hooks = self  # enter(name) / leave(name, out) for the named regions
+
+    def _ends_layer(self, r: int) -> bool:
+        layer = self.regions[r].layer
+        return layer is not None and (r + 1 == len(self.regions) or self.regions[r + 1].layer != layer)
 
     # ---- the units ----------------------------------------------------------------------------
     def gather(self, k: int, async_op: bool = False) -> None:
@@ -98,6 +128,10 @@ class UnitGather:
         self.units[k].param_buf.untyped_storage().resize_(0)
         self.gathered[k] = False
 
+    def live(self) -> list[int]:
+        """The units gathered or arriving."""
+        return [k for k in range(len(self.units)) if self.gathered[k] or self.gathering[k] is not None]
+
     def release(self, k: int) -> None:
         """Unit ``k``'s gradients are all in (they are being reduced): free it; the regions that read it
         have finished their backward."""
@@ -109,9 +143,42 @@ class UnitGather:
     def reset(self) -> None:
         """End of the step: nothing stays gathered, the next forward must see the updated weights."""
         self.pending = [False] * len(self.regions)
-        for k in range(len(self.units)):
-            if self.gathered[k] or self.gathering[k] is not None:
-                self.free(k)
+        self.recomputing = self.kept = None
+        for k in self.live():
+            self.free(k)
+
+    # ---- use order ------------------------------------------------------------------------------
+    def _units(self, r: int, but: int | None = None) -> list[int]:
+        """Region r's units, less those region ``but`` reads (kept: prefetched or in use there)."""
+        if not 0 <= r < len(self.regions):
+            return []
+        keep = set(self.regions[but].units) if but is not None and 0 <= but < len(self.regions) else set()
+        return [k for k in self.regions[r].units if k not in keep]
+
+    def _full_recompute(self, layer: int) -> bool:
+        mode = getattr(self.model, "recompute_mode", None)
+        return mode is not None and mode(layer) == "full"
+
+    def _next_back(self, r: int) -> int:
+        """The region used after region r's backward: r - 1, or the first region of r - 1's layer when
+        that layer runs its forward again first; -1 for none (or one whose backward reads nothing)."""
+        q = r - 1
+        if q < 0:
+            return -1
+        region = self.regions[q]
+        if self.ends[q] and self._full_recompute(region.layer):
+            return region.start
+        return q if region.backward_reads else -1
+
+    def _fits(self, units: list[int]) -> bool:
+        return sum(self.units[k].layout.used for k in units) <= self.prefetch_numel
+
+    def _prefetch(self, r: int) -> None:
+        """Region r's units, asynchronously, if those not yet gathered fit the prefetch budget."""
+        todo = [k for k in self._units(r) if not (self.gathered[k] or self.gathering[k] is not None)]
+        if todo and self._fits(todo):
+            for k in todo:
+                self.gather(k, async_op=True)
 
     # ---- the regions ----------------------------------------------------------------------------
     def enter(self, name: str) -> None:
@@ -120,40 +187,63 @@ class UnitGather:
     def leave(self, name: str, out: Any) -> None:
         self._leave(self.by_name[name], out)
 
-    def _units(self, r: int, but: int | None = None) -> list[int]:
-        """Region r's units, less those region ``but`` reads (kept: prefetched or in use there)."""
-        if not 0 <= r < len(self.regions):
-            return []
-        keep = set(self.regions[but].units) if but is not None and 0 <= but < len(self.regions) else set()
-        return [k for k in self.regions[r].units if k not in keep]
+    def _recompute_ends(self, r: int) -> bool:
+        """Region r is the last of a layer whose forward runs again now, inside its backward."""
+        return self.ends.get(r, False) and self.recomputing == self.regions[r].layer
 
     def _enter(self, r: int) -> None:
         for k in self.regions[r].units:
             self.gather(k)
-        # The next region's parameters arrive while this one computes; not when this forward is the
-        # recompute inside this region's backward (the next region's backward is already done).
-        if not self.pending[r]:
-            for k in self._units(r + 1):
-                self.gather(k, async_op=True)
+        if self._recompute_ends(r):
+            # Its backward comes next: its units stay, and the next in use order arrives meanwhile. Known
+            # here, not when it is left: torch's checkpoint stops recomputing once the last saved tensor is
+            # back (set_checkpoint_early_stop), before this region's forward hook would run.
+            self.recomputing, self.kept = None, r
+            self._prefetch(self._next_back(r))
+        elif not self.pending[r]:  # the next region's parameters arrive while this one computes
+            self._prefetch(r + 1)
 
     def _leave(self, r: int, out: Any) -> None:
-        if self.pending[r]:  # a recompute inside the backward: the units stay for it
+        if self.pending[r] or self.kept == r:  # a forward run again inside r's backward: its units stay
             return
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, r=r: self._before_backward(r, g))
-        for k in self._units(r, but=r + 1):
-            self.free(k)
+        keep = set(self._units(r + 1))
+        if self._recompute_ends(r + 1) and self._next_back(r + 1) == r and self._fits(self._units(r)):
+            keep |= set(self._units(r))  # recomputing: r's backward follows r+1's; it counts as prefetched
+        for k in self._units(r):
+            if k not in keep:
+                self.free(k)
+
+    def _layer_out(self, layer: int, out: Any) -> None:
+        if self._full_recompute(layer) and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g, i=layer: self._layer_backward(i, g))
+
+    def _layer_backward(self, layer: int, grad: torch.Tensor) -> torch.Tensor:
+        """A fully recomputed layer's backward begins: its forward runs again first, from its first region
+        (and may begin before its last region's backward hook fires: in a dropout's backward)."""
+        self.recomputing = layer
+        mine = [r for r, region in enumerate(self.regions) if region.layer == layer]
+        self._backward_over(mine[-1] + 1, but=mine[-1])
+        self._prefetch(mine[0])
+        return grad
+
+    def _backward_over(self, r: int, but: int) -> None:
+        """Region r has finished its backward: its units go (a tied head's embedding too, whose gradients
+        are not all in before the embedding's backward), but those region ``but`` reads."""
+        if r < len(self.regions):
+            self.pending[r] = False
+            for k in self._units(r, but=but):
+                self.free(k)
 
     def _before_backward(self, r: int, grad: torch.Tensor) -> torch.Tensor:
-        if r + 1 < len(self.regions):  # the region after this one has finished its backward
-            self.pending[r + 1] = False
-            for k in self._units(r + 1, but=r):
-                self.free(k)
+        self._backward_over(r + 1, but=r)  # the region after this one has finished its backward
         self.pending[r] = True
+        if self._recompute_ends(r):
+            return grad  # the recompute, still to run, gathers this region (_enter) and prefetches the next
+        self.kept = None
         if self.regions[r].backward_reads:
             for k in self.regions[r].units:
                 self.gather(k)
-        if r > 0 and self.regions[r - 1].backward_reads:
-            for k in self._units(r - 1):
-                self.gather(k, async_op=True)
+        self._prefetch(self._next_back(r))
         return grad

@@ -86,13 +86,15 @@ def predicted(args: list[str], world_size: int, device: str = "cpu"):
     from dataclasses import replace
 
     from mpformer.autoconfig.memory import Workload, plan_memory
+    from mpformer.autoconfig.runtimes import mpformer_runtime
     from mpformer.cli.compose import compose_config
 
     cfg = compose_config(args).cfg
     t, layout = cfg.train, cfg.parallel.layout()
     layout = replace(layout, dp=world_size // (layout.tp * layout.pp * layout.cp))
     w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision,
-                 fused_cross_entropy=t.fused_cross_entropy, cross_entropy_chunk=t.cross_entropy_chunk)
+                 fused_cross_entropy=t.fused_cross_entropy, cross_entropy_chunk=t.cross_entropy_chunk,
+                 runtime=mpformer_runtime(t))
     return layout, plan_memory(cfg.model, layout, w, device=device, bucket_mb=t.grad_bucket_mb)
 
 

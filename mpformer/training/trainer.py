@@ -36,6 +36,7 @@ from mpformer.optim.builder import build_engine
 from mpformer.optim.engine import REDUCE_DTYPES, Reduction, TiedCopy
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
+from mpformer.optim.units import Zero3Settings
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.random import DropoutStreams
@@ -81,7 +82,9 @@ class Trainer:
                         replicas=layout.dp)
         self.engine = build_engine(self.model, red, layout.zero, cfg.optim, self.device.kind, t.grad_bucket_mb,
                                    self.param_dtype, init=self.rank.init, device=self.device.torch_device,
-                                   overlap_param_gather=t.overlap_param_gather)
+                                   overlap_param_gather=t.overlap_param_gather,
+                                   zero3=Zero3Settings(t.zero3_unit_numel, t.zero3_prefetch_numel,
+                                                       t.zero3_reduce_numel))
         if t.compile:  # after the engine: its flat buffers hold the parameters the graphs read
             self.model.compile_layers()
         self.pipeline = self._build_pipeline() if self.plan is not None else None

@@ -3,11 +3,14 @@
 Two gloo ranks train a small Llama (4 layers, h 256, 256-token sequences) through the trainer under
 three layouts whose peaks fall at different points of the step: ZeRO-3 in bf16 (the fused head's
 chunk in forward, with the head's unit gathered), ZeRO-2 in fp32 with a 1k vocabulary (a layer's
-backward, with fp32 buckets filling and reducing) and ZeRO-3 in fp32 with full recompute (a
-recomputed layer's backward, with gathered units and per-unit gradient buffers). The oracle is
+backward, with fp32 buckets filling and reducing) and ZeRO-3 in fp32 with full recompute (the
+embedding's backward, with every unit's gradients reducing: within the reduction budget); and a
+GPT-2 of the same size (tied head) under ZeRO-3 in bf16 with full recompute and a unit per part of
+each layer (a recomputed layer's backward, its units gathered again one by one, the head's weight
+gradient waiting for the embedding's). The oracle is
 torch.profiler's record of every CPU allocation and free (mpformer/testing/memory.py), not anything
 the model computes. Tolerance: 5% of the predicted peak (benchmarks/bench_memory.py measured within
-2% on 13 layouts); the kernels are pinned to the native paths (no CPU-specific W^T copies or fp32
+2% on 18 layouts); the kernels are pinned to the native paths (no CPU-specific W^T copies or fp32
 attention cores), so the bytes do not depend on the CPU. Also: the model state held when training
 starts equals the model's (within 0.5%: bucket padding, step counters) and set-up never peaks
 above training.
@@ -26,10 +29,15 @@ TOL = 0.05
 BASE = {"model": "llama-tiny", "model.num_layers": 4, "model.vocab_size": 8192, "train.seq_length": 256,
         "train.micro_batch_size": 2, "train.global_batch_size": 4, "train.steps": 2, "train.device": "cpu",
         "optim.warmup_steps": 0, "logging.progress": False, "train.threads": 1, "data.prefetch": 0}
+GPT2 = {"model": "tiny-gpt2", "model.num_layers": 4, "model.hidden_size": 256, "model.num_attention_heads": 8,
+        "model.num_kv_heads": 8, "model.ffn_hidden_size": 1024, "model.vocab_size": 2048,
+        "model.max_position_embeddings": 256}
 RUNS = {
     "zero3 bf16": {"parallel.zero": 3, "train.precision": "bf16"},
     "zero2 fp32 vocab 1k": {"parallel.zero": 2, "model.vocab_size": 1024},
     "zero3 fp32 full": {"parallel.zero": 3, "parallel.recompute": "full"},
+    "zero3 bf16 gpt2 tied split full": {**GPT2, "parallel.zero": 3, "train.precision": "bf16",
+                                        "parallel.recompute": "full", "train.zero3_unit_numel": 0},
 }
 
 

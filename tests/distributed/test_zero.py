@@ -11,13 +11,20 @@ over every element, shows them first: measured up to 8e-7 at zero=0 and 1.2e-6 w
 per-micro-batch reductions by step 10, 2.7e-7 with another draw of the same initial distribution. A
 missed or doubled reduction, a wrong divisor or a misplaced shard moves the norm by 1e-3 or more.)
 
+ZeRO-3 runs twice over: with this model's layers as whole units (the default: a layer under
+train.zero3_unit_numel) and split into a unit per part (``SPLIT``: the attention's norm and qkv, its
+output projection, the MLP's norm and up, its down projection; no prefetch budget for the layout with
+tp and full recompute, a reduction budget of nothing: every unit's buffer waits for the one before).
+
 Also: bytes moved per step by the dp collectives (2 Psi ring-adjusted for stages 0-2, 3 Psi less the
-embedding's backward gather for 3; bf16 ZeRO-3 reduce-scatters in bf16), ZeRO-3 gathering at most
-the units of two neighbouring regions at any time (the embedding and the head freed like every
+embedding's backward gather for 3, and again all but a recomputed split layer's last unit under full
+recompute; bf16 ZeRO-3 reduce-scatters in bf16), ZeRO-3 gathering at most the units of two regions
+at any time (the one in use and the next in use order; the embedding and the head freed like every
 layer), model-state bytes per rank against docs/formulas.md's ZeRO table (fp32 and bf16), tp=2 x dp=2
 with zero=2 and zero=3 (+ full recompute), pp=2 x dp=2 with zero=1, checkpoints resumed across dp
 sizes and stages (bf16 zero=1 and zero=3 bit-identically), bf16 weights with fp32 masters against the
-fp32 oracle, fp16 dynamic loss scaling, and the initial weights of ZeRO-3 (dp=2, tp=2 x dp=2, bf16
+fp32 oracle, fp16 dynamic loss scaling, a ZeRO-3 checkpoint of whole-layer units resumed into split
+units, and the initial weights of ZeRO-3 (dp=2, tp=2 x dp=2, bf16
 masters) and pp=2 x dp=2 bit for bit the oracle's.
 """
 
@@ -40,6 +47,7 @@ BASE = {"model": "tiny-llama", "train.seq_length": 32, "train.steps": STEPS, "tr
         "optim.clip_grad": 0.3, "logging.progress": False}
 EVAL = {"eval.interval": 5, "eval.micro_batch_size": 1}  # eval.tokens (6 rows: uneven over 4 ranks) added below
 SGD = {"optim.name": "sgd", "optim.momentum": 0.9, "optim.lr": 0.05}
+SPLIT = {"train.zero3_unit_numel": 0, "train.zero3_reduce_numel": 0}  # a ZeRO-3 unit per part of a layer
 RUNS = {  # name: (world, overrides)
     "z0": (4, {"parallel.zero": 0}),
     "z1": (4, {"parallel.zero": 1}),
@@ -48,6 +56,13 @@ RUNS = {  # name: (world, overrides)
     "z1_pp2": (4, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1}),
     "z3": (4, {"parallel.zero": 3}),
     "z3_tp2_recompute": (4, {"parallel.zero": 3, "parallel.tp": 2, "parallel.recompute": "full"}),
+    "z3_split": (4, {"parallel.zero": 3, **SPLIT}),
+    "z3_split_recompute": (4, {"parallel.zero": 3, "parallel.recompute": "full", **SPLIT}),
+    "z3_split_tp2_sp_recompute": (4, {"parallel.zero": 3, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                                      "parallel.recompute": "full", "train.zero3_prefetch_numel": 0, **SPLIT}),
+    "z3_split_accum_eval": (4, {"parallel.zero": 3, "train.micro_batch_size": 1, **SPLIT, **EVAL}),
+    "bf16_z3_split": (4, {"parallel.zero": 3, "train.precision": "bf16", **SPLIT}),
+    "gpt2_z3_split": (4, {"model": "tiny-gpt2", "parallel.zero": 3, "parallel.recompute": "selective", **SPLIT}),
     "z2_stop": (4, {"parallel.zero": 2, "train.stop_at": 5}),
     "z3_stop": (4, {"parallel.zero": 3, "train.stop_at": 5}),
     "bf16_z1": (4, {"parallel.zero": 1, "train.precision": "bf16"}),
@@ -69,6 +84,7 @@ RUNS = {  # name: (world, overrides)
     "z1_dp2_resume": (2, {"parallel.zero": 1, "train.micro_batch_size": 4}),
     "z0_dp1_resume": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
     "z0_dp1_resume_z3": (1, {"parallel.zero": 0, "train.micro_batch_size": 8}),
+    "z3_split_dp2_resume": (2, {"parallel.zero": 3, "train.micro_batch_size": 4, **SPLIT}),
     "bf16_z1_resume": (4, {"parallel.zero": 1, "train.precision": "bf16"}),
     "bf16_z3_resume": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
     "z0_reduce_bf16": (4, {"parallel.zero": 0, "parallel.grad_reduce_dtype": "bf16"}),
@@ -81,6 +97,7 @@ INIT = {"init_z3_dp2": (2, {"parallel.zero": 3, "train.micro_batch_size": 4}),
         "init_bf16_z3": (4, {"parallel.zero": 3, "train.precision": "bf16"}),
         "init_z1_pp2_dp2": (4, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1})}
 RESUME_FROM = {"z1_dp2_resume": "z2_stop", "z0_dp1_resume": "z2_stop", "z0_dp1_resume_z3": "z3_stop",
+               "z3_split_dp2_resume": "z3_stop",
                "bf16_z1_resume": "bf16_z1_stop", "bf16_z3_resume": "bf16_z3_stop", "sgd_z1_resume": "sgd_z1_stop"}
 
 
@@ -100,9 +117,8 @@ def _watch_gathers() -> list[tuple[frozenset[int], tuple[tuple[int, ...], ...]]]
 
 
 def _within_two_regions(seen: list) -> bool:
-    """Every gather left only the units of two neighbouring regions (in use and prefetched) gathered."""
-    return bool(seen) and all(any(live <= set(regions[r]) | set(regions[r + 1]) for r in range(len(regions) - 1))
-                              for live, regions in seen)
+    """Every gather left only the units of two regions (in use and the next in use order) gathered."""
+    return bool(seen) and all(any(live <= set(a) | set(b) for a in regions for b in regions) for live, regions in seen)
 
 
 def _worker(world: int, data: str, root: str) -> dict:
@@ -151,7 +167,9 @@ def _oracle(data: str) -> dict:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "grad_norms": norms, "initial": initial,
-            "psi": sum(p.numel() for p in model.parameters()), "embedding": model.embed.weight.numel()}
+            "psi": sum(p.numel() for p in model.parameters()), "embedding": model.embed.weight.numel(),
+            "layers": len(model.layers), "layer": sum(p.numel() for p in model.layers[0].parameters()),
+            "mlp": sum(p.numel() for m in (model.layers[0].mlp_norm, model.layers[0].mlp) for p in m.parameters())}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +192,8 @@ def _close(got, want, rtol: float = RTOL):
 
 
 @pytest.mark.parametrize("run", ["z0", "z1", "z2", "z3", "z2_tp2", "z3_tp2_recompute", "z1_pp2", "z1_accum",
-                                 "z2_accum", "z3_accum_eval"])
+                                 "z2_accum", "z3_accum_eval", "z3_split", "z3_split_recompute",
+                                 "z3_split_tp2_sp_recompute", "z3_split_accum_eval"])
 def test_matches_single_process_adamw(results, run):
     got, want = results[run], results["oracle"]
     assert max(want["grad_norms"]) > BASE["optim.clip_grad"], "clipping must be active"
@@ -196,18 +215,19 @@ def test_every_layout_starts_from_the_single_device_weights(results, run):
 
 
 def test_resume_across_dp_sizes_and_stages(results):
-    """zero=2 dp=4 stopped at step 5, resumed at zero=1 dp=2 and zero=0 dp=1, and zero=3 dp=4 resumed
-    at zero=0 dp=1: steps 6-10 as uninterrupted; bf16 zero=1 and zero=3 resumed bit-identically (fp32
-    masters: at zero=3 the only copy of the weights a rank keeps)."""
+    """zero=2 dp=4 stopped at step 5, resumed at zero=1 dp=2 and zero=0 dp=1, and zero=3 dp=4 (whole-layer
+    units) resumed at zero=0 dp=1 and at zero=3 dp=2 with a unit per part: steps 6-10 as uninterrupted;
+    bf16 zero=1 and zero=3 resumed bit-identically (fp32 masters: at zero=3 the only copy of the weights a
+    rank keeps)."""
     want = results["oracle"]["losses"]
     assert results["z2_stop"]["losses"] == results["z2"]["losses"][:5]
-    for run in ("z1_dp2_resume", "z0_dp1_resume", "z0_dp1_resume_z3"):
+    for run in ("z1_dp2_resume", "z0_dp1_resume", "z0_dp1_resume_z3", "z3_split_dp2_resume"):
         _close(results[run]["losses"], want[5:])
     for run in ("bf16_z1", "bf16_z3"):
         assert results[f"{run}_stop"]["losses"] + results[f"{run}_resume"]["losses"] == results[run]["losses"]
 
 
-@pytest.mark.parametrize("run", ["bf16_z1", "bf16_z3"])
+@pytest.mark.parametrize("run", ["bf16_z1", "bf16_z3", "bf16_z3_split"])
 def test_bf16_weights_with_fp32_masters_track_fp32(results, run):
     """bf16 parameters and activations, fp32 main gradients and masters: within 2e-3 relative of the
     fp32 oracle over 10 steps (measured: about 1e-4; bf16's unit roundoff is 3.9e-3)."""
@@ -231,14 +251,14 @@ def test_fp16_dynamic_loss_scaling_skips_and_backs_off(tiny_data, results):
     assert rows[0]["loss"] == pytest.approx(results["oracle"]["losses"][0], rel=1e-3)  # same weights, fp16
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3, "3_split"])
 def test_dp_traffic_is_two_psi_or_three(results, zero):
     """Per step (one micro-batch per rank here): all-reduce (stage 0) or reduce-scatter + all-gather
     (1, 2) of Psi fp32 elements, 2 Psi ring-adjusted by (n-1)/n; stage 3 gathers in forward and again
     in backward, except the embedding, whose backward reads no weights (optim/gather.py): 3 Psi - E.
     Buckets are padded to a multiple of dp (< dp elements each: within 1e-4)."""
     psi, n, embed = results["oracle"]["psi"], 4, results["oracle"]["embedding"]
-    gathered = 2 * psi - embed if zero == 3 else psi  # elements all-gathered per step
+    gathered = 2 * psi - embed if str(zero).startswith("3") else psi  # elements all-gathered per step
     want = (psi + gathered if zero else 2 * psi) * (n - 1) / n * 4
     for by_kind in results[f"z{zero}"]["comm_by_kind"]:
         dp = {k: v for k, v in by_kind.items() if k.startswith("dp.") and not k.startswith("dp.norm.")}
@@ -249,12 +269,40 @@ def test_dp_traffic_is_two_psi_or_three(results, zero):
             assert dp["dp.all_gather"] == pytest.approx(gathered / psi * dp["dp.reduce_scatter"], rel=1e-4)
 
 
-@pytest.mark.parametrize("run", ["z3", "bf16_z3", "z3_tp2_recompute", "z3_accum_eval"])
-def test_zero3_gathers_at_most_two_neighbouring_regions(results, run):
-    """ZeRO-3 (optim/gather.py): after every gather only the units of the region in use and of the one
-    prefetched are gathered: the embedding and the head are freed like every layer (also under full
-    recompute, with gradient accumulation and with validation between steps)."""
+@pytest.mark.parametrize("run", ["z3", "bf16_z3", "z3_tp2_recompute", "z3_accum_eval", "z3_split",
+                                 "z3_split_recompute", "z3_split_tp2_sp_recompute", "z3_split_accum_eval",
+                                 "gpt2_z3_split"])
+def test_zero3_gathers_at_most_two_regions(results, run):
+    """ZeRO-3 (optim/gather.py): after every gather only the units of the region in use and of the next
+    in use order are gathered: the embedding and the head are freed like every layer (also under full
+    recompute, whose forward inside a layer's backward gathers the layer's units one by one, with
+    gradient accumulation and with validation between steps)."""
     assert results[run]["gathers_within_two_regions"]
+
+
+def test_split_units_match_whole_layers(results):
+    """A unit per part (each reduced and gathered on its own, weight gradients formed in the unit's buffer,
+    every buffer waiting for the one before) against whole-layer units: the same sums in another order
+    (within the oracle's tolerance); bf16 within bf16's; GPT-2's tied head with selective recompute as
+    replicated ZeRO-0 (1e-5, as the pipeline's tied copy)."""
+    _close(results["z3_split"]["losses"], results["z3"]["losses"])
+    _close(results["bf16_z3_split"]["losses"], results["bf16_z3"]["losses"], 2e-3)
+    torch.testing.assert_close(torch.tensor(results["gpt2_z3_split"]["losses"]),
+                               torch.tensor(results["gpt2_z0"]["losses"]), rtol=1e-5, atol=0)
+
+
+def test_full_recompute_regathers_a_split_layer_but_its_last_two_units(results):
+    """Per micro-batch a split layer under full recompute is gathered in forward, in its recomputed
+    forward and in its backward, except its last unit (the down projection), which stays from the
+    recompute to its backward, and the one before it (the MLP's norm and up projection), kept from its
+    recomputed forward as the next in use order (it fits the prefetch budget): 2 Psi - E + L (layer -
+    MLP) elements all-gathered; Psi reduce-scattered."""
+    o = results["oracle"]
+    psi, n, embed = o["psi"], 4, o["embedding"]
+    gathered = 2 * psi - embed + o["layers"] * (o["layer"] - o["mlp"])
+    for by_kind in results["z3_split_recompute"]["comm_by_kind"]:
+        assert by_kind["dp.all_gather"] == pytest.approx(gathered * (n - 1) / n * 4, rel=1e-4)
+        assert by_kind["dp.reduce_scatter"] == pytest.approx(psi * (n - 1) / n * 4, rel=1e-4)
 
 
 def test_zero3_reduces_16bit_gradients_in_their_dtype(results):
@@ -308,6 +356,7 @@ def test_validation_runs_under_every_stage_and_pipeline(results):
     want = results["z1_accum"]["val_losses"]
     assert len(want) == 2
     _close(results["z3_accum_eval"]["val_losses"], want)
+    _close(results["z3_split_accum_eval"]["val_losses"], want)
     assert len(results["bf16_pp2_eval"]["val_losses"]) == 2
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mpformer.autoconfig.layer_memory import layer_bytes, recompute_bytes
-from mpformer.autoconfig.memory import layer_param_sizes, layer_params_per_rank
+from mpformer.autoconfig.memory import layer_param_sizes, layer_params_per_rank, layer_part_sizes
 from mpformer.autoconfig.step_memory import Reduction, Unit, buckets
 from mpformer.core.buffers import plan_buckets
 from mpformer.core.layout import ParallelLayout
@@ -94,24 +94,48 @@ def test_full_recompute_brings_the_layer_back(precision):
             pytest.approx(none - (full if shared else 0.0))
 
 
-@pytest.mark.parametrize("cfg,precision,tol", [(LLAMA, "fp32", 0.01), (LLAMA, "bf16", 0.1), (GPT2, "fp32", 0.01),
-                                               (GPT2, "bf16", 0.2)], ids=["llama-fp32", "llama-bf16",
-                                                                         "gpt2-fp32", "gpt2-bf16"])
-def test_backward_adds_what_the_count_says(cfg, precision, tol):
+class _Sink:
+    """ZeRO-3's gradient sink (optim/engine.py) reduced to its buffers: one preallocated per parameter."""
+
+    def __init__(self, params) -> None:
+        self.buffers = {id(p): torch.zeros_like(p) for p in params}
+
+    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        return self.buffers[id(p)]
+
+    def grad_arrived(self, p: torch.Tensor) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cfg,precision,tol,sunk", [(LLAMA, "fp32", 0.01, False), (LLAMA, "bf16", 0.1, False),
+                                                    (GPT2, "fp32", 0.01, False), (GPT2, "bf16", 0.2, False),
+                                                    (GPT2, "fp32", 0.01, True), (GPT2, "bf16", 0.2, True)],
+                         ids=["llama-fp32", "llama-bf16", "gpt2-fp32", "gpt2-bf16", "gpt2-fp32-sunk",
+                              "gpt2-bf16-sunk"])
+def test_backward_adds_what_the_count_says(cfg, precision, tol, sunk):
     """Profiler memory events over one block's forward and backward (weight gradients preallocated,
     as the engine takes them as they come): the backward's peak above what was live when it began,
     against ``backward``, within ``tol`` of the layer's saved bytes. fp32: exact (SwiGLU's two f-wide
-    gradients; GeLU's one and its up projection's weight gradient). bf16 at this small width holds a
-    16-bit weight gradient more while the next node runs (measured +2.3 and +5 s b h bytes here, 0 at
-    h = 256: benchmarks/bench_memory.py)."""
+    gradients; GeLU's one and its up projection's weight gradient, which ZeRO-3's gradient sink forms
+    in its buffer instead: ``sunk``). bf16 at this small width holds a 16-bit weight gradient more while
+    the next node runs (measured +2.3 and +5 s b h bytes here, 0 at h = 256: benchmarks/bench_memory.py)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from mpformer.layers.linear import set_grad_sink
 
     model, seq, x, ctx = _block(cfg, precision, "none")
     with ctx:
         model.run_layers(x, range(1), seq).sum().backward()  # warm-up
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    if sunk:
+        block = model.layers[0]
+        projections = [p for m in (block.attn.qkv, block.attn.o, block.mlp.up, block.mlp.down) for p in m.parameters()]
+        sink = _Sink(projections)
+        for p in projections:
+            p.grad = None
+            set_grad_sink(p, sink)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with ctx:
             out = model.run_layers(x, range(1), seq)
@@ -130,8 +154,10 @@ def test_backward_adds_what_the_count_says(cfg, precision, tol):
         live += n
         if t >= start:
             peak = max(peak, live)
-    lb = layer_bytes(cfg, ParallelLayout(), S, B, precision)
+    lb = layer_bytes(cfg, ParallelLayout(), S, B, precision, sunk=sunk)
     assert abs(peak - at_start - lb.backward) <= tol * lb.saved, (peak - at_start, lb.backward, lb.saved)
+    if sunk:
+        assert all(p.grad is None for p in projections) and any(b.abs().sum() > 0 for b in sink.buffers.values())
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
@@ -143,6 +169,16 @@ def test_layer_parameters_in_model_order(cfg, tp):
     assert sum(sizes) == layer_params_per_rank(cfg, tp)
     if tp == 1:
         assert sizes == [p.numel() for p in Transformer(cfg, seed=None, device="meta").layers[0].parameters()]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_layer_parts_are_the_blocks(cfg):
+    """memory.py's parts of a layer (how mpformer's ZeRO-3 makes units) are Block.parts(), parameter by parameter."""
+    from mpformer.models.transformer import Transformer
+
+    block = Transformer(cfg, seed=None, device="meta").layers[0]
+    want = [[p.numel() for m in mods for p in m.parameters()] for _, mods in block.parts()]
+    assert layer_part_sizes(cfg, 1) == want
 
 
 def test_buckets_are_the_engines():
@@ -161,14 +197,19 @@ def test_buckets_are_the_engines():
 
 def test_the_walks_pool_lends_as_the_engines():
     """step_memory's pool against the engine's GradPool (optim/bucket.py) on a random sequence of
-    takes and gives: the same buffer sizes lent and the same bytes left idle."""
-    import random
-
+    takes and gives: the same buffer sizes lent and the same bytes left idle (4096 fp32 elements are
+    16 kB: above stage 3's byte limit here, never kept)."""
     from mpformer.autoconfig.step_memory import _Pool
     from mpformer.optim.bucket import GradPool
 
+    for limit, limit_bytes in [(2, float("inf")), (None, 12_000.0)]:  # stage 2's count, stage 3's bytes
+        _lend_and_give(GradPool(limit, limit_bytes), _Pool(limit, limit_bytes))
+
+
+def _lend_and_give(real, model) -> None:
+    import random
+
     rng = random.Random(0)
-    real, model = GradPool(2), _Pool(2)
     lent: list[tuple[torch.Tensor, float]] = []
     for _ in range(300):
         if lent and rng.random() < 0.5:

@@ -7,6 +7,11 @@ Korthikanti et al.'s count with the attention scores written; torchtitan's Llama
 op-level selective checkpointing) and its loss (fp32 logits). No constant here is fitted to a row:
 the model's only allowances (memory.py: the runtime context, 8% of the transients for the caching
 allocator) are the auto-configurator's for every plan.
+
+mpformer's own runtime (the auto-configurator's default) must fit the same runs: the layout it would
+run them with (ZeRO-3 over every GPU, full recompute, its defaults: units of a layer's parts, the
+next prefetched within 5e8 elements, the reductions in flight within 1e8) fits 80 GB, and the search
+returns it, with mpformer's own fused head and Megatron's attention (the scores written).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import pytest
 from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.memory import ALLOCATOR_FACTOR, Workload, plan_memory
 from mpformer.autoconfig.published import _llama3
-from mpformer.autoconfig.runtimes import DEEPSPEED, TORCHTITAN
+from mpformer.autoconfig.runtimes import DEEPSPEED, MPFORMER, TORCHTITAN
+from mpformer.autoconfig.search import search
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -69,6 +75,32 @@ def test_narayanan_zero3_runs_fit_80gb(row):
     80 GB. Predicted here: 175B 47.0 / 27.3 / 17.4 GB; 530B 79.5 / 46.8 / 29.5 GB."""
     stage = _narayanan(*row)
     assert stage.total <= A100_80GB, (stage, stage.total / 1e9)
+
+
+@pytest.mark.parametrize("row", NARAYANAN_ZERO3, ids=[f"{r[0].num_params() / 1e9:.0f}B-{r[1]}gpus-mb{r[2]}"
+                                                      for r in NARAYANAN_ZERO3])
+def test_narayanan_zero3_runs_fit_80gb_with_mpformers_runtime(row):
+    """mpformer's runtime (the default) runs the same layouts within 80 GB: predicted 175B 45.3 / 25.5 /
+    15.7 GB; 530B 79.2 / 46.5 / 29.2 GB (its transients 9.7 GB at a 4h x h unit's backward: the unit
+    gathered, the next one's 20480 x 20480 output projection prefetched, the unit's gradient buffer or the
+    reduction before it, and the tied head's weight gradient waiting for the embedding's; DeepSpeed's
+    9.9). The search, pinned to that layout on that cluster, returns it."""
+    model, gpus, micro, batch = row
+    w = Workload(batch, micro, 2048, "bf16", flash_attention=False)
+    assert w.runtime is MPFORMER
+    layout = ParallelLayout(dp=gpus, zero=3, recompute="full")
+    stage = plan_memory(model, layout, w)[0]
+    assert stage.total <= A100_80GB, (stage, stage.total / 1e9)
+    fixed = {"tp": 1, "pp": 1, "dp": gpus, "cp": 1, "zero": 3, "micro_batch_size": micro, "recompute": "full"}
+    res = search(model, load_cluster("dgx-a100-80gb", nodes=gpus // 8), w, fixed=fixed)
+    assert res.top, "no layout fits"
+    assert res.top[0].memory_bytes == pytest.approx(stage.total)
+
+
+def test_mpformers_runtime_does_not_fit_530b_at_micro_batch_4_on_560_gpus():
+    """As the paper's footnote for its run: 81.1 GB predicted (the shards 1.9 GB above 640 GPUs')."""
+    w = Workload(2240, 4, 2048, "bf16", flash_attention=False)
+    assert plan_memory(GPT_530B, ParallelLayout(dp=560, zero=3, recompute="full"), w)[0].total > A100_80GB
 
 
 def test_530b_at_micro_batch_4_does_not_fit_560_gpus():
