@@ -33,6 +33,7 @@ gradient reduction does not overlap compute there (no core is free to run it).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -42,9 +43,10 @@ from mpformer.autoconfig.compute import LayerTimes, layer_times_from, measured_a
 from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.kernels import dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p  # noqa: F401  (RING_FACTOR: re-exported)
-from mpformer.autoconfig.memory import BYTES, Workload
+from mpformer.autoconfig.memory import BYTES, Workload, layer_params_per_rank, layer_part_sizes
 from mpformer.autoconfig.pipeline_cost import pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
+from mpformer.core.buffers import zero3_groups
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
@@ -335,19 +337,56 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
         return max(t / n, t - behind * (1 - 1 / n))
 
     if L.zero == 3:
-        units = m.num_layers + 1
-        ag, rs = coll("all_gather", wbytes, units) / units, coll("reduce_scatter", grads, units) / units
-        if cores_shared:
-            return micro * units * (2 * ag + rs)
-        f_unit, b_unit = first_forward / units, last_backward / units
-        per_micro = ag + rs + (units - 1) * (max(0.0, ag - f_unit) + max(0.0, ag + rs - b_unit))
-        return micro * per_micro
+        return micro * _zero3_exposed(m, L, w, c, params, first_forward, last_backward, cores_shared, dp_ranks,
+                                      spans)
     if L.zero == 0:
         return hidden("all_reduce", grads, last_backward)
     exposed = hidden("reduce_scatter", grads, last_backward) + hidden("all_gather", wbytes, first_forward)
     if L.zero == 2:
         exposed += (micro - 1) * hidden("reduce_scatter", grads, last_backward)
     return exposed
+
+
+def _zero3_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params: int, forward: float,
+                   backward: float, cores_shared: bool, ranks: int, spans: bool) -> float:
+    """ZeRO-3's exposed traffic in one micro-batch (pp = 1). Units as the runtime makes them
+    (runtimes.py: mpformer's parts of a layer merged up to ``unit_numel``, whole layers for FSDP2,
+    submodules for DeepSpeed), plus the embedding and the head, each gathered in forward and again in
+    backward (the embedding's backward reads no weight) and reduce-scattered in the parameter dtype
+    (or the runtime's). A unit that fits the prefetch budget is gathered while the unit before it
+    computes (hidden up to that unit's time, compute split among units by their parameters); a larger
+    one when it is used (all of it exposed); a unit's reduce-scatter runs behind the next unit's
+    backward; the first gather and the last reduce-scatter are always exposed. Under full recompute the
+    recomputed forward gathers a layer's units once more."""
+    rt, wb = w.runtime, BYTES[w.precision]
+    rb = rt.reduce_bytes or wb
+    if rt.units == "layer":
+        layer = [float(layer_params_per_rank(m, L.tp))]
+    else:
+        parts = [float(sum(p)) for p in layer_part_sizes(m, L.tp)]
+        cap = rt.unit_numel if rt.units == "parts" else 0.0  # DeepSpeed: each submodule
+        layer = [float(sum(parts[j] for j in g)) for g in zero3_groups(parts, cap)]
+    edges = max(0.0, params - m.num_layers * sum(layer)) / 2
+    sizes = [edges, *layer * m.num_layers, edges]  # embedding, the layers' units, the head
+    total = sum(sizes) or 1.0
+    budget = rt.prefetch_numel if rt.units != "module" else rt.prefetch_bucket
+
+    def ag(n: float) -> float:
+        return _collective(c, "all_gather", n * wb, ranks, spans)
+
+    def rs(n: float) -> float:
+        return _collective(c, "reduce_scatter", n * rb, ranks, spans)
+
+    if cores_shared:  # nothing hides on shared cores
+        return sum(2 * ag(n) + rs(n) for n in sizes)
+    out = ag(sizes[0]) + rs(sizes[0])
+    regathers = len(layer) - 1 if L.recompute == "full" else 0
+    for prev, n in itertools.pairwise(sizes):
+        behind_f, behind_b = forward * prev / total, backward * prev / total
+        hide_f = behind_f if n <= budget else 0.0
+        out += max(0.0, ag(n) - hide_f) + max(0.0, ag(n) + rs(prev) - (behind_b if n <= budget else 0.0))
+    out += regathers * m.num_layers * ag(max(layer)) * (0.0 if max(layer) <= budget else 1.0)
+    return out
 
 
 def optimizer_time(L: ParallelLayout, w: Workload, c: Cluster, params: int) -> float:
