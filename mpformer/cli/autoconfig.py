@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = {k: v for k, v in best.plan().items() if k != "micro_batch_size"}
         plan["pp_partition"] = best.layout.pp_partition
         yaml.write_text("# written by tools/autoconfig.py; train.micro_batch_size=" f"{best.micro_batch_size}\n"
-                        + "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in plan.items()))
+                        + "".join(f"{k}: {_yaml_value(v)}\n" for k, v in plan.items()))
         print(f"wrote {out} and {yaml}")
     if ac.plot:
         _plot(res, Path(ac.plot))
@@ -131,6 +131,11 @@ def _explain(res, model, cluster, w, device: str, fixed: dict[str, Any]):
         ranked = [ranked[0], *[c for c in wider if c.plan() != chosen][:1]]
         note = "the best other plan of a search that ranks two (autoconfig.top_k=1 ranks one)"
     return explain_choice(ranked, model, cluster, w, device=device, runner_up_note=note)
+
+
+def _yaml_value(v: Any) -> str:
+    """A plan value as YAML writes it (None is null: recompute_layers unset recomputes every layer)."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _width() -> int:

@@ -24,7 +24,7 @@ def test_plan_json_and_parallel_config(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     d = json.loads(out.read_text())
     assert set(d["plan"]) == {"dp", "tp", "pp", "cp", "cp_kind", "cp_ulysses", "vpp", "micro_batch_size", "zero",
-                              "recompute", "schedule", "sequence_parallel"}
+                              "recompute", "recompute_layers", "schedule", "sequence_parallel"}
     assert d["plan"]["tp"] == 2 and d["plan"]["dp"] * d["plan"]["tp"] * d["plan"]["pp"] == 16
     assert {"iteration_time_s", "memory_gb_per_device", "model_tflops_per_device", "breakdown"} <= set(d["predicted"])
     assert d["predicted"]["memory_gb_per_device"] <= 80
@@ -34,6 +34,8 @@ def test_plan_json_and_parallel_config(tmp_path):
     yaml = (tmp_path / "plan.parallel.yaml").read_text()
     assert "tp: 2" in yaml and "pretrain with: parallel.dp=" in res.stdout
     assert f"cp_kind: {d['plan']['cp_kind']}\n" in yaml and f"cp_ulysses: {d['plan']['cp_ulysses']}\n" in yaml
+    k = d["plan"]["recompute_layers"]
+    assert f"recompute_layers: {'null' if k is None else k}\n" in yaml
 
 
 def test_long_sequence_plan_uses_context_parallelism(tmp_path):
