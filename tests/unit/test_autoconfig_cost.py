@@ -153,8 +153,7 @@ def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
     base = replace(c, measured={"reference": ref, "loaded": loaded})
     m, busy = ModelConfig(**ref["model"]), 2 * 0.1 * 2.2  # 2 micro-batches per rank at slowdown(4)
     layouts = {}
-    for name, fields in {"pp4": {"dp": 1, "pp": 4}, "pp4 zb-h1": {"dp": 1, "pp": 4, "schedule": "zb-h1"},
-                         "dp2 pp2": {"dp": 2, "pp": 2},
+    for name, fields in {"pp4": {"dp": 1, "pp": 4}, "dp2 pp2": {"dp": 2, "pp": 2},
                          "dp2 tp2": {"dp": 2, "tp": 2, "sequence_parallel": True}}.items():
         b = iteration_time(m, ParallelLayout(**fields), Workload(8, 1, 128, "fp32"), base, params_per_rank=0)
         pred = b.iteration_s - b.dp_comm_exposed_s - b.optimizer_s
@@ -169,21 +168,22 @@ def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
 
 def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     """calibration.py recovers the factors a profile's reference layouts ran at against the model's
-    prediction (pipelines by depth, zero-bubble over 1F1B, the tensor-parallel waits), interpolates
-    depths between, clamps absurd ones, and scales other models' candidates by them."""
+    prediction (pipelines by depth, the tensor-parallel waits), interpolates depths between, clamps
+    absurd ones, and scales other models' candidates by them: a pipeline's factor whatever its
+    schedule (interleaved and zero-bubble ones too)."""
     from dataclasses import replace
 
     from mpformer.autoconfig.calibration import LIMITS
     from mpformer.autoconfig.cost import calibration
 
-    base, c = _layout_profile({"pp4": 1.3, "pp4 zb-h1": 1.3 * 1.1, "dp2 pp2": 1.1}, tp_factor=2.0)
+    base, c = _layout_profile({"pp4": 1.3, "dp2 pp2": 1.1}, tp_factor=2.0)
     cal = calibration(c)
-    assert cal.pipeline == pytest.approx({4: 1.3, 2: 1.1}, rel=1e-9)
-    assert cal.zero_bubble == pytest.approx(1.1, rel=1e-9) and cal.tp == pytest.approx({2: 2.0}, rel=1e-9)
+    assert cal.pipeline == pytest.approx({4: 1.3, 2: 1.1}, rel=1e-9) and cal.tp == pytest.approx({2: 2.0}, rel=1e-9)
     assert cal.pipeline_factor(3) == pytest.approx(1.2) and cal.pipeline_factor(8) == pytest.approx(1.3)
-    assert cal.pipeline_factor(1) == 1.0 and cal.pipeline_factor(4, "zb-h2") == pytest.approx(1.43)
+    assert cal.pipeline_factor(1) == 1.0 and cal.pipeline_factor(4, "zb-h2") == pytest.approx(1.3)
+    assert cal.pipeline_factor(2, "interleaved") == pytest.approx(1.1)
     assert calibration(base).pipeline == {} and calibration(base).tp == {} and cal.tp_factor(4) == 1.0
-    absurd = _layout_profile({"pp4": 50.0, "pp4 zb-h1": 50.0, "dp2 pp2": 0.01}, tp_factor=1.0)[1]
+    absurd = _layout_profile({"pp4": 50.0, "dp2 pp2": 0.01}, tp_factor=1.0)[1]
     assert calibration(absurd).pipeline == {4: LIMITS[1], 2: LIMITS[0]}
 
     m = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
