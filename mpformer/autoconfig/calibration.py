@@ -1,8 +1,15 @@
 """What a measured profile's reference model corrects in the cost model (profile.py measures it).
 
     compute    measured / modelled forward + backward of the reference model on one rank alone: what
-               the kernel-level terms miss on this machine (framework and autograd overhead, the small
-               ops they do not list); scales every compute term
+               the kernel-level terms miss on this machine in proportion to the work (the small ops
+               they do not list, the GEMM table's nearest shapes); scales every compute term
+    launch     the host's seconds per kernel launched (kernels.py's counts) beyond the kernels' work:
+               eager dispatch and autograd, the same per kernel whatever its size. Separated from
+               ``compute`` by the same tokens run as four short micro-batches (the same kernels four
+               times on a quarter of the rows). Transfer: every layout launches the same kernels per
+               layer and micro-batch, so one that splits the work thinner (tensor parallelism's
+               narrower GEMMs, context parallelism's shorter sequences, more micro-batches per rank)
+               pays the launches on less work; a compute factor alone would shrink them with the work
     split      how much longer the backward takes split into input and weight gradients, as the
                zero-bubble schedules run it, than in one pass; scales their backward
     pipeline   by pipeline depth: the reference model's measured step in that pipeline (1F1B, ranks
@@ -49,6 +56,7 @@ class Calibration:
     split: float = 1.0
     pipeline: dict[int, float] = field(default_factory=dict)  # pipeline depth -> factor
     tp: dict[int, float] = field(default_factory=dict)  # tensor-parallel degree -> factor
+    launch: float = 0.0  # host seconds per kernel launched, beyond the kernels' work (CPU: eager dispatch)
 
     def pipeline_factor(self, pp: int, schedule: str = "1f1b") -> float:
         """The factor for a pipeline of depth ``pp`` (any schedule): measured depths, linear between
@@ -61,7 +69,7 @@ class Calibration:
         return self.tp.get(tp, 1.0)
 
     def to_dict(self) -> dict:
-        return {"compute": self.compute, "split_backward": self.split,
+        return {"compute": self.compute, "launch_s": self.launch, "split_backward": self.split,
                 "pipeline": {str(k): v for k, v in sorted(self.pipeline.items())},
                 "tp": {str(k): v for k, v in sorted(self.tp.items())}}
 

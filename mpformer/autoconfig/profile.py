@@ -31,8 +31,8 @@ About a minute on a 2-core machine, one process per rank and one thread each (as
   - context parallelism's attention (ring, all-gather, Ulysses) at each such group size, at two
     sequence lengths of the reference's attention shape, against the fused kernel's share of a rank:
     what cp costs on shared cores beyond the kernel the compute model times (cp_cost.py);
-* the split backward of the zero-bubble schedules against one pass, the reference alone, step by
-  step alternating.
+* the reference alone, one step in turn each: with the split backward of the zero-bubble schedules,
+  and its tokens as four short micro-batches (the host's cost per kernel launched), against one pass.
 
 The JSON's ``cluster`` section overrides the preset's peak rate, memory bandwidth and link numbers.
 ``--device cuda`` measures one GPU's matmul, attention and memory rates (no collectives).
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mpformer.autoconfig.links import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
-from mpformer.autoconfig.profile_ranks import REFERENCE, REFERENCE_SEQ, profile_shared, profile_split_ratio
+from mpformer.autoconfig.profile_ranks import REFERENCE, REFERENCE_SEQ, profile_alone_ratios, profile_shared
 from mpformer.core.errors import ArgumentParser
 
 # Transformer-like GEMMs (tokens x out x in), and attention's per-head products (s x s x d, s x d x s).
@@ -201,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases["ranks"]["total"], t = time.perf_counter() - t, time.perf_counter()
     result = summarise(profile_matmul(threads=args.threads), collectives)
     phases["matmul"], t = time.perf_counter() - t, time.perf_counter()
-    # The split backward against one pass, alone, step by step alternating (the machine drifts).
-    reference = {**_reference_meta(), **reference, "split_backward_ratio": profile_split_ratio(args.threads)}
+    # The split backward and short micro-batches against one pass, alone, step by step in turn.
+    reference = {**_reference_meta(), **reference, **profile_alone_ratios(args.threads)}
     phases["split_backward"], t = time.perf_counter() - t, time.perf_counter()
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(args.threads)
     result["attention"] = profile_attention(threads=args.threads)

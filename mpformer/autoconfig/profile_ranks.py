@@ -84,11 +84,20 @@ def _reference_tokens():
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def profile_split_ratio(threads: int = 1, pairs: int = 8) -> float:
-    """How much longer the reference's forward + backward takes with the backward split as the
-    zero-bubble schedules run it than in one pass, alone: ``pairs`` steps of each, alternating (this
-    machine's speed drifts within seconds under other load; adjacent steps see the same), the median
-    of the pairs' ratios."""
+SHORT = 4  # the short micro-batches: the reference's sequence in this many pieces, one after the other
+
+
+def profile_alone_ratios(threads: int = 1, rounds: int = 8) -> dict[str, float]:
+    """The reference alone, three ways, one step each in turn for ``rounds`` rounds (this machine's
+    speed drifts within seconds under other load; adjacent steps see the same); medians of the
+    rounds' ratios to the one-pass step:
+
+    * ``split_backward_ratio``: the backward split as the zero-bubble schedules run it (input
+      gradients, then the deferred weight-gradient GEMMs);
+    * ``short_micro_batches_ratio``: the same tokens as ``SHORT`` micro-batches of 1/SHORT of the
+      sequence each: the same kernels on smaller operands ``SHORT`` times, so that the host's cost per
+      kernel launched (eager dispatch, autograd) separates from the kernels' work (cost.py's
+      ``_alone``)."""
     import torch
 
     from mpformer.layers.linear import WeightGradStore
@@ -96,21 +105,30 @@ def profile_split_ratio(threads: int = 1, pairs: int = 8) -> float:
     torch.set_num_threads(threads)
     store = WeightGradStore()
     one_pass, split, (x, y) = _reference(), _reference(store=store), _reference_tokens()
+    n = REFERENCE_SEQ // SHORT
 
-    def step_one() -> float:
+    def timed(fn) -> float:
         t0 = time.perf_counter()
-        one_pass(x, y).backward()
+        fn()
         return time.perf_counter() - t0
 
-    def step_split() -> float:
-        t0 = time.perf_counter()
+    def split_step() -> None:
         with store.capture(0):
             split(x, y).backward()
         store.run(0)
-        return time.perf_counter() - t0
 
-    step_one(), step_split()  # warm-up
-    return statistics.median(step_split() / step_one() for _ in range(pairs))
+    def short_steps() -> None:
+        for i in range(SHORT):
+            one_pass(x[:, i * n:(i + 1) * n], y[:, i * n:(i + 1) * n]).backward()
+
+    def one() -> None:
+        one_pass(x, y).backward()
+
+    for fn in (one, split_step, short_steps):  # warm-up
+        fn()
+    rows = [(timed(one), timed(split_step), timed(short_steps)) for _ in range(rounds)]
+    return {"split_backward_ratio": statistics.median(b / a for a, b, _ in rows),
+            "short_micro_batches_ratio": statistics.median(c / a for a, _, c in rows), "short_pieces": SHORT}
 
 
 def reference_layouts(world: int) -> dict[str, dict]:
@@ -155,17 +173,11 @@ def _cp_attention_worker(group_sizes: Sequence[int], compute_n: int, reps: int =
         REFERENCE["hidden_size"] // REFERENCE["num_attention_heads"]
     a = torch.randn(compute_n, compute_n)
 
-    def timed(fn) -> float:  # the median call: one disturbed call (other load) does not move it
+    def call(fn) -> float:
+        t0 = time.perf_counter()
         a @ a
         fn()
-        dist.barrier()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ a
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return time.perf_counter() - t0
 
     out: dict[str, dict] = {}
     for n in group_sizes:
@@ -176,7 +188,7 @@ def _cp_attention_worker(group_sizes: Sequence[int], compute_n: int, reps: int =
                 continue  # the reference's heads do not split over n
             ctx = CPContext(kind, comm, ulysses=comm if kind == "ulysses" else None,
                             ring=comm if kind == "ring" else None)
-            rows = []
+            calls = {}
             for seq in CP_SEQS:
                 shard = SeqShard(seq, rank_segments(seq, n, comm.rank))
                 q, k, v = (torch.randn(1, h, seq // n, d, requires_grad=True) for h in (heads, kv, kv))
@@ -190,8 +202,15 @@ def _cp_attention_worker(group_sizes: Sequence[int], compute_n: int, reps: int =
                 def fused(qf=qf, kf=kf, vf=vf, gf=gf) -> None:
                     F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True).backward(gf)
 
-                rows.append({"seq": seq, "scores_per_rank": heads * seq * seq / n, "seconds": timed(op),
-                             "fused_s": timed(fused) / n})
+                calls[seq] = (op, fused)
+                op(), fused()  # warm-up
+            # Every call in turn, ``reps`` times (the machine's speed moves within seconds under other
+            # load: what is compared is measured side by side); the median of each.
+            dist.barrier()
+            times = [[call(fn) for seq in CP_SEQS for fn in calls[seq]] for _ in range(reps)]
+            med = [statistics.median(col) for col in zip(*times)]
+            rows = [{"seq": seq, "scores_per_rank": heads * seq * seq / n, "seconds": med[2 * i],
+                     "fused_s": med[2 * i + 1] / n} for i, seq in enumerate(CP_SEQS)]
             out[f"{kind}/{n}"] = {"heads": heads, "kv_heads": kv, "head_dim": d, "rows": rows}
     return out
 

@@ -140,6 +140,47 @@ def test_reference_model_calibrates_compute():
     assert cal.compute_s == pytest.approx(k * base.compute_s, rel=1e-6)
 
 
+def test_short_micro_batches_separate_the_cost_per_launch_from_the_work():
+    """A reference whose step is k x the modelled kernels + launch x the kernels launched, measured at
+    its sequence and as four short micro-batches: calibration.py recovers both, adds launch x the
+    kernels of every layer, head and embedding pass, and a layout that launches the same kernels on
+    less work (tp: narrower GEMMs) pays relatively more than a compute factor alone would say."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cost import _PARTS, calibration, kernel_launches, stage_costs
+
+    c = replace(load_cluster("local-cpu"), measured={})
+    model = {"arch": "llama", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_kv_heads": 2,
+             "ffn_hidden_size": 256, "vocab_size": 512}
+    m, one = ModelConfig(**model), ParallelLayout(dp=1)
+    k, launch = 1.3, 2e-4
+
+    def step(seq: int) -> tuple[float, float]:  # modelled work, kernels launched (one micro-batch)
+        w = Workload(1, 1, seq, "fp32")
+        fc, bc, wc, _ = stage_costs(m, one, w, c)
+        layer, head, emb = (kernel_launches(m, one, w, p) for p in _PARTS)
+        return sum(fc) + sum(bc) + sum(wc), sum(m.num_layers * a + b + e for a, b, e in zip(layer, head, emb))
+
+    (work, n), (short, _) = step(128), step(32)
+    t = k * work + launch * n
+    ref = {"model": model, "seq_length": 128, "micro_batch_size": 1, "precision": "fp32", "seconds": t,
+           "short_pieces": 4, "short_micro_batches_ratio": 4 * (k * short + launch * n) / t}
+    cal = calibration(replace(c, measured={"reference": ref}))
+    assert cal.compute == pytest.approx(k, rel=1e-9) and cal.launch == pytest.approx(launch, rel=1e-9)
+    host = replace(c, measured={"reference": ref}, cores=4)  # ranks on cores of their own: compute alone
+    assert step(128)[0] * k + launch * n == pytest.approx(t)
+    w = Workload(1, 1, 128, "fp32")
+    fc, bc, wc, _ = stage_costs(m, one, w, host)
+    assert sum(fc) + sum(bc) + sum(wc) == pytest.approx(t, rel=1e-9)
+    tp = ParallelLayout(dp=1, tp=2, sequence_parallel=True)
+    with_launch = sum(map(sum, stage_costs(m, tp, w, host)[:3]))
+    compute_only = replace(c, measured={"reference": {**ref, "short_micro_batches_ratio": None}}, cores=4)
+    assert with_launch > sum(map(sum, stage_costs(m, tp, w, compute_only)[:3]))
+    # A ratio that would make the launches negative (noise) leaves everything to the compute factor.
+    noisy = calibration(replace(c, measured={"reference": {**ref, "short_micro_batches_ratio": 0.5}}))
+    assert noisy.launch == 0.0 and noisy.compute == pytest.approx(t / work)
+
+
 def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
     """A local-cpu profile whose reference layouts ran ``factors`` times the model's prediction
     (pipelines) and whose tensor-parallel step waited ``tp_factor`` times its modelled collectives."""
