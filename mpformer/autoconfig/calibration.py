@@ -26,10 +26,14 @@
                on their action lists and in ``split``. A zero-bubble layout in the profile gave a
                further factor indistinguishable from 1 (0.98-1.37 over four profiles of one machine
                within ten minutes), so none is taken
-    tp         by tensor-parallel degree: the reference model's measured tensor-parallel step over its
-               prediction, the miss put on the collectives tensor parallelism waits in (on shared
-               cores a collective waits for its partners to be scheduled); scales those waits at that
-               degree only (other group sizes keep their own collectives' fits)
+    tp         by tensor-parallel degree: the time the reference model's tensor-parallel step waited
+               in its collectives (the ledger's blocked seconds, relative to the all-busy steps around
+               it) over the modelled waits from the collectives' fits. The fits are taken with every
+               rank computing between collectives at its own pace; a tensor-parallel group computes
+               the same work in lockstep and arrives together, and on shared cores its waits differ
+               from the fits by a ratio that is the group's, not the message's. Scales those waits at
+               that degree and, as the same ratio on each degree's own fits, at the nearest measured
+               degree's value elsewhere
 
 Each is a ratio of the same reference model measured and modelled, never a fit to the runs it is
 checked against (benchmarks/bench_autoconfig.py trains a different model). Worked out once per
@@ -66,7 +70,10 @@ class Calibration:
         return interpolate({1: 1.0, **self.pipeline}, pp)
 
     def tp_factor(self, tp: int) -> float:
-        return self.tp.get(tp, 1.0)
+        """The measured degree's factor; elsewhere the nearest measured degree's (1 without any)."""
+        if tp <= 1 or not self.tp:
+            return 1.0
+        return self.tp[min(self.tp, key=lambda d: (abs(d - tp), d))]
 
     def to_dict(self) -> dict:
         return {"compute": self.compute, "launch_s": self.launch, "split_backward": self.split,

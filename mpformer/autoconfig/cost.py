@@ -538,6 +538,8 @@ def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Ca
             # The step the profile ran has no once-per-step all-reduce of the replicated gradients
             # (the trainer's, after the pipeline): out of the prediction and of the waits scaled.
             waits = b.tp_comm_s - tp_step_time(m, L, host)
-            if waits > 0:
+            if waits > 0 and "tp_waits_relative_to_busy" in row:  # the waits as the ledger timed them
+                tp[L.tp] = clamp(row["tp_waits_relative_to_busy"] * busy / waits)
+            elif waits > 0:  # what the step took beyond the modelled compute
                 tp[L.tp] = clamp((measured - (predicted - b.tp_comm_s)) / waits)
     return replace(base, pipeline=pipeline, tp=tp)

@@ -13,6 +13,11 @@ FLOPs (one rank's queries against every key). What differs is the traffic and ho
     hybrid    Ulysses over U = cp_ulysses ranks inside a ring over cp / U ranks that carries the
               post-all-to-all K/V (heads / U per rank, U s/cp positions)
     selective or full recompute reruns the attention core and with it its forward's traffic
+
+On a CPU host whose ranks share the cores, what the profile measured replaces the traffic model: each
+kind's attention at each cp degree, with every rank busy, beyond the fused kernel the compute model
+times (``measured_on_host``). There, a ring step's wait is a small part of it: the blockwise kernels
+are many small ops on small tensors, and no core is free to hide a wait behind.
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     world, rank, device, t_build = dist.get_world_size(), dist.get_rank(), Device("cpu"), time.perf_counter()
     cfg, (x, y) = ModelConfig(**REFERENCE), _reference_tokens()
     alone_model = _reference()
-    runs = {}
+    runs, ledgers = {}, {}
     for name, fields in reference_layouts(world).items():
         layout = ParallelLayout(**fields)
         groups = ProcessGroups.build(layout, device)
@@ -270,8 +270,10 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
         micro = 2 * world // layout.dp
         schedule = build_schedule(layout.schedule, layout.pp, micro, 1)
         runs[name] = (model, PipelineEngine(model, plan, schedule, p2p, store=part.store), [(x, y)] * micro)
+        ledgers[name] = groups.ledger
     shared: dict[int, list[float]] = {k: [] for k in ks}
     layouts: dict[str, list[float]] = {name: [] for name in runs}
+    tp_waits: dict[str, list[float]] = {name: [] for name in runs}  # seconds blocked in tp collectives
     busy: list[list[float]] = []  # per round: the all-busy step before each layout and after the last
 
     def reference_on(k: int, reps: int = 1) -> float:
@@ -282,9 +284,10 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
             alone_model(x, y).backward()
         return (time.perf_counter() - t0) / reps
 
-    for model, engine, batches in runs.values():  # warm-up: each layout's first step is not timed
+    for name, (model, engine, batches) in runs.items():  # warm-up: each layout's first step is not timed
         model.zero_grad(set_to_none=True)
         engine.run(batches)
+        ledgers[name].take_seconds()
     reference_on(world)
     t_rounds = time.perf_counter()
     for _ in range(rounds):
@@ -297,9 +300,11 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
             model.zero_grad(set_to_none=True)
             dist.barrier()
             t0 = time.perf_counter()
+            ledgers[name].take_seconds()
             engine.run(batches)
             dist.barrier()
             layouts[name].append(time.perf_counter() - t0)
+            tp_waits[name].append(sum(v for k, v in ledgers[name].take_seconds().items() if k.startswith("tp.")))
             busy[-1].append(reference_on(world, 2))
         shared[world].append(statistics.fmean(busy[-1]))
     t_collectives = time.perf_counter()
@@ -308,8 +313,8 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     cp = _cp_attention_worker(group_sizes, compute_n)
     seconds = {"build": t_rounds - t_build, "rounds": t_collectives - t_rounds,
                "collectives": t_cp - t_collectives, "cp_attention": time.perf_counter() - t_cp}
-    return {"shared": shared, "layouts": layouts, "busy": busy, "collectives": collectives, "cp_attention": cp,
-            "seconds": seconds}
+    return {"shared": shared, "layouts": layouts, "tp_waits": tp_waits, "busy": busy, "collectives": collectives,
+            "cp_attention": cp, "seconds": seconds}
 
 
 def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n: int = 384,
@@ -342,7 +347,11 @@ def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n:
     layouts = {name: {"layout": fields[name], "world": world, "microbatches": 2 * world,
                       "seconds": statistics.median(times),
                       "relative": statistics.median(t / a for t, a in zip(times, alone)),
-                      "relative_to_busy": statistics.median(t / busy(r, i) for r, t in enumerate(times))}
+                      "relative_to_busy": statistics.median(t / busy(r, i) for r, t in enumerate(times)),
+                      # the tensor-parallel collectives' waits within it, mean over the ranks
+                      "tp_waits_relative_to_busy": statistics.median(
+                          statistics.fmean(p["tp_waits"][name][r] for p in per_rank) / busy(r, i)
+                          for r in range(rounds))}
                for i, (name, times) in enumerate(per_rank[0]["layouts"].items())}
     reference = {"seconds": statistics.median(alone), "seconds_alone_runs": alone}
     return reference, loaded, layouts, per_rank[0]["collectives"], cp_extras(per_rank), per_rank[0]["seconds"]

@@ -33,6 +33,10 @@ def test_shared_run_measures_sharing_layouts_collectives_and_cp_attention():
         # A layout's step over the busy step of the same micro-batches: near 1 (a pipeline's bubbles,
         # tensor parallelism's waits make it longer), far from it only if the two measured different work.
         assert row["seconds"] > 0 and row["relative"] > 0 and 0.5 < row["relative_to_busy"] < 4
+        # The ledger's tensor-parallel waits: within the step, none without tensor parallelism.
+        tp = row["layout"].get("tp", 1) > 1
+        assert (0 < row["tp_waits_relative_to_busy"] < row["relative_to_busy"]) if tp else \
+            row["tp_waits_relative_to_busy"] == 0
     assert {(c["op"], c["ranks"]) for c in collectives} == {(op, 2) for op in ("all_reduce", "all_gather",
                                                                                "reduce_scatter")}
     # Every measured cp kind at degree 2, at both sequence lengths: slower than the fused kernel's share.

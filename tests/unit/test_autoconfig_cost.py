@@ -181,9 +181,10 @@ def test_short_micro_batches_separate_the_cost_per_launch_from_the_work():
     assert noisy.launch == 0.0 and noisy.compute == pytest.approx(t / work)
 
 
-def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
+def _layout_profile(factors: dict[str, float], tp_factor: float, ledger: bool = True) -> tuple:
     """A local-cpu profile whose reference layouts ran ``factors`` times the model's prediction
-    (pipelines) and whose tensor-parallel step waited ``tp_factor`` times its modelled collectives."""
+    (pipelines) and whose tensor-parallel step waited ``tp_factor`` times its modelled collectives
+    (timed by the ledger, or without it seen only in the step's time)."""
     from dataclasses import replace
 
     c = replace(load_cluster("local-cpu"), measured={})
@@ -198,12 +199,16 @@ def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
                          "dp2 tp2": {"dp": 2, "tp": 2, "sequence_parallel": True}}.items():
         b = iteration_time(m, ParallelLayout(**fields), Workload(8, 1, 128, "fp32"), base, params_per_rank=0)
         pred = b.iteration_s - b.dp_comm_exposed_s - b.optimizer_s
+        row = {"layout": fields, "world": 4, "microbatches": 8}
         if "tp" in fields:  # the profile's step has no once-per-step all-reduce of replicated gradients
             step = tp_step_time(m, ParallelLayout(**fields), base)
             measured = pred - step + (tp_factor - 1) * (b.tp_comm_s - step)
+            if ledger:  # the waits as the ledger timed them, apart from the step
+                row["tp_waits_relative_to_busy"] = tp_factor * (b.tp_comm_s - step) / busy
+                measured = pred  # the step's own time no longer decides the factor
         else:
             measured = factors[name] * pred
-        layouts[name] = {"layout": fields, "world": 4, "microbatches": 8, "relative_to_busy": measured / busy}
+        layouts[name] = row | {"relative_to_busy": measured / busy}
     return base, replace(base, measured={**base.measured, "layouts": layouts})
 
 
@@ -223,7 +228,9 @@ def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     assert cal.pipeline_factor(3) == pytest.approx(1.2) and cal.pipeline_factor(8) == pytest.approx(1.3)
     assert cal.pipeline_factor(1) == 1.0 and cal.pipeline_factor(4, "zb-h2") == pytest.approx(1.3)
     assert cal.pipeline_factor(2, "interleaved") == pytest.approx(1.1)
-    assert calibration(base).pipeline == {} and calibration(base).tp == {} and cal.tp_factor(4) == 1.0
+    assert calibration(base).pipeline == {} and calibration(base).tp == {} and calibration(base).tp_factor(4) == 1.0
+    assert calibration(_layout_profile({"pp4": 1.3, "dp2 pp2": 1.1}, 2.0, ledger=False)[1]).tp == pytest.approx(
+        {2: 2.0}, rel=1e-9)  # a profile without the ledger's waits: the step's time beyond the compute
     absurd = _layout_profile({"pp4": 50.0, "dp2 pp2": 0.01}, tp_factor=1.0)[1]
     assert calibration(absurd).pipeline == {4: LIMITS[1], 2: LIMITS[0]}
 
@@ -240,8 +247,9 @@ def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     tp_c, tp_base = parts(c, dp=2, tp=2, sequence_parallel=True), parts(base, dp=2, tp=2, sequence_parallel=True)
     assert tp_c[1] == pytest.approx(2.0 * tp_base[1], rel=1e-9)
     assert tp_c[0] - tp_c[1] == pytest.approx(tp_base[0] - tp_base[1], rel=1e-9)
-    tp4 = {"dp": 1, "tp": 4, "sequence_parallel": True}  # a degree the profile did not run: its own fits
-    assert parts(c, **tp4) == pytest.approx(parts(base, **tp4), rel=1e-9)
+    # A degree the profile did not run: its own fits, times the nearest measured degree's ratio.
+    tp4 = {"dp": 1, "tp": 4, "sequence_parallel": True}
+    assert cal.tp_factor(4) == 2.0 and parts(c, **tp4)[1] == pytest.approx(2.0 * parts(base, **tp4)[1], rel=1e-9)
     assert calibration(replace(c, measured={})).pipeline == {}
     no_cores = calibration(replace(c, cores=None))  # a CPU profile on a host of its own cores: compute only
     assert no_cores.pipeline == {} and no_cores.compute == pytest.approx(cal.compute)
