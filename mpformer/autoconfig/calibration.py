@@ -26,14 +26,14 @@
                on their action lists and in ``split``. A zero-bubble layout in the profile gave a
                further factor indistinguishable from 1 (0.98-1.37 over four profiles of one machine
                within ten minutes), so none is taken
-    tp         by tensor-parallel degree: the time the reference model's tensor-parallel step waited
-               in its collectives (the ledger's blocked seconds, relative to the all-busy steps around
-               it) over the modelled waits from the collectives' fits. The fits are taken with every
-               rank computing between collectives at its own pace; a tensor-parallel group computes
-               the same work in lockstep and arrives together, and on shared cores its waits differ
-               from the fits by a ratio that is the group's, not the message's. Scales those waits at
-               that degree and, as the same ratio on each degree's own fits, at the nearest measured
-               degree's value elsewhere
+    tp         by tensor-parallel degree: the reference model's tensor-parallel step beyond its
+               modelled compute over the modelled waits from the collectives' fits. The fits are
+               taken with every rank computing between collectives at its own pace; a tensor-parallel
+               group computes the same work in lockstep and arrives together, and while it waits it
+               lends its core to the other ranks (the step grows by less than the waits the ledger
+               times, which the profile records beside it: ``tp_waits_relative_to_busy``). A ratio
+               that is the group's pattern, not the message's: scales the waits at that degree and,
+               on each degree's own fits, at the nearest measured degree's value elsewhere
 
 Each is a ratio of the same reference model measured and modelled, never a fit to the runs it is
 checked against (benchmarks/bench_autoconfig.py trains a different model). Worked out once per

@@ -537,9 +537,9 @@ def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Ca
         elif L.tp > 1 and L.pp == 1:
             # The step the profile ran has no once-per-step all-reduce of the replicated gradients
             # (the trainer's, after the pipeline): out of the prediction and of the waits scaled.
+            # What the step took beyond the modelled compute, not the waits the ledger timed: on
+            # shared cores a rank waiting lends its core, so the step grows by less than its waits.
             waits = b.tp_comm_s - tp_step_time(m, L, host)
-            if waits > 0 and "tp_waits_relative_to_busy" in row:  # the waits as the ledger timed them
-                tp[L.tp] = clamp(row["tp_waits_relative_to_busy"] * busy / waits)
-            elif waits > 0:  # what the step took beyond the modelled compute
+            if waits > 0:
                 tp[L.tp] = clamp((measured - (predicted - b.tp_comm_s)) / waits)
     return replace(base, pipeline=pipeline, tp=tp)
