@@ -17,20 +17,13 @@ them (checked before anything runs: the benchmark stops if one does). ``--in-sam
 ``IN_SAMPLE``, this model in the calibration layouts, reported apart. The parallel=auto row counts
 as out of sample unless the search picked a calibration layout.
 
-Other load on a shared machine comes and goes within a minute, so a round's profile can meet a
-machine that runs a layout faster or slower than when it was taken. Each run's ranks therefore also
-time the profile's reference model with every rank busy right before and after training (``_probe``):
-that over the profile's all-busy step is the machine's speed during the run, and "at run speed"
-is the logged prediction times it (the cost model unchanged, the machine's drift taken out).
-
-Columns: predicted seconds per step as the trainer logged it and at run speed (medians over the
-rounds), measured seconds per step (median over the steps after the first, over the rounds), the
-range of the rounds' medians, the errors of both, the measured time as a ratio to the fastest
-measured layout. Below: Spearman's rank correlation of predicted and measured times and the median
-absolute error, for both, and the regret of the search (the measured time of the layout it picked
-over the fastest measured), over all rounds and, in brackets, their range over the rounds taken one
-at a time. The search may pick differently from one round's profile to the next: all its picks are
-listed.
+Columns: predicted seconds per step as the trainer logged it (median over the rounds), measured
+seconds per step (median over the steps after the first, over the rounds), the range of the rounds'
+medians, the error, the measured time as a ratio to the fastest measured layout. Below: Spearman's
+rank correlation of predicted and measured times, the median absolute error, and the regret of the
+search (the measured time of the layout it picked over the fastest measured), over all rounds and,
+in brackets, their range over the rounds taken one at a time. The search may pick differently from
+one round's profile to the next: all its picks are listed.
 """
 
 from __future__ import annotations
@@ -90,48 +83,16 @@ def overrides(fields: dict) -> dict[str, str]:
     return {f"parallel.{k}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in fields.items()}
 
 
-def _probe(steps: int = 2) -> float:
-    """Seconds of the profile's reference model forward + backward with every rank busy, as the
-    profile's all-busy step (``loaded[world]``) measured it: the machine's speed now."""
-    import torch
-    import torch.distributed as dist
-
-    from mpformer.autoconfig.profile_ranks import _reference, _reference_tokens
-
-    torch.set_num_threads(1)
-    model, (x, y) = _reference(), _reference_tokens()
-    model(x, y).backward()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        model(x, y).backward()
-    seconds = (time.perf_counter() - t0) / steps
-    dist.barrier()
-    return seconds
-
-
 def _worker(overrides: list[str], run_dir: str) -> dict | None:
-    import torch.distributed as dist
-
     from mpformer.testing.train import train
 
-    before = _probe()
     train([*overrides, f"hydra.run.dir={run_dir}"])
-    probe = [before, _probe()]
-    # The mean over the ranks: each rank's share of the host differs a little.
-    probe = [statistics.fmean(p) for p in zip(*_gather(probe, dist))]
     run = Path(run_dir)
     if not (run / "metrics.jsonl").exists():
         return None  # ranks other than 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     return {"times": [r["step_time_s"] for r in rows], "predicted": rows[0]["predicted_step_time_s"],
-            "plan": json.loads((run / "autoconfig.json").read_text()), "probe_s": probe}
-
-
-def _gather(x: list[float], dist) -> list[list[float]]:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
+            "plan": json.loads((run / "autoconfig.json").read_text())}
 
 
 def _run(overrides: list[str], run_dir: str) -> dict:
@@ -207,16 +168,9 @@ def metrics(pred: list[float], meas: list[float]) -> tuple[float, float]:
     return spearman(pred, meas), statistics.median(abs(p / m - 1) for p, m in zip(pred, meas))
 
 
-def speed(run: dict, profile: dict) -> float | None:
-    """How much slower the machine ran this run than when the round's profile was taken: the
-    reference's all-busy step around the run (``_probe``, before and after) over the profile's."""
-    probe, busy = run.get("probe_s"), profile.get("loaded", {}).get(str(WORLD), {}).get("seconds")
-    return statistics.fmean(probe) / busy if probe and busy else None
-
-
-def _summary(label: str, items: list[dict], key: str, rounds: int) -> dict:
-    rho, mae = metrics([i[key] for i in items], [i["measured_s"] for i in items])
-    per = [metrics([i[key + "_per_round"][r] for i in items], [i["measured_per_round_s"][r] for i in items])
+def _summary(label: str, items: list[dict], rounds: int) -> dict:
+    rho, mae = metrics([i["predicted_s"] for i in items], [i["measured_s"] for i in items])
+    per = [metrics([i["predicted_per_round_s"][r] for i in items], [i["measured_per_round_s"][r] for i in items])
            for r in range(rounds)]
     print(f"{label} ({len(items)} layouts): Spearman rho {rho:.3f} [{min(a for a, _ in per):.3f}-"
           f"{max(a for a, _ in per):.3f}] | median |error| {100 * mae:.1f}% "
@@ -225,9 +179,8 @@ def _summary(label: str, items: list[dict], key: str, rounds: int) -> dict:
             "per_round": [{"spearman": a, "median_abs_error": b} for a, b in per]}
 
 
-def report(runs: dict[str, list[dict]], profiles: list[dict], in_sample: set[str], head: str, elapsed: float) -> dict:
-    """Print the table and the metrics (out of sample, and in sample when there are such rows), for
-    the predictions as the trainer logged them and at the speed the machine ran each run at."""
+def report(runs: dict[str, list[dict]], in_sample: set[str], head: str, elapsed: float) -> dict:
+    """Print the table and the metrics (out of sample, and in sample when there are such rows)."""
     rounds = min(len(r) for r in runs.values())
     names = list(runs)
     autos = [run["plan"]["plan"] for run in runs["auto"]]
@@ -236,35 +189,26 @@ def report(runs: dict[str, list[dict]], profiles: list[dict], in_sample: set[str
         in_sample = in_sample | {"auto"}
     payload, rows = [], []
     for name in names:
-        logged = [run["predicted"] for run in runs[name]]
-        factors = [speed(run, profiles[r]) for r, run in enumerate(runs[name])]
-        at_speed = [p * f if f else p for p, f in zip(logged, factors)]
         payload.append({"layout": name, "plan": runs[name][0]["plan"]["plan"], "out_of_sample": name not in in_sample,
-                        "predicted_s": statistics.median(logged), "predicted_s_per_round": logged,
-                        "at_speed_s": statistics.median(at_speed), "at_speed_s_per_round": at_speed,
-                        "speed_per_round": factors,
+                        "predicted_s": statistics.median(run["predicted"] for run in runs[name]),
                         "measured_s": statistics.median(t for run in runs[name] for t in run["times"][1:]),
+                        "predicted_per_round_s": [run["predicted"] for run in runs[name]],
                         "measured_per_round_s": [statistics.median(run["times"][1:]) for run in runs[name]]})
     fastest = min(item["measured_s"] for item in payload)
     for item in payload:
         item["error"], item["vs_fastest"] = item["predicted_s"] / item["measured_s"] - 1, item["measured_s"] / fastest
-        item["error_at_speed"] = item["at_speed_s"] / item["measured_s"] - 1
         t = item["measured_per_round_s"]
         plans = dict.fromkeys(describe(run["plan"]["plan"]) for run in runs[item["layout"]])
         rows.append([item["layout"] + ("" if item["out_of_sample"] else " (in sample)"), " / ".join(plans),
-                     item["predicted_s"], item["at_speed_s"], item["measured_s"],
-                     f"{min(t):.2f}-{max(t):.2f}" if len(t) > 1 else "-", f"{100 * item['error']:+.0f}%",
-                     f"{100 * item['error_at_speed']:+.0f}%", item["vs_fastest"]])
+                     item["predicted_s"], item["measured_s"], f"{min(t):.2f}-{max(t):.2f}" if len(t) > 1 else "-",
+                     f"{100 * item['error']:+.0f}%", item["vs_fastest"]])
     print(head)
-    print(format_table(["layout", "plan", "predicted s", "at run speed s", "measured s", "rounds s", "error",
-                        "error at speed", "vs fastest"], rows))
+    print(format_table(["layout", "plan", "predicted s", "measured s", "rounds s", "error", "vs fastest"], rows))
     out: dict = {"results": payload}
     for label, keep in (("out of sample", True), ("in sample", False)):
         items = [i for i in payload if i["out_of_sample"] == keep]
         if len(items) >= 3:
-            key = label.replace(" ", "_")
-            out[key] = _summary(label + ", as logged", items, "predicted_s", rounds)
-            out[key + "_at_run_speed"] = _summary(label + ", at run speed", items, "at_speed_s", rounds)
+            out[label.replace(" ", "_")] = _summary(label, items, rounds)
     auto = payload[names.index("auto")]
     regret = auto["measured_s"] / fastest - 1
     per_regret = [auto["measured_per_round_s"][r] / min(i["measured_per_round_s"][r] for i in payload) - 1
@@ -301,7 +245,7 @@ def main() -> None:
         repredict(runs, profiles)
         in_sample = {i["layout"] for i in saved["results"] if not i["out_of_sample"] and i["layout"] != "auto"}
         head = f"{args.repredict}: measured then, predicted now"
-        out = report(runs, profiles, in_sample, head, time.perf_counter() - t0)
+        out = report(runs, in_sample, head, time.perf_counter() - t0)
         if args.json:
             write_json(args.json, {**saved, **out, "repredicted": True})
         return
@@ -332,7 +276,7 @@ def main() -> None:
     head = (f"Llama h=256 L=8 (10.5M parameters), {WORLD} gloo ranks x 1 thread on {environment()['cpu_count']} "
             f"cores ({environment()['cpu_model']}), fp32, {GLOBAL_BATCH} x {SEQ} tokens per step; {args.steps} steps "
             "per run, median of the steps after the first")
-    out = report({n: runs[n] for n in names}, profiles, set(IN_SAMPLE) if args.in_sample else set(), head,
+    out = report({n: runs[n] for n in names}, set(IN_SAMPLE) if args.in_sample else set(), head,
                  time.perf_counter() - t0)
     if args.json:
         write_json(args.json, {"args": vars(args), "environment": environment(), **out,
