@@ -257,15 +257,18 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
     for lay, ns in _recompute_split(L, counts):  # recomputed layers and the others cost differently
         f, bi, bw_, tp_comm, attn = layer_times_parts(m, lay, w, c)
         cp = sum(cp_layer_times(m, lay, w, c, attn))
-        f, bi, bw_ = k * f, k * bi * (split_factor if split else 1), k * bw_ * (split_factor if split else 1)
+        nf, nbi, nbw = kernel_launches(m, lay, w, "layers") if cal.launch else (0, 0, 0)  # host cost per launch
+        f, bi, bw_ = (k * f + cal.launch * nf, (k * bi + cal.launch * nbi) * (split_factor if split else 1),
+                      (k * bw_ + cal.launch * nbw) * (split_factor if split else 1))
         for i, n in enumerate(ns):
             fc[i] += n * f
             bc[i] += n * (bi + (0 if split else bw_))
             wc[i] += n * bw_ if split else 0.0
             tps[i] += n * tp_comm
             cps[i] += n * cp
-    hf, hb, hw = (k * x for x in head_times(m, L, w, c))
-    ef, eb, ew = (k * x for x in embedding_times(m, L, w, c))
+    hf, hb, hw = (k * x + cal.launch * n for x, n in zip(head_times(m, L, w, c), kernel_launches(m, L, w, "head")))
+    ef, eb, ew = (k * x + cal.launch * n for x, n in zip(embedding_times(m, L, w, c),
+                                                         kernel_launches(m, L, w, "embedding")))
     fc[-1] += hf
     fc[0] += ef
     for i, (b_, w_) in ((-1, (hb, hw)), (0, (eb, ew))):
@@ -423,25 +426,71 @@ _CACHE: dict[tuple[int, str], tuple[dict, Calibration]] = {}
 
 
 def _alone(c: Cluster, ref: dict) -> Calibration:
+    """The reference alone: its step t = k x (the kernels' modelled time M) + launch x (kernels
+    launched N). The same tokens in ``short_pieces`` micro-batches launch the same kernels that many
+    times on smaller operands, so the two measured steps give k and launch; without that measurement
+    (or when it leaves launch negative: noise) all of t is k x M."""
     m = ModelConfig(**ref["model"])
-    w = Workload(ref["micro_batch_size"], ref["micro_batch_size"], ref["seq_length"], ref["precision"])
     bare = replace(c, measured={k: v for k, v in c.measured.items() if k not in ("reference", "layouts")})
-    fc, bc, wc, _ = stage_costs(m, ParallelLayout(dp=1), w, bare)
-    compute = ref["seconds"] / (sum(fc) + sum(bc) + sum(wc))
+
+    def modelled(seq: int) -> tuple[float, float, int, int]:  # M, its backward, N, N of the backward
+        w = Workload(ref["micro_batch_size"], ref["micro_batch_size"], seq, ref["precision"])
+        fc, bc, wc, _ = stage_costs(m, ParallelLayout(dp=1), w, bare)
+        layer, head, emb = (kernel_launches(m, ParallelLayout(dp=1), w, part) for part in _PARTS)
+        n = [m.num_layers * a + b + e for a, b, e in zip(layer, head, emb)]  # forward, input, weight gradients
+        return sum(fc) + sum(bc) + sum(wc), sum(bc), sum(n), n[1] + n[2]
+
+    t = ref["seconds"]
+    full, backward, n, n_backward = modelled(ref["seq_length"])
+    compute, launch = t / full, 0.0
+    pieces, ratio = ref.get("short_pieces"), ref.get("short_micro_batches_ratio")
+    if pieces and ratio:
+        short = modelled(ref["seq_length"] // pieces)[0]
+        k = t * (pieces - ratio) / (pieces * (full - short)) if full > short else 0.0
+        if 0.0 < k and t - k * full > 0.0:
+            compute, launch = k, (t - k * full) / n
     if "split_backward_ratio" in ref:  # measured back to back with a one-pass backward
-        extra = (ref["split_backward_ratio"] - 1.0) * ref["seconds"]
+        extra = (ref["split_backward_ratio"] - 1.0) * t
     else:
-        extra = ref.get("seconds_split_backward", ref["seconds"]) - ref["seconds"]
-    return Calibration(compute, 1.0 + max(extra, 0.0) / (compute * sum(bc)))
+        extra = ref.get("seconds_split_backward", t) - t
+    return Calibration(compute, 1.0 + max(extra, 0.0) / (compute * backward + launch * n_backward), launch=launch)
+
+
+_PARTS = ("layers", "head", "embedding")
+
+
+def kernel_launches(m: ModelConfig, L: ParallelLayout, w: Workload, part: str) -> tuple[int, int, int]:
+    """Kernels one micro-batch launches in one layer (``part="layers"``), the head or the embedding:
+    forward, input gradients (with what recompute reruns), weight gradients; kernels.py's counts."""
+    key = (repr(m), replace(_compute_key(L), recompute=L.recompute), _work_key(w), part)
+    hit = _LAUNCH_CACHE.get(key)
+    if hit is not None:
+        return hit
+    if part == "head":
+        work = head_work(m, L, w.seq_length, w.micro_batch_size, w.precision, w.runtime.kernels, w.fused_cross_entropy)
+    elif part == "embedding":
+        work = embedding_work(m, L, w.seq_length, w.micro_batch_size, w.precision)
+    else:
+        work = layer_work(m, L, w.seq_length, w.micro_batch_size, w.precision, w.runtime.kernels, w.flash_attention)
+    f, bi = work.f.launches + work.attn_f.launches, work.bi.launches + work.attn_b.launches
+    if part == "layers":  # recompute reruns the attention core's forward (selective) or all of it (full)
+        bi += {"selective": work.attn_f.launches, "full": f}.get(L.recompute, 0)
+    _LAUNCH_CACHE[key] = (f, bi, work.bw.launches)
+    return _LAUNCH_CACHE[key]
+
+
+_LAUNCH_CACHE: dict[tuple, tuple[int, int, int]] = {}
 
 
 def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Calibration:
     """Predict each reference layout as it ran (no gradient reduction, no optimizer step) on a host of
     its world with only the compute and split corrections (``c`` has no layouts), and compare."""
     m = ModelConfig(**ref["model"])
-    pipeline, split_pipeline, tp = {}, {}, {}
+    pipeline, tp = {}, {}
     for row in layouts.values():
         L = ParallelLayout(**row["layout"])
+        if L.schedule in SPLIT:  # a profile from before zero-bubble layouts left the set (calibration.py)
+            continue
         host = replace(c, devices_per_node=row["world"], nodes=1)
         w = Workload(row["microbatches"], 1, ref["seq_length"], ref["precision"])
         b = iteration_time(m, L, w, host, params_per_rank=0)
@@ -451,16 +500,14 @@ def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Ca
         # cancels), whose model is the time alone x slowdown(world).
         busy = 2 * ref["seconds"] * interpolate(slowdowns(host), row["world"])
         measured = row["relative_to_busy"] * busy
-        if L.pp > 1 and L.tp == 1 and L.schedule in SPLIT:
-            split_pipeline[L.pp] = measured / predicted
-        elif L.pp > 1 and L.tp == 1:
+        if L.pp > 1 and L.tp == 1:
             pipeline[L.pp] = clamp(measured / predicted)
         elif L.tp > 1 and L.pp == 1:
             # The step the profile ran has no once-per-step all-reduce of the replicated gradients
             # (the trainer's, after the pipeline): out of the prediction and of the waits scaled.
+            # What the step took beyond the modelled compute, not the waits the ledger timed: on
+            # shared cores a rank waiting lends its core, so the step grows by less than its waits.
             waits = b.tp_comm_s - tp_step_time(m, L, host)
             if waits > 0:
                 tp[L.tp] = clamp((measured - (predicted - b.tp_comm_s)) / waits)
-    # A zero-bubble schedule against 1F1B at the same depth: its extra over 1F1B's correction.
-    zb = [split_pipeline[p] / pipeline[p] for p in split_pipeline if p in pipeline]
-    return replace(base, pipeline=pipeline, tp=tp, zero_bubble=clamp(zb[0]) if zb else 1.0)
+    return replace(base, pipeline=pipeline, tp=tp)

@@ -13,6 +13,11 @@ FLOPs (one rank's queries against every key). What differs is the traffic and ho
     hybrid    Ulysses over U = cp_ulysses ranks inside a ring over cp / U ranks that carries the
               post-all-to-all K/V (heads / U per rank, U s/cp positions)
     selective or full recompute reruns the attention core and with it its forward's traffic
+
+On a CPU host whose ranks share the cores, what the profile measured replaces the traffic model: each
+kind's attention at each cp degree, with every rank busy, beyond the fused kernel the compute model
+times (``measured_on_host``). There, a ring step's wait is a small part of it: the blockwise kernels
+are many small ops on small tensors, and no core is free to hide a wait behind.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ def cp_traffic(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, attn:
         return 0.0, 0.0
     if L.cp_kind not in _CP_PRICED:
         raise ValueError(f"cp_kind={L.cp_kind!r} has no cost model; priced: {', '.join(_CP_PRICED)}")
+    measured = measured_on_host(m, L, w, c)
+    if measured is not None:
+        fwd, bwd = measured
+        return fwd, bwd + (fwd if L.recompute != "none" else 0.0)
     wb, b, d = BYTES[w.precision], w.micro_batch_size, m.head_size
     seq, heads, kv = w.seq_length // L.cp, m.num_attention_heads // L.tp, max(m.kv_heads // L.tp, 1)
     u = ulysses_degree(L)
@@ -76,3 +85,27 @@ def cp_traffic(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, attn:
 
 _CP_PRICED = ("ring", "allgather", "ulysses", "hybrid")
 assert set(_CP_PRICED) == set(CP_KINDS), "cp_cost.py must price exactly the cp kinds the runtime has (CP_KINDS)"
+
+
+def measured_on_host(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float] | None:
+    """A CPU host whose profile measured this cp kind at this degree (profile_ranks.py, every rank
+    busy): (forward, backward) seconds of one layer's attention beyond the fused kernel the compute
+    model times for a cp rank, on the line through the profile's two sequence lengths in the score
+    elements per rank (heads / tp x b x s x s / cp), never below zero, split a third to the forward
+    as compute.py splits the fused kernel. On shared cores this is mostly not traffic: a ring step's
+    wait is short next to the blockwise kernels' many small ops (context_parallel/blockwise.py) and
+    the stacking, merging and copying around them, which the fused-kernel table does not see;
+    measured, not counted, because they are the implementation's. The line carries the fixed part
+    (waits, ops per call) and the part that grows with the scores to other shapes; kv heads and head
+    size enter only through it (the reference's are 2 and 64), and it was measured in fp32. None
+    elsewhere (accelerators, groups across nodes, kinds or degrees the profile did not run: the
+    traffic model above prices them)."""
+    fit = c.measured.get("cp_attention", {}).get(f"{L.cp_kind}/{L.cp}")
+    if fit is None or slowdowns(c) is None or L.tp * L.cp > c.devices_per_node:
+        return None
+    rows = sorted(fit["rows"], key=lambda r: r["scores_per_rank"])
+    (p0, e0), (p1, e1) = ((r["scores_per_rank"], r["extra_s"]) for r in (rows[0], rows[-1]))
+    slope = max((e1 - e0) / (p1 - p0), 0.0) if p1 > p0 else 0.0
+    scores = m.num_attention_heads // L.tp * w.micro_batch_size * w.seq_length ** 2 / L.cp
+    extra = max(e1 + slope * (scores - p1), 0.0)
+    return extra / 3, 2 * extra / 3

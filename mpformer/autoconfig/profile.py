@@ -3,7 +3,7 @@
     python -m mpformer.autoconfig.profile [--out configs/cluster/local-cpu-profile.json] [--ranks 2 3 4]
     python -m mpformer.autoconfig.profile --device cuda --out configs/cluster/NAME-profile.json
 
-Under a minute on a 2-core machine, one process per rank and one thread each (as pretrain runs):
+About a minute on a 2-core machine, one process per rank and one thread each (as pretrain runs):
 
 * matmul: FLOP/s of fp32 (and bf16) GEMMs of transformer shapes, attention's per-head products
   included, so the cost model takes an efficiency by shape instead of one constant;
@@ -17,17 +17,22 @@ Under a minute on a 2-core machine, one process per rank and one thread each (as
   - sharing: the same run by k processes at once (k = 1 and each of --ranks): per-rank time over time
     alone. A CPU host runs more ranks than cores; this is how much slower each computes while k
     compute, which the cost model applies to every stretch of a pipeline's timeline;
-  - layouts: the reference model trained one step in a few layouts of all the ranks (pipelines 1F1B
-    and zero-bubble, tensor parallel; ``reference_layouts``) as the trainer runs them, against a step
-    of the same micro-batches with every rank computing without a break: what the processor-sharing
-    timeline and the collectives' fits miss (calibration.py);
+  - layouts: the reference model trained one step in a few layouts of all the ranks (1F1B pipelines
+    of two depths, tensor-parallel pairs; ``reference_layouts``) as the trainer runs them, against
+    steps of the same micro-batches with every rank computing without a break right before and after:
+    what the processor-sharing timeline and the collectives' fits miss (calibration.py). Few on
+    purpose: benchmarks/bench_autoconfig.py scores the cost model on layouts none of these equals;
   - collectives: all-reduce, all-gather and reduce-scatter over gloo, message sizes 4 KiB - 16 MiB, in
     concurrent groups of each size dividing max(--ranks) with every process running and computing
     between collectives, as in training (on shared cores the latency is mostly the wait for the other
     ranks to be scheduled, which an idle benchmark does not see); per op and group size a fit of
     ``t = alpha + bus_bytes / beta`` in relative error (bus bytes: the ring-adjusted bytes each rank
     moves, as the CommLedger counts them), used by the cost model per op and group size;
-* the split backward of the zero-bubble schedules against one pass, the reference alone.
+  - context parallelism's attention (ring, all-gather, Ulysses) at each such group size, at two
+    sequence lengths of the reference's attention shape, against the fused kernel's share of a rank:
+    what cp costs on shared cores beyond the kernel the compute model times (cp_cost.py);
+* the reference alone, one step in turn each: with the split backward of the zero-bubble schedules,
+  and its tokens as four short micro-batches (the host's cost per kernel launched), against one pass.
 
 The JSON's ``cluster`` section overrides the preset's peak rate, memory bandwidth and link numbers.
 ``--device cuda`` measures one GPU's matmul, attention and memory rates (no collectives).
@@ -41,7 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mpformer.autoconfig.links import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
-from mpformer.autoconfig.profile_ranks import profile_reference, profile_shared
+from mpformer.autoconfig.profile_ranks import REFERENCE, REFERENCE_SEQ, profile_alone_ratios, profile_shared
 from mpformer.core.errors import ArgumentParser
 
 # Transformer-like GEMMs (tokens x out x in), and attention's per-head products (s x s x d, s x d x s).
@@ -173,6 +178,10 @@ def summarise(matmul: list[dict], collectives: list[dict]) -> dict:
     return {"cluster": cluster, "matmul": matmul, "collectives": collectives, "fits": fits}
 
 
+def _reference_meta() -> dict:
+    return {"model": REFERENCE, "seq_length": REFERENCE_SEQ, "micro_batch_size": 1, "precision": "fp32"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = ArgumentParser(description="Measure this machine for the auto-configurator's local-cpu cluster.")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "configs" / "cluster" /
@@ -188,14 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda":
         return _profile_gpu(Path(args.out), t0)
     phases, t = {}, time.perf_counter()
-    reference, loaded, layouts, collectives, phases["ranks"] = profile_shared(args.ranks)
+    reference, loaded, layouts, collectives, cp_attention, phases["ranks"] = profile_shared(args.ranks)
     phases["ranks"]["total"], t = time.perf_counter() - t, time.perf_counter()
     result = summarise(profile_matmul(threads=args.threads), collectives)
     phases["matmul"], t = time.perf_counter() - t, time.perf_counter()
-    split = profile_reference(args.threads, duration=0.5, split=True)
-    # The split backward against one pass, both alone and back to back (the machine drifts).
-    one_pass = profile_reference(args.threads, duration=0.5)
-    reference = {**split, **reference, "split_backward_ratio": split["seconds"] / one_pass["seconds"]}
+    # The split backward and short micro-batches against one pass, alone, step by step in turn.
+    reference = {**_reference_meta(), **reference, **profile_alone_ratios(args.threads)}
     phases["split_backward"], t = time.perf_counter() - t, time.perf_counter()
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(args.threads)
     result["attention"] = profile_attention(threads=args.threads)
@@ -204,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["reference"] = reference
     result["loaded"] = loaded
     result["layouts"] = layouts
+    result["cp_attention"] = cp_attention
     result["seconds"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"profile written to {args.out} in {result['seconds']:.0f} s: peak "

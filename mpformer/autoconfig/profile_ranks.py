@@ -84,40 +84,60 @@ def _reference_tokens():
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def profile_reference(threads: int = 1, duration: float = 1.0, split: bool = False) -> dict:
-    """Seconds per forward + backward of the reference model alone: steps back to back for
-    ``duration`` (after one untimed). ``split``: the backward as the zero-bubble schedules run it,
-    input gradients first and the deferred weight-gradient GEMMs after (layers/linear.py's store)."""
+SHORT = 4  # the short micro-batches: the reference's sequence in this many pieces, one after the other
+
+
+def profile_alone_ratios(threads: int = 1, rounds: int = 8) -> dict[str, float]:
+    """The reference alone, three ways, one step each in turn for ``rounds`` rounds (this machine's
+    speed drifts within seconds under other load; adjacent steps see the same); medians of the
+    rounds' ratios to the one-pass step:
+
+    * ``split_backward_ratio``: the backward split as the zero-bubble schedules run it (input
+      gradients, then the deferred weight-gradient GEMMs);
+    * ``short_micro_batches_ratio``: the same tokens as ``SHORT`` micro-batches of 1/SHORT of the
+      sequence each: the same kernels on smaller operands ``SHORT`` times, so that the host's cost per
+      kernel launched (eager dispatch, autograd) separates from the kernels' work (cost.py's
+      ``_alone``)."""
     import torch
 
     from mpformer.layers.linear import WeightGradStore
 
     torch.set_num_threads(threads)
-    store = WeightGradStore() if split else None
-    model, (x, y) = _reference(store=store), _reference_tokens()
+    store = WeightGradStore()
+    one_pass, split, (x, y) = _reference(), _reference(store=store), _reference_tokens()
+    n = REFERENCE_SEQ // SHORT
 
-    def step() -> None:
-        if store is None:
-            model(x, y).backward()
-            return
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def split_step() -> None:
         with store.capture(0):
-            model(x, y).backward()
+            split(x, y).backward()
         store.run(0)
 
-    step()
-    steps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < duration:
-        step()
-        steps += 1
-    return {"model": REFERENCE, "seq_length": REFERENCE_SEQ, "micro_batch_size": 1, "precision": "fp32",
-            "seconds": (time.perf_counter() - t0) / steps}
+    def short_steps() -> None:
+        for i in range(SHORT):
+            one_pass(x[:, i * n:(i + 1) * n], y[:, i * n:(i + 1) * n]).backward()
+
+    def one() -> None:
+        one_pass(x, y).backward()
+
+    for fn in (one, split_step, short_steps):  # warm-up
+        fn()
+    rows = [(timed(one), timed(split_step), timed(short_steps)) for _ in range(rounds)]
+    return {"split_backward_ratio": statistics.median(b / a for a, b, _ in rows),
+            "short_micro_batches_ratio": statistics.median(c / a for a, _, c in rows), "short_pieces": SHORT}
 
 
 def reference_layouts(world: int) -> dict[str, dict]:
-    """The layouts of ``world`` ranks the profile runs the reference model in: the deepest pipeline
-    (1F1B, and zero-bubble H1 with its split backward), two pipelines of half the depth, and
-    tensor-parallel pairs (sequence parallel)."""
-    out = {f"pp{world}": {"dp": 1, "pp": world}, f"pp{world} zb-h1": {"dp": 1, "pp": world, "schedule": "zb-h1"}}
+    """The layouts of ``world`` ranks the profile runs the reference model in (calibration.py): the
+    deepest pipeline and two pipelines of half the depth (1F1B), and tensor-parallel pairs (sequence
+    parallel). Few on purpose: every other family (ZeRO-3, interleaving, the zero-bubble schedules,
+    context parallelism, other tp degrees) is predicted from these by a stated mechanism, and
+    benchmarks/bench_autoconfig.py scores only layouts none of these equals (``layout_identity``)."""
+    out = {f"pp{world}": {"dp": 1, "pp": world}}
     if world % 2 == 0 and world > 2:
         out[f"dp2 pp{world // 2}"] = {"dp": 2, "pp": world // 2}
     if world % 2 == 0:
@@ -125,13 +145,105 @@ def reference_layouts(world: int) -> dict[str, dict]:
     return out
 
 
+# Context parallelism's attention exchange, measured per kind and cp degree at the reference model's
+# attention shape at two sequence lengths (a line in the score elements per rank: the fixed part, ring
+# steps' and all-to-alls' waits and the blockwise kernels' many small ops, and the part that grows
+# with the scores), with every rank of the host busy; hybrid is not measured (cp_cost.py's traffic
+# model prices it).
+CP_KINDS_MEASURED = ("ring", "allgather", "ulysses")
+CP_SEQS = (128, REFERENCE_SEQ)
+
+
+def _cp_attention_worker(group_sizes: Sequence[int], compute_n: int, reps: int = 7) -> dict[str, dict]:
+    """Per cp kind and degree n (concurrent groups of n ranks), per sequence length: seconds per call
+    of the cp attention's forward + backward on this rank's s/n positions, and of the fused causal
+    kernel's forward + backward over the whole sequence divided by n (the cost model's attention for a
+    cp rank). A ``compute_n`` GEMM runs before each call, as between the
+    collectives (``_collectives_worker``): it cancels in the differences."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from mpformer.context_parallel.context import CPContext, SeqShard, attention
+    from mpformer.core.sequence import rank_segments
+    from mpformer.parallel.comm import Comm, CommLedger
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    heads, kv, d = REFERENCE["num_attention_heads"], REFERENCE["num_kv_heads"], \
+        REFERENCE["hidden_size"] // REFERENCE["num_attention_heads"]
+    a = torch.randn(compute_n, compute_n)
+
+    def call(fn) -> float:
+        t0 = time.perf_counter()
+        a @ a
+        fn()
+        return time.perf_counter() - t0
+
+    out: dict[str, dict] = {}
+    for n in group_sizes:
+        groups = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)]  # every rank creates each
+        comm = Comm(groups[rank // n], CommLedger())
+        for kind in CP_KINDS_MEASURED:
+            if kind == "ulysses" and (heads % n or (kv % n and n % kv)):
+                continue  # the reference's heads do not split over n
+            ctx = CPContext(kind, comm, ulysses=comm if kind == "ulysses" else None,
+                            ring=comm if kind == "ring" else None)
+            calls = {}
+            for seq in CP_SEQS:
+                shard = SeqShard(seq, rank_segments(seq, n, comm.rank))
+                q, k, v = (torch.randn(1, h, seq // n, d, requires_grad=True) for h in (heads, kv, kv))
+                grad = torch.randn(1, heads, seq // n, d)
+                qf, kf, vf = (torch.randn(1, h, seq, d, requires_grad=True) for h in (heads, kv, kv))
+                gf = torch.randn(1, heads, seq, d)
+
+                def op(q=q, k=k, v=v, grad=grad, shard=shard, ctx=ctx) -> None:
+                    attention(q, k, v, ctx, shard, None, d ** -0.5).backward(grad)
+
+                def fused(qf=qf, kf=kf, vf=vf, gf=gf) -> None:
+                    F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True).backward(gf)
+
+                calls[seq] = (op, fused)
+                op(), fused()  # warm-up
+            # Every call in turn, ``reps`` times (the machine's speed moves within seconds under other
+            # load: what is compared is measured side by side); the median of each.
+            dist.barrier()
+            times = [[call(fn) for seq in CP_SEQS for fn in calls[seq]] for _ in range(reps)]
+            med = [statistics.median(col) for col in zip(*times)]
+            rows = [{"seq": seq, "scores_per_rank": heads * seq * seq / n, "seconds": med[2 * i],
+                     "fused_s": med[2 * i + 1] / n} for i, seq in enumerate(CP_SEQS)]
+            out[f"{kind}/{n}"] = {"heads": heads, "kv_heads": kv, "head_dim": d, "rows": rows}
+    return out
+
+
+# What makes two layouts the same for the out-of-sample rule (benchmarks/bench_autoconfig.py scores only
+# layouts whose identity no calibration layout has): the degrees, the schedule and the ZeRO stage.
+IDENTITY = ("dp", "tp", "pp", "cp", "vpp", "schedule", "zero")
+
+
+def layout_identity(fields: dict, world: int) -> tuple:
+    """(dp, tp, pp, cp, vpp, schedule, zero) of a layout given as ParallelLayout fields on ``world``
+    ranks (dp resolved from the world when not given)."""
+    from mpformer.core.layout import ParallelLayout
+
+    L = ParallelLayout(**fields)
+    if L.dp == -1:
+        L = ParallelLayout(**{**fields, "dp": world // (L.tp * L.pp * L.cp)})
+    return tuple(getattr(L, k) for k in IDENTITY)
+
+
+def calibration_identities(world: int) -> dict[tuple, str]:
+    """The identities of ``reference_layouts(world)``, each to its name."""
+    return {layout_identity(fields, world): name for name, fields in reference_layouts(world).items()}
+
+
 def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_sizes: Sequence[int],
                    compute_n: int) -> dict:
     """On every rank of the host: rounds of (the reference on the first k ranks at once, for each k,
     the others waiting; then each of ``reference_layouts`` for one step of 2 x world micro-batches,
-    pipeline and tensor parallelism as the trainer runs them, without the gradient reduction). The
-    machine drifts by tens of percent within minutes; within a round it does not, so every figure is
-    taken as a ratio to a measurement of the same round (profile_shared). Then the collectives."""
+    pipeline and tensor parallelism as the trainer runs them, without the gradient reduction, between
+    steps of the reference on every rank). The machine drifts by tens of percent within minutes, and
+    other load comes and goes within seconds, so every figure is taken as a ratio to measurements
+    next to it in time (profile_shared). Then the collectives and context parallelism's attention."""
     import torch
     import torch.distributed as dist
 
@@ -147,7 +259,7 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     world, rank, device, t_build = dist.get_world_size(), dist.get_rank(), Device("cpu"), time.perf_counter()
     cfg, (x, y) = ModelConfig(**REFERENCE), _reference_tokens()
     alone_model = _reference()
-    runs = {}
+    runs, ledgers = {}, {}
     for name, fields in reference_layouts(world).items():
         layout = ParallelLayout(**fields)
         groups = ProcessGroups.build(layout, device)
@@ -158,39 +270,62 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
         micro = 2 * world // layout.dp
         schedule = build_schedule(layout.schedule, layout.pp, micro, 1)
         runs[name] = (model, PipelineEngine(model, plan, schedule, p2p, store=part.store), [(x, y)] * micro)
+        ledgers[name] = groups.ledger
     shared: dict[int, list[float]] = {k: [] for k in ks}
     layouts: dict[str, list[float]] = {name: [] for name in runs}
+    tp_waits: dict[str, list[float]] = {name: [] for name in runs}  # seconds blocked in tp collectives
+    busy: list[list[float]] = []  # per round: the all-busy step before each layout and after the last
+
+    def reference_on(k: int, reps: int = 1) -> float:
+        """The reference's forward + backward on the first k ranks at once, the others waiting."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps if rank < k else 0):
+            alone_model(x, y).backward()
+        return (time.perf_counter() - t0) / reps
+
+    for name, (model, engine, batches) in runs.items():  # warm-up: each layout's first step is not timed
+        model.zero_grad(set_to_none=True)
+        engine.run(batches)
+        ledgers[name].take_seconds()
+    reference_on(world)
     t_rounds = time.perf_counter()
-    for _ in range(rounds + 1):  # the first round warms up
-        for k in ks:
-            dist.barrier()
-            t0 = time.perf_counter()
-            reps = 2 if k == world else 1  # all busy: the layouts' 2 x world micro-batches, for their ratio
-            for _ in range(reps if rank < k else 0):
-                alone_model(x, y).backward()
-            shared[k].append((time.perf_counter() - t0) / reps)
+    for _ in range(rounds):
+        for k in ks[:-1]:
+            shared[k].append(reference_on(k))
+        # Every rank busy, 2 x world micro-batches as the layouts run: right before each layout and
+        # after the last, so that each layout is taken against the two nearest in time.
+        busy.append([reference_on(world, 2)])
         for name, (model, engine, batches) in runs.items():
             model.zero_grad(set_to_none=True)
             dist.barrier()
             t0 = time.perf_counter()
+            ledgers[name].take_seconds()
             engine.run(batches)
             dist.barrier()
             layouts[name].append(time.perf_counter() - t0)
+            tp_waits[name].append(sum(v for k, v in ledgers[name].take_seconds().items() if k.startswith("tp.")))
+            busy[-1].append(reference_on(world, 2))
+        shared[world].append(statistics.fmean(busy[-1]))
     t_collectives = time.perf_counter()
     collectives = _collectives_worker(sizes, group_sizes, compute_n)
+    t_cp = time.perf_counter()
+    cp = _cp_attention_worker(group_sizes, compute_n)
     seconds = {"build": t_rounds - t_build, "rounds": t_collectives - t_rounds,
-               "collectives": time.perf_counter() - t_collectives}
-    return {"shared": {k: v[1:] for k, v in shared.items()}, "layouts": {k: v[1:] for k, v in layouts.items()},
-            "collectives": collectives, "seconds": seconds}
+               "collectives": t_cp - t_collectives, "cp_attention": time.perf_counter() - t_cp}
+    return {"shared": shared, "layouts": layouts, "tp_waits": tp_waits, "busy": busy, "collectives": collectives,
+            "cp_attention": cp, "seconds": seconds}
 
 
 def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n: int = 384,
-                   sizes: Sequence[int] = SIZES) -> tuple[dict, dict[str, dict], dict[str, dict], list[dict], dict]:
+                   sizes: Sequence[int] = SIZES
+                   ) -> tuple[dict, dict[str, dict], dict[str, dict], list[dict], dict[str, dict], dict]:
     """One run of max(ranks) processes (``_shared_worker``): the reference alone (``seconds``, the
     median over rounds), the slowdown with k computing (median over rounds of the time over the same
-    round's alone), each reference layout's step time relative to alone and to the same round's
-    step with every rank busy (``relative_to_busy``: both about a second, back to back, what
-    calibration.py uses), and the collectives of every group size that divides the world."""
+    round's alone), each reference layout's step time relative to alone and to the steps with every
+    rank busy right before and after it (``relative_to_busy``: about a second each, back to back,
+    what calibration.py uses), the collectives of every group size that divides the world, and context
+    parallelism's attention at those degrees (``cp_extras``)."""
     from mpformer.parallel.spawn import run_distributed
 
     world = max(ranks)
@@ -205,11 +340,33 @@ def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n:
     loaded = {str(k): {"ranks": k, "seconds": statistics.median(at(k, r) for r in range(rounds)),
                        "slowdown": statistics.median(at(k, r) / alone[r] for r in range(rounds))}
               for k in ks if k > 1}
+    def busy(r: int, i: int) -> float:  # the all-busy step of 2 micro-batches a rank around layout i
+        return sum(p["busy"][r][i] + p["busy"][r][i + 1] for p in per_rank) / world
+
     fields = reference_layouts(world)
     layouts = {name: {"layout": fields[name], "world": world, "microbatches": 2 * world,
                       "seconds": statistics.median(times),
                       "relative": statistics.median(t / a for t, a in zip(times, alone)),
-                      "relative_to_busy": statistics.median(t / (2 * at(world, r)) for r, t in enumerate(times))}
-               for name, times in per_rank[0]["layouts"].items()}
+                      "relative_to_busy": statistics.median(t / busy(r, i) for r, t in enumerate(times)),
+                      # the tensor-parallel collectives' waits within it, mean over the ranks
+                      "tp_waits_relative_to_busy": statistics.median(
+                          statistics.fmean(p["tp_waits"][name][r] for p in per_rank) / busy(r, i)
+                          for r in range(rounds))}
+               for i, (name, times) in enumerate(per_rank[0]["layouts"].items())}
     reference = {"seconds": statistics.median(alone), "seconds_alone_runs": alone}
-    return reference, loaded, layouts, per_rank[0]["collectives"], per_rank[0]["seconds"]
+    return reference, loaded, layouts, per_rank[0]["collectives"], cp_extras(per_rank), per_rank[0]["seconds"]
+
+
+def cp_extras(per_rank: Sequence[dict]) -> dict[str, dict]:
+    """What each measured cp kind and degree costs beyond the fused kernel the cost model times for a
+    cp rank (forward + backward), per sequence length, mean over the ranks."""
+    out = {}
+    for key, first in per_rank[0]["cp_attention"].items():
+        rows = []
+        for i, row in enumerate(first["rows"]):
+            mean = {f: statistics.fmean(r["cp_attention"][key]["rows"][i][f] for r in per_rank)
+                    for f in ("seconds", "fused_s")}
+            rows.append({"seq": row["seq"], "scores_per_rank": row["scores_per_rank"], **mean,
+                         "extra_s": mean["seconds"] - mean["fused_s"]})
+        out[key] = {k: v for k, v in first.items() if k != "rows"} | {"rows": rows}
+    return out

@@ -140,9 +140,51 @@ def test_reference_model_calibrates_compute():
     assert cal.compute_s == pytest.approx(k * base.compute_s, rel=1e-6)
 
 
+def test_short_micro_batches_separate_the_cost_per_launch_from_the_work():
+    """A reference whose step is k x the modelled kernels + launch x the kernels launched, measured at
+    its sequence and as four short micro-batches: calibration.py recovers both, adds launch x the
+    kernels of every layer, head and embedding pass, and a layout that launches the same kernels on
+    less work (tp: narrower GEMMs) pays relatively more than a compute factor alone would say."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cost import _PARTS, calibration, kernel_launches, stage_costs
+
+    c = replace(load_cluster("local-cpu"), measured={})
+    model = {"arch": "llama", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_kv_heads": 2,
+             "ffn_hidden_size": 256, "vocab_size": 512}
+    m, one = ModelConfig(**model), ParallelLayout(dp=1)
+    k, launch = 1.3, 2e-4
+
+    def step(seq: int) -> tuple[float, float]:  # modelled work, kernels launched (one micro-batch)
+        w = Workload(1, 1, seq, "fp32")
+        fc, bc, wc, _ = stage_costs(m, one, w, c)
+        layer, head, emb = (kernel_launches(m, one, w, p) for p in _PARTS)
+        return sum(fc) + sum(bc) + sum(wc), sum(m.num_layers * a + b + e for a, b, e in zip(layer, head, emb))
+
+    (work, n), (short, _) = step(128), step(32)
+    t = k * work + launch * n
+    ref = {"model": model, "seq_length": 128, "micro_batch_size": 1, "precision": "fp32", "seconds": t,
+           "short_pieces": 4, "short_micro_batches_ratio": 4 * (k * short + launch * n) / t}
+    cal = calibration(replace(c, measured={"reference": ref}))
+    assert cal.compute == pytest.approx(k, rel=1e-9) and cal.launch == pytest.approx(launch, rel=1e-9)
+    host = replace(c, measured={"reference": ref}, cores=4)  # ranks on cores of their own: compute alone
+    assert step(128)[0] * k + launch * n == pytest.approx(t)
+    w = Workload(1, 1, 128, "fp32")
+    fc, bc, wc, _ = stage_costs(m, one, w, host)
+    assert sum(fc) + sum(bc) + sum(wc) == pytest.approx(t, rel=1e-9)
+    tp = ParallelLayout(dp=1, tp=2, sequence_parallel=True)
+    with_launch = sum(map(sum, stage_costs(m, tp, w, host)[:3]))
+    compute_only = replace(c, measured={"reference": {**ref, "short_micro_batches_ratio": None}}, cores=4)
+    assert with_launch > sum(map(sum, stage_costs(m, tp, w, compute_only)[:3]))
+    # A ratio that would make the launches negative (noise) leaves everything to the compute factor.
+    noisy = calibration(replace(c, measured={"reference": {**ref, "short_micro_batches_ratio": 0.5}}))
+    assert noisy.launch == 0.0 and noisy.compute == pytest.approx(t / work)
+
+
 def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
     """A local-cpu profile whose reference layouts ran ``factors`` times the model's prediction
-    (pipelines) and whose tensor-parallel step waited ``tp_factor`` times its modelled collectives."""
+    (pipelines) and whose tensor-parallel step took ``tp_factor`` times its modelled collectives
+    beyond its compute."""
     from dataclasses import replace
 
     c = replace(load_cluster("local-cpu"), measured={})
@@ -153,37 +195,40 @@ def _layout_profile(factors: dict[str, float], tp_factor: float) -> tuple:
     base = replace(c, measured={"reference": ref, "loaded": loaded})
     m, busy = ModelConfig(**ref["model"]), 2 * 0.1 * 2.2  # 2 micro-batches per rank at slowdown(4)
     layouts = {}
-    for name, fields in {"pp4": {"dp": 1, "pp": 4}, "pp4 zb-h1": {"dp": 1, "pp": 4, "schedule": "zb-h1"},
-                         "dp2 pp2": {"dp": 2, "pp": 2},
+    for name, fields in {"pp4": {"dp": 1, "pp": 4}, "dp2 pp2": {"dp": 2, "pp": 2},
                          "dp2 tp2": {"dp": 2, "tp": 2, "sequence_parallel": True}}.items():
         b = iteration_time(m, ParallelLayout(**fields), Workload(8, 1, 128, "fp32"), base, params_per_rank=0)
         pred = b.iteration_s - b.dp_comm_exposed_s - b.optimizer_s
+        row = {"layout": fields, "world": 4, "microbatches": 8}
         if "tp" in fields:  # the profile's step has no once-per-step all-reduce of replicated gradients
             step = tp_step_time(m, ParallelLayout(**fields), base)
             measured = pred - step + (tp_factor - 1) * (b.tp_comm_s - step)
+            # The ledger's waits (recorded, not used: the step decides the factor).
+            row["tp_waits_relative_to_busy"] = 3 * (b.tp_comm_s - step) / busy
         else:
             measured = factors[name] * pred
-        layouts[name] = {"layout": fields, "world": 4, "microbatches": 8, "relative_to_busy": measured / busy}
+        layouts[name] = row | {"relative_to_busy": measured / busy}
     return base, replace(base, measured={**base.measured, "layouts": layouts})
 
 
 def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     """calibration.py recovers the factors a profile's reference layouts ran at against the model's
-    prediction (pipelines by depth, zero-bubble over 1F1B, the tensor-parallel waits), interpolates
-    depths between, clamps absurd ones, and scales other models' candidates by them."""
+    prediction (pipelines by depth, the tensor-parallel waits), interpolates depths between, clamps
+    absurd ones, and scales other models' candidates by them: a pipeline's factor whatever its
+    schedule (interleaved and zero-bubble ones too)."""
     from dataclasses import replace
 
     from mpformer.autoconfig.calibration import LIMITS
     from mpformer.autoconfig.cost import calibration
 
-    base, c = _layout_profile({"pp4": 1.3, "pp4 zb-h1": 1.3 * 1.1, "dp2 pp2": 1.1}, tp_factor=2.0)
+    base, c = _layout_profile({"pp4": 1.3, "dp2 pp2": 1.1}, tp_factor=2.0)
     cal = calibration(c)
-    assert cal.pipeline == pytest.approx({4: 1.3, 2: 1.1}, rel=1e-9)
-    assert cal.zero_bubble == pytest.approx(1.1, rel=1e-9) and cal.tp == pytest.approx({2: 2.0}, rel=1e-9)
+    assert cal.pipeline == pytest.approx({4: 1.3, 2: 1.1}, rel=1e-9) and cal.tp == pytest.approx({2: 2.0}, rel=1e-9)
     assert cal.pipeline_factor(3) == pytest.approx(1.2) and cal.pipeline_factor(8) == pytest.approx(1.3)
-    assert cal.pipeline_factor(1) == 1.0 and cal.pipeline_factor(4, "zb-h2") == pytest.approx(1.43)
-    assert calibration(base).pipeline == {} and calibration(base).tp == {} and cal.tp_factor(4) == 1.0
-    absurd = _layout_profile({"pp4": 50.0, "pp4 zb-h1": 50.0, "dp2 pp2": 0.01}, tp_factor=1.0)[1]
+    assert cal.pipeline_factor(1) == 1.0 and cal.pipeline_factor(4, "zb-h2") == pytest.approx(1.3)
+    assert cal.pipeline_factor(2, "interleaved") == pytest.approx(1.1)
+    assert calibration(base).pipeline == {} and calibration(base).tp == {} and calibration(base).tp_factor(4) == 1.0
+    absurd = _layout_profile({"pp4": 50.0, "dp2 pp2": 0.01}, tp_factor=1.0)[1]
     assert calibration(absurd).pipeline == {4: LIMITS[1], 2: LIMITS[0]}
 
     m = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
@@ -199,8 +244,10 @@ def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     tp_c, tp_base = parts(c, dp=2, tp=2, sequence_parallel=True), parts(base, dp=2, tp=2, sequence_parallel=True)
     assert tp_c[1] == pytest.approx(2.0 * tp_base[1], rel=1e-9)
     assert tp_c[0] - tp_c[1] == pytest.approx(tp_base[0] - tp_base[1], rel=1e-9)
-    tp4 = {"dp": 1, "tp": 4, "sequence_parallel": True}  # a degree the profile did not run: its own fits
-    assert parts(c, **tp4) == pytest.approx(parts(base, **tp4), rel=1e-9)
+    # A degree the profile did not run: its own fits, times the nearest measured degree's ratio.
+    tp4 = {"dp": 1, "tp": 4, "sequence_parallel": True}
+    assert cal.tp_factor(4) == pytest.approx(2.0)
+    assert parts(c, **tp4)[1] == pytest.approx(2.0 * parts(base, **tp4)[1], rel=1e-9)
     assert calibration(replace(c, measured={})).pipeline == {}
     no_cores = calibration(replace(c, cores=None))  # a CPU profile on a host of its own cores: compute only
     assert no_cores.pipeline == {} and no_cores.compute == pytest.approx(cal.compute)
