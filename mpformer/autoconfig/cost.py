@@ -34,7 +34,6 @@ gradient reduction does not overlap compute there (no core is free to run it).
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field, replace
 
 from mpformer.autoconfig.calibration import SPLIT, Calibration, clamp
@@ -51,10 +50,6 @@ from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts
 from mpformer.pipeline.simulate import Costs
-
-# Gradient buckets of the data-parallel reduction (fp32 bytes): mpformer's train.grad_bucket_mb default
-# (25 MiB, as PyTorch DDP's bucket_cap_mb); Megatron-LM's are 40M parameters (its ddp_bucket_size).
-BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass
@@ -307,7 +302,7 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
              first_forward: float, last_backward: float, cores_shared: bool) -> float:
     """Exposed data-parallel time of a step on the rank that finishes last (pipeline rank 0).
 
-    Gradients reduce (over dp x cp: the same weights) in buckets of ``BUCKET_BYTES`` of fp32, each
+    Gradients reduce (over dp x cp: the same weights) in the runtime's buckets (``Runtime.buckets``), each
     launched as soon as backward has produced it, on one communication stream: n buckets ready at
     equal steps through a backward of length B, T to reduce them all, finish max(B + T/n, B/n + T)
     after the backward began, i.e. max(T/n, T - B (1 - 1/n)) after it ends (the last bucket, which
@@ -332,8 +327,9 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
     def coll(kind: str, total: float, pieces: int) -> float:
         return pieces * _collective(c, kind, total / pieces, dp_ranks, spans)
 
+    n = w.runtime.buckets(params, reduce_bytes, dp_ranks)
+
     def hidden(kind: str, total: float, behind: float) -> float:
-        n = max(1, math.ceil(total / BUCKET_BYTES))
         t = coll(kind, total, n)
         if cores_shared or not w.runtime.overlap_grad_reduce:
             return t

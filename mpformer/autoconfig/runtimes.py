@@ -35,6 +35,7 @@ tests/unit/test_memory_published.py) and run or overlap other kernels (cost.py, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
@@ -62,6 +63,21 @@ class Runtime:
     overlap_grad_reduce: bool = True  # buckets reduced during the backward
     overlap_p2p: bool = True  # False: each send/receive group blocks its rank until it completes
     tp_comm_overlap: bool = False  # tensor-parallel collectives chunked into the adjacent GEMMs
+    # What the software could run, for the fields a published run leaves to the search: its pipeline
+    # schedules and ZeRO stages (None: every one mpformer has). A pinned field is taken as published.
+    schedules: tuple[str, ...] | None = None
+    zero_stages: tuple[int, ...] | None = None
+    # Gradient buckets (each one collective): of ``bucket_mb`` MiB of reduced gradients (mpformer:
+    # train.grad_bucket_mb; torch DDP's default is the same 25), inf for one collective over every
+    # gradient; or of ``bucket_numel`` = (a, b): max(a, b * dp) parameters (Megatron-Core's default).
+    bucket_mb: float = 25.0
+    bucket_numel: tuple[float, float] | None = None
+
+    def buckets(self, params: float, reduce_bytes: int, dp: int) -> int:
+        """How many collectives reduce ``params`` gradients of ``reduce_bytes`` over ``dp`` ranks."""
+        if self.bucket_numel is not None:
+            return max(1, math.ceil(params / max(self.bucket_numel[0], self.bucket_numel[1] * dp)))
+        return max(1, math.ceil(params * reduce_bytes / (self.bucket_mb * 2**20)))
 
 
 MPFORMER = Runtime("mpformer")
@@ -69,17 +85,26 @@ TORCHTITAN = Runtime("torchtitan", units="layer", reduce_bytes=4, pooled=False, 
                      selective="op", kernels="composite")  # December 2024's eager torch; compiled: fused
 DEEPSPEED = Runtime("deepspeed", units="module", pooled=False, max_live=1e9, prefetch_bucket=5e7,
                     reduce_bucket=5e8, shard_bytes=(2, 2, 4, 8), kernels="fused", overlap_grad_reduce=False,
-                    overlap_p2p=False)  # with Megatron-LM's fused kernels and its pipeline engine (2021-2022)
+                    overlap_p2p=False, schedules=("1f1b",), bucket_numel=(5e8, 0.0))
+# (Megatron-LM's fused kernels, its 1F1B pipeline engine; reduce_bucket_size 5e8 elements)
+# Megatron-LM (2021-2023) and Megatron-Core (2024) ran 1F1B and its interleaved form (no zero-bubble
+# schedule), and ZeRO no further than stage 1 (--use-distributed-optimizer; Megatron-Core's FSDP came later).
+# Without --overlap-grad-reduce Megatron reduces its contiguous gradient buffer in one collective; with
+# it, in buckets of max(4e7, 1e6 dp) parameters (DistributedDataParallelConfig.bucket_size: "larger DP
+# sizes need larger buckets to ensure collectives do not become latency-bound").
+_MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 # Megatron-LM as the published runs used it: before --overlap-grad-reduce and p2p overlap (2021-2023),
 # and Megatron-Core with Transformer Engine and every overlap on (its 2024 weak-scaling table).
-MEGATRON = Runtime("megatron-lm", kernels="fused", overlap_grad_reduce=False, overlap_p2p=False)
-MEGATRON_CORE = Runtime("megatron-core", kernels="fused", tp_comm_overlap=True)
+MEGATRON = Runtime("megatron-lm", kernels="fused", overlap_grad_reduce=False, overlap_p2p=False,
+                   schedules=_MEGATRON_SCHEDULES, zero_stages=(0, 1), bucket_mb=math.inf)
+MEGATRON_CORE = Runtime("megatron-core", kernels="fused", tp_comm_overlap=True, schedules=_MEGATRON_SCHEDULES,
+                        zero_stages=(0, 1), bucket_numel=(4e7, 1e6))
 
 
 def mpformer_runtime(t: TrainConfig) -> Runtime:
     """mpformer's runtime as a training config sets it up (its train.zero3_* settings)."""
     return replace(MPFORMER, unit_numel=t.zero3_unit_numel, prefetch_numel=t.zero3_prefetch_numel,
-                   reduce_numel=t.zero3_reduce_numel)
+                   reduce_numel=t.zero3_reduce_numel, bucket_mb=t.grad_bucket_mb)
 
 
 def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: list[bool], wb: int,

@@ -258,7 +258,9 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
     if not per_dp:
         result.reject("batch", f"global batch {gbs} does not split over dp={dp}")
         return
-    schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2"]
+    rt = w.runtime
+    schedules = [s for s in (["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2"])
+                 if rt.schedules is None or s in rt.schedules]
     kinds = cp_kinds(cp, fixed)
     for schedule in options("schedule", schedules):
         vpps = [1] if schedule != "interleaved" else [v for v in (2, 3, 4) if pp * v <= model.num_layers]
@@ -266,6 +268,7 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
             for mbs in options("micro_batch_size", [b for b in (1, 2, 4, 8) if per_dp % b == 0]):
                 for sp in options("sequence_parallel", [tp > 1]):
                     stages = [0] if dp * cp == 1 else [0, 1, 2, 3] if pp == 1 else [0, 1]  # dp=1: all alike
+                    stages = [z for z in stages if rt.zero_stages is None or z in rt.zero_stages]
                     for zero in options("zero", stages):
                         # Layers that do not split evenly go to stages balanced by compute (partition.py).
                         part = "uniform" if model.num_layers % (pp * vpp) == 0 else "balanced"

@@ -10,7 +10,7 @@ import pytest
 from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.cost import _dp_time, iteration_time
 from mpformer.autoconfig.memory import Workload, plan_memory
-from mpformer.autoconfig.runtimes import MEGATRON
+from mpformer.autoconfig.runtimes import MEGATRON, MEGATRON_CORE, MPFORMER
 from mpformer.autoconfig.search import Pins, SearchResult, _recompute_choice, _retime, search
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -64,8 +64,29 @@ def test_data_parallel_tail():
     L = ParallelLayout(dp=32, zero=0)
     params = SMALL.num_params()
     long_bwd = _dp_time(SMALL, L, w, c, params, 8, 1.0, 10.0, False)
-    no_overlap = _dp_time(SMALL, L, replace(w, runtime=MEGATRON), c, params, 8, 1.0, 10.0, False)
+    no_overlap = _dp_time(SMALL, L, replace(w, runtime=replace(MPFORMER, overlap_grad_reduce=False)), c, params, 8,
+                          1.0, 10.0, False)
     no_time = _dp_time(SMALL, L, w, c, params, 8, 0.0, 0.0, False)
     assert 0 < long_bwd < no_time == pytest.approx(no_overlap)
+    # Megatron-LM without overlap reduces its whole buffer in one collective: one latency, not one a bucket
+    one = _dp_time(SMALL, L, replace(w, runtime=MEGATRON), c, params, 8, 1.0, 10.0, False)
+    assert one < no_overlap
     b = iteration_time(SMALL, L, w, c, params_per_rank=params)
     assert b.dp_comm_exposed_s > 0 and b.optimizer_s > 0
+
+
+def test_runtime_buckets_and_capabilities():
+    """Gradient buckets as each runtime makes them (mpformer's train.grad_bucket_mb, Megatron-Core's
+    max(4e7, 1e6 dp) parameters, Megatron-LM's one buffer), and the search offers a published run only
+    the schedules and ZeRO stages its software had: Megatron never ran zero-bubble schedules or ZeRO-3."""
+    assert MPFORMER.buckets(25 * 2**20, 4, 8) == 4 and MPFORMER.buckets(1, 4, 8) == 1
+    assert MEGATRON_CORE.buckets(4e8, 4, 8) == 10 and MEGATRON_CORE.buckets(4e8, 4, 100) == 4
+    assert MEGATRON.buckets(1e12, 4, 64) == 1
+    c = load_cluster("dgx-h100", nodes=2)
+    w = Workload(64, 1, 2048, "bf16", runtime=MEGATRON_CORE)
+    res = search(SMALL, c, w, fixed={"cp": 1}, top_k=50)
+    plans = [p.plan() for p in res.top]
+    assert plans and all(p["schedule"] in ("1f1b", "interleaved") and p["zero"] in (0, 1) for p in plans)
+    free = search(SMALL, c, Workload(64, 1, 2048, "bf16"), fixed={"cp": 1}, top_k=200)
+    assert {p.plan()["zero"] for p in free.top} - {0, 1}  # mpformer's own runtime has ZeRO-2/3 too
+
