@@ -1,7 +1,9 @@
 """What mpformer's own layers keep for backward, and what their backward adds, counted op by op.
 
 Korthikanti et al.'s 34 s b h (autoconfig/memory.py ``activation_bytes_per_layer``) counts Megatron's
-GPT layer (GeLU MLP of 4h, LayerNorm, dropout masks, attention scores). mpformer's block differs
+GPT layer (GeLU MLP of 4h, LayerNorm, dropout masks, attention scores); ``megatron_layer_bytes`` below
+counts the same block op by op for any width, kv heads, gate, dropout and attention kernel (the runs
+of Megatron-LM, Megatron-Core and Megatron-DeepSpeed). mpformer's block differs
 (SwiGLU, RMSNorm computed in fp32, SDPA), so the memory model counts what its modules save, per
 micro-batch and rank, in bytes (``wb``: the parameter and activation dtype's bytes; s_n = s / cp the
 rank's positions, s_r = s_n / t under sequence parallelism, else s_n; q, kv, f the rank's query,
@@ -121,3 +123,31 @@ def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_ba
     again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none").saved
     shared = m.norm_type == "layernorm" or BYTES[precision] == 4
     return again - (layer_bytes(m, L, seq_length, micro_batch, precision).saved if shared else 0.0)
+
+
+def megatron_layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
+                         flash: bool, recompute: str | None = None) -> float:
+    """What Megatron's block (Megatron-LM, Megatron-Core with Transformer Engine, Megatron-DeepSpeed)
+    keeps per micro-batch on one rank: Korthikanti et al.'s Table 2, op by op, for any MLP width, kv
+    heads, gate and dropout. Per token: the two norms' inputs and the qkv and MLP inputs (wb h each;
+    under sequence parallelism the rank's shard, the all-gather redone in backward), a 1-byte mask per
+    hidden dropout, q, k, v (wb (q + 2 kv)) and the attention output (wb q, the projection's input),
+    the MLP's up output(s) and activation output (wb f x 2 or 3); an attention that writes its scores
+    keeps the softmax output, and with attention dropout its mask and output (wb + 1 + wb per score),
+    a flash kernel its log-sum-exp rows instead (fp32). Selective recompute drops the scores; full keeps
+    the layer's input (the rank's shard under sequence parallelism). GPT-3 (h 4h MLP, MHA, dropout):
+    34 s b h (t-sharded under sequence parallelism, else 10 + 24 / t) + 5 a s^2 b / t, as published."""
+    wb, x = BYTES[precision], shape(m, L, seq_length, micro_batch)
+    mode = L.recompute if recompute is None else recompute
+    rows, tokens = x.s_r * x.b, x.s_n * x.b
+    if mode == "full":
+        return wb * rows * x.h
+    masks = 2 * rows * x.h if m.hidden_dropout > 0 else 0.0
+    residual = 4 * wb * rows * x.h + masks
+    attention = wb * tokens * (2 * x.q + 2 * x.kv)
+    if flash:
+        attention += 4 * x.a * tokens
+    elif mode == "none":
+        attention += (2 * wb + 1 if m.attention_dropout > 0 else wb) * x.a * x.s_n * tokens
+    mlp = wb * tokens * x.f * (3 if m.gated_mlp else 2)
+    return residual + attention + mlp

@@ -12,9 +12,10 @@
                   peak in-flight count per rank, verified from its own action lists) and, when the
                   peak falls in a layer's backward, that layer's recomputed activations and its
                   backward's own (layer_memory.py). Per layer: mpformer's own count
-                  (layer_memory.py), or for an attention that writes its scores
-                  (``flash_attention=False``: Megatron before FlashAttention, as the published runs)
-                  Korthikanti et al.'s (``activation_bytes_per_layer``); plus what a cp kind keeps
+                  (layer_memory.py ``layer_bytes``: PyTorch autograd's, torchtitan's too), or Megatron's
+                  block (``megatron_layer_bytes``: Korthikanti et al.'s count op by op, for the
+                  runtimes that run it and for an attention that writes its scores, as Megatron
+                  before FlashAttention did); plus what a cp kind keeps
                   beyond its own K/V (``cp_extra_bytes_per_layer``), the pipeline's received inputs and
                   kept outputs, and on the last stage the head's: its final norm and the fused cross
                   entropy's fp32 dX [n, h] and dW [v, h], formed in forward and held until backward
@@ -47,7 +48,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from mpformer.autoconfig.layer_memory import BYTES, layer_bytes, norm_bytes, recompute_bytes, shape
+from mpformer.autoconfig.layer_memory import (
+    BYTES,
+    layer_bytes,
+    megatron_layer_bytes,
+    norm_bytes,
+    recompute_bytes,
+    shape,
+)
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, parts_gathered, zero3_extras
 from mpformer.autoconfig.step_memory import Reduction, Unit, walk
 from mpformer.core.buffers import zero3_groups
@@ -226,20 +234,22 @@ def _layer(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtim
     again = cp_extra_bytes_per_layer(m, replace(Lm, recompute="none"), w) if mode != "none" and L.cp > 1 else 0.0
     x, wb = shape(m, L, w.seq_length, w.micro_batch_size), BYTES[w.precision]
     tokens = x.s_n * x.b
-    if w.flash_attention:  # mpformer's own block
+    if w.flash_attention and rt.block == "mpformer":  # mpformer's own block (and torchtitan's)
         args = (w.seq_length, w.micro_batch_size, w.precision)
         lb = layer_bytes(m, Lm, *args, sunk=sunk)
         if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
             saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
             return saved + kept, layer_bytes(m, Lm, *args, recompute="none").saved - saved + lb.backward
         return lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args) + again
-    # Megatron's block (Korthikanti et al.). A recomputed layer's activations come back in its backward,
-    # which adds the gradients of the MLP's 4h-wide activations (while all of them live) or, once the
-    # MLP's are freed (19 s b h of the 34), the gradient of the attention probabilities.
-    saved = activation_bytes_per_layer(m, Lm, w)
-    again += activation_bytes_per_layer(m, replace(Lm, recompute="none"), w) - saved
-    mlp_part = (wb + 1) * x.s_r * x.b * x.h + 2 * wb * tokens * x.f
-    probs = wb * x.a * x.s_n * tokens if L.cp == 1 else 0.0
+    # Megatron's block (layer_memory.megatron_layer_bytes; without a flash kernel, whoever runs it). A
+    # recomputed layer's activations come back in its backward, which adds the gradients of the MLP's
+    # wide activations (while all of them live) or, once the MLP's are freed, the gradient of the
+    # attention probabilities.
+    args = (w.seq_length, w.micro_batch_size, w.precision, w.flash_attention)
+    saved = megatron_layer_bytes(m, Lm, *args)
+    again += megatron_layer_bytes(m, Lm, *args, recompute="none") - saved
+    mlp_part = (wb + (1 if m.hidden_dropout > 0 else 0)) * x.s_r * x.b * x.h + 2 * wb * tokens * x.f
+    probs = wb * x.a * x.s_n * tokens if L.cp == 1 and not w.flash_attention else 0.0
     return saved + kept, again + max(2 * wb * tokens * x.f, probs - mlp_part)
 
 

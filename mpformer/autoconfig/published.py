@@ -1,11 +1,13 @@
 """The published runs of published_runs.json (beside this module) as auto-configurator inputs.
 
 Korthikanti et al. 2022 (A100 80GB, GPT-3-style models, s=2048, V=51200, no FlashAttention yet), the
-Llama 3 405B runs (H100, 126 layers, GQA), Megatron-Core's H100 weak-scaling table (1.7B-462B, dp=48)
-and torchtitan's Llama 3 H100 figures (FSDP, i.e. ZeRO-3 over dp). ``published_cases`` returns, per
-row, the model, the cluster, the workload, the published layout to pin (only the fields the source
-states: the search chooses the rest), and the published figure (iteration seconds, TFLOP/s per GPU,
-or tokens/s per GPU). ``source`` names the table; the test holds the first two to their tolerances,
+Llama 3 405B runs (H100, 126 layers, GQA), Megatron-Core's H100 weak-scaling table (1.7B-462B, dp=48),
+torchtitan's Llama 3 H100 figures (FSDP, i.e. ZeRO-3 over dp), BLOOM-176B, MT-NLG 530B, MegaScale's
+Megatron-LM baseline, and NVIDIA's DGX Cloud benchmark recipes on H100 (every layout field stated).
+``published_cases`` returns, per row, the model, the cluster, the workload (with the runtime that ran
+it), the published layout to pin (only the fields the source states: the search chooses the rest),
+and the published figure (iteration seconds, TFLOP/s per GPU, or tokens/s per GPU). ``source`` names
+the table; tests/unit/test_autoconfig_published.py holds every row to its tolerance and
 benchmarks/bench_published.py prints every row's error.
 """
 
@@ -66,6 +68,40 @@ def published_cases(path: Path = REFERENCE) -> list[Case]:
     out += _bloom(d.get("bloom_176b", {}).get("rows", []))
     out += _mt_nlg(d.get("mt_nlg_530b", {}).get("rows", []))
     out += _megascale(d.get("megascale_megatron_baseline", {}))
+    out += _dgxc(d.get("nvidia_dgxc_h100_bf16", {}).get("rows", []))
+    return out
+
+
+# NVIDIA's recipes' models (dgxc-benchmarking READMEs and NeMo launcher configs). Nemotron-4's block has
+# 8 kv heads, RoPE and an MLP of 4h with squared ReLU and no gate, which no mpformer architecture has: it
+# is modelled as a Llama block whose gated MLP is 2/3 as wide (8h/3): the same weights, FLOPs and saved
+# MLP bytes (three f'-wide tensors of 8h/3 = two of 4h); RMSNorm stands for its LayerNorm1p.
+NEMOTRON4 = {"nemotron4-15b": (32, 6144, 48), "nemotron4-340b": (96, 18432, 96)}
+
+
+def _dgxc(rows: list[dict]) -> list[Case]:
+    """NVIDIA's DGX Cloud benchmark recipes on DGX H100 in BF16: Megatron-Core with Transformer Engine
+    (NeMo 1), every layout field stated, no recompute (the launcher configs), the distributed optimizer."""
+    out = []
+    for r in rows:
+        name = r["model"]
+        if name.startswith("llama3.1"):
+            m = _llama3(name.replace("3.1", "3"), r["seq"])
+        elif name == "gpt3-175b":
+            m = _gpt({"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq": r["seq"]})
+        else:
+            layers, hidden, heads = NEMOTRON4[name]
+            m = ModelConfig(arch="llama", num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                            num_kv_heads=8, ffn_hidden_size=8 * hidden // 3, vocab_size=256000,
+                            max_position_embeddings=r["seq"])
+        c = load_cluster("dgx-h100", nodes=r["gpus"] // 8)
+        w = Workload(r["global_batch"], r["micro_batch"], r["seq"], "bf16", runtime=MEGATRON_CORE)
+        fixed = {"tp": r["tp"], "pp": r["pp"], "cp": r["cp"], "dp": r["gpus"] // (r["tp"] * r["pp"] * r["cp"]),
+                 "vpp": r["vp"], "schedule": "interleaved" if r["vp"] > 1 else "1f1b",
+                 "micro_batch_size": r["micro_batch"], "recompute": "none",
+                 "sequence_parallel": r["sequence_parallel"], "zero": 1}
+        out.append(Case(f"dgxc {name} {r['gpus']} GPUs", m, c, w, fixed, iteration_time_s=r["step_s"],
+                        source="nvidia_dgxc_h100_bf16", note=r["container"]))
     return out
 
 

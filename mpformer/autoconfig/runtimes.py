@@ -58,6 +58,8 @@ class Runtime:
     prefetch_bucket: float = 0.0  # DeepSpeed: elements prefetched
     reduce_bucket: float = 0.0  # DeepSpeed: elements of its reduce bucket
     shard_bytes: tuple[int, int, int, int] | None = None  # ZeRO-3 (w, g, m, k); None: mpformer's engine
+    block: str = "mpformer"  # what a layer keeps for backward: "mpformer" (PyTorch's autograd: layer_memory.py
+    # layer_bytes) or "megatron" (Megatron's block: megatron_layer_bytes; Megatron-DeepSpeed runs it too)
     selective: str = "attention"  # recompute=selective: "attention" (Korthikanti; mpformer) or "op" (torchtitan)
     kernels: str = "eager"  # elementwise ops: fused | eager | composite (kernels.py)
     overlap_grad_reduce: bool = True  # buckets reduced during the backward
@@ -83,7 +85,7 @@ class Runtime:
 MPFORMER = Runtime("mpformer")
 TORCHTITAN = Runtime("torchtitan", units="layer", reduce_bytes=4, pooled=False, shard_bytes=(0, 4, 4, 8),
                      selective="op", kernels="composite")  # December 2024's eager torch; compiled: fused
-DEEPSPEED = Runtime("deepspeed", units="module", pooled=False, max_live=1e9, prefetch_bucket=5e7,
+DEEPSPEED = Runtime("deepspeed", block="megatron", units="module", pooled=False, max_live=1e9, prefetch_bucket=5e7,
                     reduce_bucket=5e8, shard_bytes=(2, 2, 4, 8), kernels="fused", overlap_grad_reduce=False,
                     overlap_p2p=False, schedules=("1f1b",), bucket_numel=(5e8, 0.0))
 # (Megatron-LM's fused kernels, its 1F1B pipeline engine; reduce_bucket_size 5e8 elements)
@@ -95,10 +97,10 @@ DEEPSPEED = Runtime("deepspeed", units="module", pooled=False, max_live=1e9, pre
 _MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 # Megatron-LM as the published runs used it: before --overlap-grad-reduce and p2p overlap (2021-2023),
 # and Megatron-Core with Transformer Engine and every overlap on (its 2024 weak-scaling table).
-MEGATRON = Runtime("megatron-lm", kernels="fused", overlap_grad_reduce=False, overlap_p2p=False,
+MEGATRON = Runtime("megatron-lm", block="megatron", kernels="fused", overlap_grad_reduce=False, overlap_p2p=False,
                    schedules=_MEGATRON_SCHEDULES, zero_stages=(0, 1), bucket_mb=math.inf)
-MEGATRON_CORE = Runtime("megatron-core", kernels="fused", tp_comm_overlap=True, schedules=_MEGATRON_SCHEDULES,
-                        zero_stages=(0, 1), bucket_numel=(4e7, 1e6))
+MEGATRON_CORE = Runtime("megatron-core", block="megatron", kernels="fused", tp_comm_overlap=True,
+                        schedules=_MEGATRON_SCHEDULES, zero_stages=(0, 1), bucket_numel=(4e7, 1e6))
 
 
 def mpformer_runtime(t: TrainConfig) -> Runtime:

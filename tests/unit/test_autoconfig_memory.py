@@ -52,6 +52,33 @@ def test_activation_bytes_follow_korthikanti():
     assert activation_bytes_per_layer(m, ParallelLayout(), Workload(1, b, s, "bf16")) == pytest.approx(base * 34)
 
 
+def test_megatron_block_count_is_korthikantis_and_generalises():
+    """Megatron's block op by op: on GPT-3 (4h MLP, MHA, dropout 0.1) exactly Korthikanti et al.'s Table 2
+    (34 s b h, 10 + 24 / t without sequence parallelism, + 5 a s^2 b / t with the scores written); on
+    Llama 3 70B (GQA, SwiGLU, no dropout, flash) the sum of what each op saves, by hand."""
+    from mpformer.autoconfig.layer_memory import megatron_layer_bytes
+
+    s, b, h, a = 2048, 1, 12288, 96
+    gpt = ModelConfig(arch="gpt2", num_layers=2, hidden_size=h, num_attention_heads=a, vocab_size=51200,
+                      activation="gelu_tanh", attention_bias=True, mlp_bias=True, max_position_embeddings=s,
+                      hidden_dropout=0.1, attention_dropout=0.1)
+    base = s * b * h
+    for L, per in ((ParallelLayout(), 34 + 5 * a * s / h), (ParallelLayout(tp=8), 10 + (24 + 5 * a * s / h) / 8),
+                   (ParallelLayout(tp=8, sequence_parallel=True), (34 + 5 * a * s / h) / 8),
+                   (ParallelLayout(tp=8, sequence_parallel=True, recompute="selective"), 34 / 8)):
+        assert megatron_layer_bytes(gpt, L, s, b, "bf16", flash=False) == pytest.approx(base * per)
+    assert megatron_layer_bytes(gpt, ParallelLayout(tp=8, sequence_parallel=True), s, b, "bf16", flash=True) == \
+        pytest.approx(base * 34 / 8 + 4 * (a // 8) * s * b)  # flash: the log-sum-exp rows, no scores
+    assert megatron_layer_bytes(gpt, ParallelLayout(recompute="full"), s, b, "bf16", flash=False) == 2 * base
+    # Llama 3 70B at tp 4 with sequence parallelism, cp 2, seq 8192: per token of the rank (4096 of them)
+    llama = ModelConfig(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                        num_kv_heads=8, vocab_size=128256, max_position_embeddings=8192)
+    L = ParallelLayout(tp=4, cp=2, sequence_parallel=True)
+    tokens, h, q, kv, f = 4096, 8192, 8192 // 4, 1024 // 4, 28672 // 4
+    by_hand = tokens * (2 * (4 * h / 4) + 2 * (2 * q + 2 * kv) + 4 * 64 / 4 + 2 * 3 * f)
+    assert megatron_layer_bytes(llama, L, 8192, 1, "bf16", flash=True) == pytest.approx(by_hand)
+
+
 def test_inflight_closed_forms_equal_the_verifier():
     from mpformer.autoconfig.memory import inflight_closed_form
     from mpformer.core.layout import min_microbatches

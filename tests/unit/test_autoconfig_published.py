@@ -23,8 +23,10 @@ TOLERANCE, MEDIAN_TOLERANCE = 0.15, 0.10
 
 # Rows the model misses by more than TOLERANCE, and why as far as it is known (issue 16). Errors as
 # benchmarks/bench_published.py printed them when the list was written.
-_H100 = ("the model's H100 compute is too fast on these rows; until the gradient buckets were Megatron-Core's "
-         "(max(4e7, 1e6 dp) parameters) a latency-bound data-parallel term of 25 MiB buckets hid it")
+_H100 = ("the model's H100 compute is too fast: NVIDIA's own fully stated H100 runs (the dgxc rows) come out "
+         "10-16% too fast, these further (micro-batch, recompute, interleaving unstated: the fastest plan that fits)")
+_DGXC_MEMORY = ("no plan: the memory model needs {} GB for a run that ran in 80 GB (the fewest data-parallel ranks "
+                "of its table: the least sharded optimizer state; NeMo's Apex distributed Adam is not modelled)")
 MISSES: dict[str, str] = {
     "405B 8192 GPUs cp=1": "-19%: only full recompute fits the memory model with interleaving (no recompute: "
                            "177 GB); Meta's recompute policy is not published",
@@ -34,9 +36,16 @@ MISSES: dict[str, str] = {
     "mcore 7.1B tp2 pp1": f"+34% (too fast): {_H100}",
     "mcore 16B tp4 pp1": f"+29% (too fast): {_H100}",
     "mcore 32B tp8 pp1": f"+35% (too fast): {_H100}",
-    "mcore 70B tp8 pp2": f"+17% (too fast): {_H100}",
-    "mcore 119B tp8 pp4": f"+21% (too fast): {_H100}",
-    "mcore 177B tp8 pp6": f"+25% (too fast): {_H100}",
+    "mcore 70B tp8 pp2": f"+34% (too fast): {_H100}",
+    "mcore 119B tp8 pp4": f"+28% (too fast): {_H100}",
+    "mcore 177B tp8 pp6": f"+27% (too fast): {_H100}",
+    "mcore 314B tp8 pp8": f"+21% (too fast): {_H100}",
+    "mcore 462B tp8 pp16": f"+25% (too fast): {_H100}",
+    "dgxc llama3.1-8b 8 GPUs": _DGXC_MEMORY.format(84),
+    "dgxc llama3.1-405b 576 GPUs": _DGXC_MEMORY.format(84),
+    "dgxc nemotron4-340b 128 GPUs": _DGXC_MEMORY.format(112),
+    "dgxc gpt3-175b 128 GPUs": "-15.1% (too fast): the H100 compute, as the other dgxc rows (-10 to -16%)",
+    "dgxc nemotron4-15b 1024 GPUs": "-16.0% (too fast): as the other dgxc rows",
     "titan llama3-8b 8 GPUs tp1 pp1": "+21% (too fast): the 500 W parts' sustained rate is not published "
                                       "(peak taken between the NVL's and the SXM's)",
     "titan llama3-8b 8 GPUs tp1 pp1 compile": "+33% (too fast): as the eager row",
@@ -85,7 +94,7 @@ def test_published_row(case, errors):
 
 
 def test_median_error(errors):
-    errs = [abs(e) for e in errors.values() if e is not None]
+    errs = [abs(e) if e is not None else float("inf") for e in errors.values()]  # no plan: the worst error
     med = statistics.median(errs)
     if med > MEDIAN_TOLERANCE:
         pytest.xfail(f"median |error| {med:.1%} over {len(errs)} rows (target {MEDIAN_TOLERANCE:.0%})")

@@ -30,10 +30,12 @@ GiB = 2**30
 
 
 def _gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
-    """Megatron's GPT-3-style model: GeLU, biases, learned positions, the head tied to the embedding."""
+    """Megatron's GPT-3-style model: GeLU, biases, learned positions, the head tied to the embedding, and
+    Megatron's default hidden and attention dropout of 0.1 (Korthikanti et al.'s count has its masks)."""
     return ModelConfig(arch="gpt2", num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                        vocab_size=51200, max_position_embeddings=2048, activation="gelu_tanh",
-                       attention_bias=True, mlp_bias=True, tie_embeddings=True)
+                       attention_bias=True, mlp_bias=True, tie_embeddings=True, hidden_dropout=0.1,
+                       attention_dropout=0.1)
 
 
 GPT_175B, GPT_530B = _gpt(96, 12288, 96), _gpt(105, 20480, 128)
