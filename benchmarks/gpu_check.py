@@ -9,6 +9,14 @@ metrics.jsonl and prints, as a table and with ``--json``:
                         peak of an 8192^3 bf16 GEMM is printed beside it, as a ceiling the device really has)
     peak memory         torch.cuda.max_memory_allocated of the run (mem_peak_bytes in metrics.jsonl)
                         next to the memory model's prediction (autoconfig/memory.py plan_memory)
+    predicted step      the cost model's step time for the same run on the device's preset
+                        (autoconfig/search.py evaluate_plan), over the measured one
+    sustained GEMM      8192^3 bf16 GEMMs back to back for ``--sustain`` seconds: the rate of the first
+                        half second against the last third, and the SM clock (nvidia-smi) at the end.
+                        The cost model's GEMM rate is the maximum achievable one measured in short bursts
+                        (ml-engineering's MAMF); a device that clocks down under sustained load runs
+                        training slower than that (benchmarks/README.md, bench_published: the H100
+                        rows are predicted 10-16% too fast)
 
     python benchmarks/gpu_check.py [--steps 30] [--seq 2048] [--micro-batch 4] [--json out.json]
 """
@@ -58,6 +66,31 @@ def measured_peak(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
+def sustained_gemm(seconds: float, n: int = 8192) -> dict:
+    """Rates of back-to-back n^3 bf16 GEMMs over ``seconds``: the first 0.5 s and the last third."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    flops, marks = 2 * n**3, []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while (now := time.perf_counter()) - start < seconds:
+        for _ in range(5):
+            a @ b
+        torch.cuda.synchronize()
+        marks.append((time.perf_counter() - start, 5))
+
+    def rate(lo: float, hi: float) -> float:
+        picked = [(t, k) for t, k in marks if lo < t <= hi]
+        if len(picked) < 2:
+            return float("nan")
+        return flops * sum(k for _, k in picked[1:]) / (picked[-1][0] - picked[0][0])
+
+    clock = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit",
+                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    burst, late = rate(0.0, 0.5), rate(seconds * 2 / 3, seconds)
+    return {"burst_tflops": burst / 1e12, "sustained_tflops": late / 1e12, "sustained_over_burst": late / burst,
+            "seconds": now - start, "sm_clock_max_power_limit": clock}
+
+
 def random_tokens(prefix: Path, vocab: int, tokens: int) -> None:
     from mpformer.data.indexed import IndexedDatasetBuilder
 
@@ -77,6 +110,7 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--json", default=None)
+    p.add_argument("--sustain", type=float, default=20.0, help="seconds of back-to-back GEMMs (0: skip)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a dry run of this script's plumbing (use a tiny --model), no MFU or memory")
     args = p.parse_args()
@@ -114,10 +148,15 @@ def main() -> int:
     peak, source = dense_peak(name)
     gemm = measured_peak() if cuda else float("nan")
     mem = max(r["mem_peak_bytes"] for r in rows) if cuda else float("nan")
+    from mpformer.autoconfig.cluster import load_cluster
+    from mpformer.autoconfig.search import evaluate_plan
     from mpformer.core.layout import ParallelLayout
 
-    predicted = plan_memory(cfg.model, ParallelLayout(), Workload(args.global_batch, args.micro_batch, args.seq,
-                                                                  "bf16"), device="cuda")[0]
+    work = Workload(args.global_batch, args.micro_batch, args.seq, "bf16")
+    predicted = plan_memory(cfg.model, ParallelLayout(), work, device="cuda")[0]
+    preset = next((v for k, v in PRESETS.items() if k in name), "dgx-h100")  # the CPU dry run: any preset
+    plan = evaluate_plan(cfg.model, ParallelLayout(), work, load_cluster(preset, nodes=1))
+    sustained = sustained_gemm(args.sustain) if cuda and args.sustain > 0 else {}
     result = {"device": name, "torch": torch.__version__, "model": args.model, "params": cfg.model.num_params(),
               "steps": len(rows), "wall_s": wall, "step_time_s": step_s,
               "tokens_per_s": args.global_batch * args.seq / step_s, "model_tflops": flops / step_s / 1e12,
@@ -125,6 +164,8 @@ def main() -> int:
               "mfu": flops / step_s / peak if peak else None, "measured_gemm_tflops": gemm / 1e12,
               "fraction_of_measured_gemm": flops / step_s / gemm, "mem_peak_gib": mem / 2**30,
               "predicted_gib": predicted.total / 2**30, "predicted_to_measured": predicted.total / mem,
+              "predicted_step_s": plan.time.iteration_s, "predicted_step_over_measured": plan.time.iteration_s / step_s,
+              "cost_preset": preset, **{f"gemm_{k}": v for k, v in sustained.items()},
               "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]]}
     print(format_table(["what", "value"], [(k, v) for k, v in result.items()]))
     if args.json:
