@@ -24,7 +24,7 @@ from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import Workload, plan_memory
-from mpformer.autoconfig.search import Candidate, evaluate_plan
+from mpformer.autoconfig.search import Candidate, SearchResult, evaluate_plan, search
 from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.layout import ParallelLayout, valid_tp_values, validate
 from mpformer.core.model_config import ModelConfig, divisors
@@ -265,3 +265,18 @@ def explain_choice(top: list[Candidate], model: ModelConfig, cluster: Cluster, w
         notes["runner-up"] = "none: the search found a single feasible plan"
     return explain(chosen, [("runner-up", top[1] if len(top) > 1 else None), ("baseline", base.candidate)],
                    notes=notes)
+
+
+def explain_search(res: SearchResult, model: ModelConfig, cluster: Cluster, workload: Workload, *,
+                   fixed: Mapping[str, Any] | None = None, device: str = "cuda") -> Explanation:
+    """``explain_choice`` of a search's result. With one ranked plan (autoconfig.top_k=1) the runner-up
+    comes from a search that ranks two (the first is not widened: the plans it re-times, and so its
+    choice, may depend on top_k)."""
+    ranked, note = res.top, ""
+    if len(ranked) == 1:
+        chosen = ranked[0].plan()
+        wider = search(model, cluster, workload, fixed=dict(fixed or {}), top_k=2, device=device).top
+        ranked = [ranked[0], *[c for c in wider if c.plan() != chosen][:1]]
+        note = "the best other plan of a search that ranks two (autoconfig.top_k=1 ranks one)"
+    return explain_choice(ranked, model, cluster, workload, device=device, runner_up_note=note)
+

@@ -7,6 +7,8 @@ world: ``LOCAL_WORLD_SIZE`` devices per node (torchrun sets it; else the preset'
 world) and world / that many nodes. Every rank runs the same deterministic search, so the ranks agree
 on the plan without a process group. Layout keys given on the command line (``parallel.tp=2``,
 ``train.micro_batch_size=4``) and ``autoconfig.fixed.*`` are pinned; the rest is searched.
+``autoconfig.explain=true`` prints why, term by term (explain.py), under the chosen plan, and adds it
+to the run's autoconfig.json, as tools/autoconfig.py does.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.cost import calibration
+from mpformer.autoconfig.explain import Explanation, explain_search
 from mpformer.autoconfig.memory import Workload
 from mpformer.autoconfig.runtimes import mpformer_runtime
 from mpformer.autoconfig.search import (
@@ -41,6 +44,7 @@ class Prediction:
     candidate: Candidate
     cluster: Cluster
     search: SearchResult | None = None  # set when parallel=auto chose the layout
+    explanation: Explanation | None = None  # autoconfig.explain=true: why this plan (explain.py)
 
     @property
     def step_time_s(self) -> float:
@@ -53,6 +57,8 @@ class Prediction:
                 f"({self.cluster.nodes} x {self.cluster.devices_per_node})")
         if self.search is not None:
             line += f"; {self.search.evaluated} candidates in {self.search.seconds:.1f} s"
+        if self.explanation is not None:
+            line += "\n" + self.explanation.text().rstrip("\n")
         return line
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,6 +74,8 @@ class Prediction:
             out |= {"candidates_evaluated": self.search.evaluated, "search_time_s": self.search.seconds,
                     "top": [{"plan": c.plan(), "iteration_time_s": c.time.iteration_s} for c in self.search.top],
                     "rejected": self.search.rejected}
+        if self.explanation is not None:
+            out["explain"] = self.explanation.to_dict()
         return out
 
 
@@ -117,11 +125,12 @@ def choose_layout(cfg: Config, composed: Composed, world_size: int) -> Predictio
     """parallel=auto: the best plan for ``cfg`` (its model, its pins from the command line)."""
     device = _device_kind(cfg)
     cluster = run_cluster(cfg.autoconfig.cluster, world_size, device)
-    res = search(cfg.model, cluster, workload(cfg), fixed=pinned_fields(composed), top_k=cfg.autoconfig.top_k,
-                 device=device)
+    w, fixed = workload(cfg), pinned_fields(composed)
+    res = search(cfg.model, cluster, w, fixed=fixed, top_k=cfg.autoconfig.top_k, device=device)
     if not res.top:
         raise no_plan_error(res, cluster)
-    return Prediction(res.top[0], cluster, res)
+    why = explain_search(res, cfg.model, cluster, w, fixed=fixed, device=device) if cfg.autoconfig.explain else None
+    return Prediction(res.top[0], cluster, res, why)
 
 
 def apply_plan(cfg: Config, composed: Composed, prediction: Prediction) -> Config:

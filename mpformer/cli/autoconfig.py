@@ -44,6 +44,7 @@ def _predicted(c, model, world: int, w) -> dict[str, Any]:
 @user_errors_to_exit
 def main(argv: Sequence[str] | None = None) -> int:
     from mpformer.autoconfig.cluster import load_cluster
+    from mpformer.autoconfig.explain import explain_search
     from mpformer.autoconfig.memory import Workload
     from mpformer.autoconfig.runtimes import mpformer_runtime
     from mpformer.autoconfig.search import no_plan_error, search
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not res.top:
         raise no_plan_error(res, cluster)
     _print(res, cfg.model, cluster, w)
-    explanation = _explain(res, cfg.model, cluster, w, device, fixed) if ac.explain else None
+    explanation = explain_search(res, cfg.model, cluster, w, fixed=fixed, device=device) if ac.explain else None
     if explanation is not None:
         print(explanation.text(width=_width()), end="")
     best = res.top[0]
@@ -116,21 +117,6 @@ def _print(res, model, cluster, w) -> None:
     Console(width=_width()).print(table)
     for cls, r in res.rejected.items():
         print(f"rejected {r['count']} as {cls}, e.g. {r['example']}")
-
-
-def _explain(res, model, cluster, w, device: str, fixed: dict[str, Any]):
-    """The explanation of the choice. With autoconfig.top_k=1 the runner-up comes from a search that ranks
-    two (the first search is not widened: the plans it re-times, and so its choice, may depend on top_k)."""
-    from mpformer.autoconfig.explain import explain_choice
-    from mpformer.autoconfig.search import search
-
-    ranked, note = res.top, ""
-    if len(ranked) < 2:
-        chosen = ranked[0].plan()
-        wider = search(model, cluster, w, fixed=fixed, top_k=2, device=device).top
-        ranked = [ranked[0], *[c for c in wider if c.plan() != chosen][:1]]
-        note = "the best other plan of a search that ranks two (autoconfig.top_k=1 ranks one)"
-    return explain_choice(ranked, model, cluster, w, device=device, runner_up_note=note)
 
 
 def _yaml_value(v: Any) -> str:

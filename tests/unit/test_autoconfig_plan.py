@@ -52,3 +52,18 @@ def test_the_chosen_plan_is_written_into_the_config_and_validates(monkeypatch):
     d = pred.to_dict()
     assert d["plan"] == plan and d["candidates_evaluated"] > 1 and d["predicted"]["iteration_time_s"] > 0
     assert "auto-configurator chose parallel.dp=" in pred.summary()
+
+
+def test_parallel_auto_explains_its_choice_when_asked(monkeypatch):
+    """autoconfig.explain=true under parallel=auto: the banner says why (the chosen plan against the
+    runner-up and a person's first plan, term by term) and autoconfig.json carries it; off by default."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    c = compose_config([*TINY, "parallel=auto"])
+    plain = choose_layout(c.cfg, c, 4)
+    assert plain.explanation is None and "explain" not in plain.to_dict()
+    c = compose_config([*TINY, "parallel=auto", "autoconfig.explain=true", "autoconfig.top_k=1"])
+    pred = choose_layout(c.cfg, c, 4)
+    d = pred.to_dict()["explain"]
+    assert d == pred.explanation.to_dict() and {x["label"] for x in d["comparisons"]} == {"runner-up", "baseline"}
+    text = pred.summary()
+    assert text.startswith("auto-configurator chose") and "runner-up" in text
