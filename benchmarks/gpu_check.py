@@ -4,7 +4,7 @@ Runs the pretrain CLI (torchrun, one process) on random tokens for ``--steps`` s
 metrics.jsonl and prints, as a table and with ``--json``:
 
     tokens/s            median over the steps after the first ``--skip`` (allocator and autotuning warm-up)
-    MFU                 model FLOPs per step (cli/autoconfig.py's model_flops_per_step: 6 N T + attention)
+    MFU                 model FLOPs per step (core/model_config.py model_flops_per_step: 6 N T + attention)
                         / step time / the device's dense bf16 peak (its configs/cluster preset; the measured
                         peak of an 8192^3 bf16 GEMM is printed beside it, as a ceiling the device really has)
     peak memory         torch.cuda.max_memory_allocated of the run (mem_peak_bytes in metrics.jsonl)
@@ -118,8 +118,8 @@ def main() -> int:
         print("gpu_check.py: no CUDA device visible; nothing to measure")
         return 0
     from mpformer.autoconfig.memory import Workload, plan_memory
-    from mpformer.cli.autoconfig import model_flops_per_step
     from mpformer.cli.compose import compose_config
+    from mpformer.core.model_config import model_flops_per_step
 
     overrides = [f"model={args.model}", "train.precision=bf16", f"train.seq_length={args.seq}",
                  f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",

@@ -23,15 +23,7 @@ from typing import Any
 
 from mpformer.core.config import check_training_config
 from mpformer.core.errors import PLOT_SUFFIXES, ConfigError, check_output_file, user_errors_to_exit
-
-
-def model_flops_per_step(model, global_batch: int, seq: int) -> float:
-    """6 N T for the weights' GEMMs (embedding lookups excluded) plus attention's 12 L s d_q T."""
-    n = model.num_params() - (0 if model.tie_embeddings else model.vocab_size * model.hidden_size)
-    if model.learned_positions:
-        n -= model.max_position_embeddings * model.hidden_size
-    tokens = global_batch * seq
-    return 6.0 * n * tokens + 12.0 * model.num_layers * seq * model.num_attention_heads * model.head_size * tokens
+from mpformer.core.model_config import model_flops_per_step
 
 
 def _predicted(c, model, world: int, w) -> dict[str, Any]:

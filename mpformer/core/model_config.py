@@ -175,3 +175,14 @@ class ModelConfig:
 def divisors(n: int) -> list[int]:
     """1..n's divisors of n, ascending (valid degrees listed in error messages)."""
     return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def model_flops_per_step(model: ModelConfig, global_batch: int, seq: int) -> float:
+    """Model FLOPs of one step (no recompute counted): 6 N T for the weights' GEMMs (embedding lookups
+    excluded) plus attention's 12 L s d_q T (the full score matrix, as MFU conventions count it)."""
+    n = model.num_params() - (0 if model.tie_embeddings else model.vocab_size * model.hidden_size)
+    if model.learned_positions:
+        n -= model.max_position_embeddings * model.hidden_size
+    tokens = global_batch * seq
+    return 6.0 * n * tokens + 12.0 * model.num_layers * seq * model.num_attention_heads * model.head_size * tokens
+
