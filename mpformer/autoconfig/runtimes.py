@@ -12,6 +12,12 @@ tests/unit/test_memory_published.py) and run or overlap other kernels (cost.py, 
                  September 2023), pipeline send/receive without blocking the rank (MegaScale lists it
                  among its additions to Megatron-LM), tensor-parallel collectives hidden in GEMMs
                  (Transformer Engine's --tp-comm-overlap)
+    buckets      how many collectives reduce the gradients (``Runtime.buckets``): DDP-style MiB,
+                 Megatron-Core's max(4e7, 1e6 dp) parameters, one buffer, DeepSpeed's 5e8 elements
+    block        what a layer keeps for backward: PyTorch autograd's (mpformer, torchtitan) or
+                 Megatron's block (layer_memory.py)
+    capabilities the schedules and ZeRO stages the software had, for the fields a published run leaves
+                 to the search (a 2021 Megatron-LM run is never given a zero-bubble schedule)
 
     mpformer     ZeRO-3 units (optim/units.py, gather.py): the embedding, the head, and each layer's
                  parts (attention norm + qkv, output projection, MLP norm + up, down) merged up to
