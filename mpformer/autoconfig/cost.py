@@ -184,7 +184,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     cal = calibration(c)  # once per candidate: its cache key is not free
     fc, bc, wc, tps = stage_costs(m, L, w, c, counts, cal)
     boundary = w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
-    boundary /= L.tp if L.sequence_parallel else 1
+    boundary /= L.tp if L.sequence_parallel or w.runtime.p2p_split else 1
     p2p = _p2p(c, boundary, L.tp * L.cp * L.dp >= c.devices_per_node) if L.pp > 1 else 0.0
     compute_per_micro = sum(fc) + sum(bc) + sum(wc)
     fs = [x + t / 2 for x, t in zip(fc, tps)]

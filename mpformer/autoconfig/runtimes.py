@@ -71,6 +71,9 @@ class Runtime:
     overlap_grad_reduce: bool = True  # buckets reduced during the backward
     overlap_p2p: bool = True  # False: each send/receive group blocks its rank until it completes
     tp_comm_overlap: bool = False  # tensor-parallel collectives chunked into the adjacent GEMMs
+    # Each tensor-parallel rank sends 1/t of a stage boundary even without sequence parallelism (Megatron-LM's
+    # scatter/gather optimisation, Narayanan et al. 2021 section 4.1; mpformer sends the whole boundary then)
+    p2p_split: bool = False
     # What the software could run, for the fields a published run leaves to the search: its pipeline
     # schedules and ZeRO stages (None: every one mpformer has). A pinned field is taken as published.
     schedules: tuple[str, ...] | None = None
@@ -104,7 +107,7 @@ _MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 # Megatron-LM as the published runs used it: before --overlap-grad-reduce and p2p overlap (2021-2023),
 # and Megatron-Core with Transformer Engine and every overlap on (its 2024 weak-scaling table).
 MEGATRON = Runtime("megatron-lm", block="megatron", kernels="fused", overlap_grad_reduce=False, overlap_p2p=False,
-                   schedules=_MEGATRON_SCHEDULES, zero_stages=(0, 1), bucket_mb=math.inf)
+                   p2p_split=True, schedules=_MEGATRON_SCHEDULES, zero_stages=(0, 1), bucket_mb=math.inf)
 MEGATRON_CORE = Runtime("megatron-core", block="megatron", kernels="fused", tp_comm_overlap=True,
                         schedules=_MEGATRON_SCHEDULES, zero_stages=(0, 1), bucket_numel=(4e7, 1e6))
 

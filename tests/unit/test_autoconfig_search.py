@@ -90,3 +90,18 @@ def test_runtime_buckets_and_capabilities():
     free = search(SMALL, c, Workload(64, 1, 2048, "bf16"), fixed={"cp": 1}, top_k=200)
     assert {p.plan()["zero"] for p in free.top} - {0, 1}  # mpformer's own runtime has ZeRO-2/3 too
 
+
+def test_megatron_splits_pipeline_sends_over_tensor_parallel_ranks():
+    """Megatron-LM's scatter/gather: without sequence parallelism each tensor-parallel rank still sends
+    1/t of the boundary (less pipeline traffic than mpformer, which sends all of it then)."""
+    from mpformer.autoconfig.cost import iteration_time
+
+    c = load_cluster("dgx-a100-80gb", nodes=2)
+    L = ParallelLayout(dp=1, tp=8, pp=2, sequence_parallel=False)
+    big = ModelConfig(arch="gpt2", num_layers=8, hidden_size=4096, num_attention_heads=32, vocab_size=51200,
+                      activation="gelu_tanh", max_position_embeddings=2048)
+    own = iteration_time(big, L, Workload(16, 1, 2048, "bf16"), c, params_per_rank=10**9)
+    megatron = iteration_time(big, L, Workload(16, 1, 2048, "bf16", runtime=replace(MPFORMER, p2p_split=True)), c,
+                              params_per_rank=10**9)
+    assert megatron.p2p_s == pytest.approx(own.p2p_s / 8, rel=0.2) and megatron.iteration_s < own.iteration_s
+
