@@ -39,6 +39,9 @@ class Cluster:
     attention_fraction: tuple[float, float] | None = None  # flash attention forward, backward / peak
     launch_s: float = 0.0  # host time to issue one kernel (eager PyTorch)
     bus_fraction: tuple[float, float] = (1.0, 1.0)  # NCCL bus bandwidth / link bandwidth: intra, inter node
+    # SMs a running NCCL collective holds (one CTA per channel): compute beside an overlapped collective
+    # runs on the others (dp_cost.contention). 0: not modelled (CPU hosts: nothing overlaps there).
+    comm_sms: int = 0
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -69,7 +72,7 @@ class Cluster:
 
 
 OPTIONAL = ("cores", "profile", "sm_count", "gemm_fraction", "gemm_measured", "stream_fraction", "attention_fraction",
-            "launch_s", "bus_fraction")
+            "launch_s", "bus_fraction", "comm_sms")
 
 
 def cluster_dir() -> Path:
@@ -120,5 +123,9 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
             if not isinstance(raw[key], list | tuple) or len(raw[key]) != 2:
                 raise ConfigError(f"cluster file {path}: {key}={raw[key]!r} must be a pair [a, b]")
             raw[key] = tuple(float(v) for v in raw[key])
+    sms, held = raw.get("sm_count"), raw.get("comm_sms", 0)
+    if not isinstance(held, int) or held < 0 or (held and (not sms or held >= sms)):
+        raise ConfigError(f"cluster file {path}: comm_sms={held!r} must be a whole number >= 0 and below "
+                          f"sm_count ({sms})")
     cluster = Cluster(**{k: v for k, v in raw.items()}, measured=measured)
     return cluster.with_nodes(nodes) if nodes is not None else cluster

@@ -7,13 +7,15 @@ on the schedule itself, data-parallel reduction with its overlap, and the optimi
               table when it has one (local-cpu), else ``GEMM_EFFICIENCY`` x the size term below;
               elementwise work (norms, activations, dropout, residuals) as memory traffic over HBM
     TP / SP   2 all-reduces (or all-gather + reduce-scatter) of s b h per layer in forward and 2 in
-              backward, not overlapped (Megatron)
+              backward, not overlapped (Megatron), or chunked into the GEMMs (Transformer Engine)
     CP        per layer, the traffic each cp kind does not hide behind attention (cp_cost.py); selective
               or full recompute reruns the attention core and with it its forward's traffic
     PP        per-stage F / B / W costs into ``simulate`` with the actual schedule; p2p over the link
               between stages
     DP / ZeRO (dp_cost.py) gradient reduce-scatter or all-reduce overlapped with the backward of the last
               micro-batch; parameter all-gather after the step (stages 1-2) or per layer (stage 3)
+    overlap   a collective hidden behind compute still holds the SMs of its CTAs while it runs
+              (``comm_sms``): the compute beside it loses that share of the device (links.beside)
     step      the optimizer reads and writes its shard's state, masters and gradients: HBM-bound
 
 Rank order (topology.py): tp fastest, then cp (its Ulysses ranks fastest inside it: cp rank = u + U r),
@@ -41,7 +43,7 @@ from mpformer.autoconfig.compute import LayerTimes, layer_times_from, measured_a
 from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
 from mpformer.autoconfig.kernels import dims, embedding_work, head_work, layer_work
-from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p  # noqa: F401  (RING_FACTOR: re-exported)
+from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  # noqa: F401  (RING_FACTOR: re-exported)
 from mpformer.autoconfig.memory import BYTES, Workload
 from mpformer.autoconfig.pipeline_cost import pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
@@ -135,8 +137,11 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
         # Transformer Engine's overlap (Megatron-LM --tp-comm-overlap): each collective is cut into t
         # chunks exchanged while the adjacent GEMM computes the chunk before (all-gather -> QKV / FC1,
         # RS after O / FC2; the same in backward): the first chunk, and what the GEMM cannot cover,
-        # stay exposed. The collectives' SMs slowing the GEMMs is not modelled.
-        per = max(per / t, per - lt.parts["gemm_forward"] / 2)
+        # stay exposed. While hidden, the reduce-scatters (half the traffic; TE's "pipeline" and
+        # "bulk" methods, 24 SMs in NeMo's H100 userbuffer configs) hold SMs as NCCL's collectives do;
+        # the all-gathers ("ring_exchange", copy engines) hold about none (links.sm_share).
+        exposed = max(per / t, per - lt.parts["gemm_forward"] / 2)
+        per = exposed + sm_share(c) * (per - exposed) / 2
     tp_comm = (6 if L.recompute == "full" else 4) * per  # 2 in forward, 2 in backward, 2 more to recompute
     return f, bi, bw_, tp_comm, lt.attn_f
 

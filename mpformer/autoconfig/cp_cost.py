@@ -23,7 +23,7 @@ are many small ops on small tensors, and no core is free to hide a wait behind.
 from __future__ import annotations
 
 from mpformer.autoconfig.cluster import Cluster
-from mpformer.autoconfig.links import _collective, _p2p
+from mpformer.autoconfig.links import _collective, _p2p, beside
 from mpformer.autoconfig.memory import BYTES, Workload
 from mpformer.autoconfig.sharing import slowdowns
 from mpformer.core.layout import CP_KINDS, ParallelLayout, ulysses_degree
@@ -73,11 +73,12 @@ def cp_traffic(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, attn:
         hop = _p2p(c, 2 * seq * b * kv * d * wb, spans_cp)
         dhop = _p2p(c, 2 * seq * b * kv * d * 4, spans_cp)  # dK/dV partial sums travel in fp32 (ring.py)
         block = attn / ring if slowdowns(c) is None else 0.0
-        fwd += (ring - 1) * max(hop - block, 0.0)
+        fwd += (ring - 1) * beside(c, hop, block)
         # backward step j: K/V in for step j+1 (j < R-1), dK/dV of step j-1 out (j > 0), behind the
-        # block's backward (twice its forward); then the last block's dK/dV home, exposed
-        bwd += (max(hop - 2 * block, 0.0) + max(dhop - 2 * block, 0.0)
-                + (ring - 2) * max(hop + dhop - 2 * block, 0.0) + dhop)
+        # block's backward (twice its forward); then the last block's dK/dV home, exposed. A hop hidden
+        # behind a block still holds SMs of it (links.beside).
+        bwd += (beside(c, hop, 2 * block) + beside(c, dhop, 2 * block)
+                + (ring - 2) * beside(c, hop + dhop, 2 * block) + dhop)
     if L.recompute != "none":  # the checkpointed attention core runs its forward again, traffic included
         bwd += fwd
     return fwd, bwd

@@ -17,7 +17,7 @@ import itertools
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.compute import stream_rate
-from mpformer.autoconfig.links import _collective
+from mpformer.autoconfig.links import _collective, beside
 from mpformer.autoconfig.memory import BYTES, Workload, layer_params_per_rank, layer_part_sizes
 from mpformer.core.buffers import zero3_groups
 from mpformer.core.layout import ParallelLayout
@@ -38,7 +38,8 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
     waits for its bucket: param_gather.py). ZeRO-3 (one unit per layer and one for the embedding and
     head, pp = 1) gathers unit i+1 while unit i computes and reduce-scatters a unit's gradients behind
     the next unit's backward: per micro-batch the first gather and the last reduce-scatter are
-    exposed, and each unit's traffic beyond its compute. A run that reduces after the backward
+    exposed, and each unit's traffic beyond its compute. What hides still takes the SMs its CTAs hold
+    from the compute beside it (links.beside). A run that reduces after the backward
     (``Runtime.overlap_grad_reduce=False``: Megatron-LM before September 2023) exposes all of it.
     On a CPU host whose ranks share the cores
     nothing hides (the collectives' copies and sums need the same cores; their measured fits were
@@ -59,7 +60,8 @@ def _dp_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, params:
         t = coll(kind, total, n)
         if cores_shared or not w.runtime.overlap_grad_reduce:
             return t
-        return max(t / n, t - behind * (1 - 1 / n))
+        exposed = max(t / n, t - behind * (1 - 1 / n))
+        return beside(c, t, t - exposed)  # the rest runs beside the compute, holding some of its SMs
 
     if L.zero == 3:
         return micro * _zero3_exposed(m, L, w, c, params, first_forward, last_backward, cores_shared, dp_ranks,
@@ -109,7 +111,7 @@ def _zero3_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, p
     for prev, n in itertools.pairwise(sizes):
         behind_f, behind_b = forward * prev / total, backward * prev / total
         hide_f = behind_f if n <= budget else 0.0
-        out += max(0.0, ag(n) - hide_f) + max(0.0, ag(n) + rs(prev) - (behind_b if n <= budget else 0.0))
+        out += beside(c, ag(n), hide_f) + beside(c, ag(n) + rs(prev), behind_b if n <= budget else 0.0)
     out += regathers * m.num_layers * ag(max(layer)) * (0.0 if max(layer) <= budget else 1.0)
     return out
 

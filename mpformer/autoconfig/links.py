@@ -4,6 +4,13 @@ A cluster preset gives each link's bandwidth and latency, and the share of the l
 bus bandwidth reaches on it (``bus_fraction``: protocol overhead, measured by nccl-tests; the preset
 names its source); a measured profile's alpha-beta fit of an op and group size (taken with every
 rank busy) replaces them (cost.py, cp_cost.py).
+
+A collective overlapped with compute is not free: NCCL runs each channel as one CTA on an SM of its
+own for as long as the collective lasts, so the kernels beside it have ``comm_sms`` fewer SMs
+(``beside``). On an H100 (132 SMs) a running ncclAllGather held 24 (NVIDIA developer forum, "Compute-
+Communication Overlap Causes Severe GEMM Performance Degradation because of Tail Effect", an nsys
+trace of FSDP's prefetch): 18% of the SMs, the size of the 18.9% mean compute slowdown under overlap
+that Lee et al. measured on A100, H100, MI250 and MI210 (arXiv 2507.03114, 2025).
 """
 
 from __future__ import annotations
@@ -33,3 +40,16 @@ def _p2p(c: Cluster, nbytes: float, spans_nodes: bool) -> float:
         return fit["alpha_s"] + nbytes / fit["beta_bytes_per_s"]
     bw, lat = c.link(spans_nodes)
     return lat + nbytes / (bw * c.bus_fraction[spans_nodes])
+
+
+def beside(c: Cluster, comm: float, window: float) -> float:
+    """What a collective of ``comm`` seconds costs a rank that runs it beside ``window`` seconds of
+    compute: the part the window cannot cover, plus the compute the collective's SMs take while it
+    runs (the SMs it holds over the device's, for as long as it overlaps)."""
+    hidden = max(0.0, min(comm, window))
+    return comm - hidden + sm_share(c) * hidden
+
+
+def sm_share(c: Cluster) -> float:
+    """The share of the device's SMs a running collective holds (``comm_sms``; 0 where not stated)."""
+    return c.comm_sms / c.sm_count if c.comm_sms and c.sm_count else 0.0

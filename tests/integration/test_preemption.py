@@ -21,7 +21,9 @@ from mpformer.checkpoint.manifest import check_files, read_manifest
 from mpformer.testing.cli import REPO, run_cli
 
 PRETRAIN = "pretrain/pretrain_gpt.py"
-STEPS = 12
+# Long enough that a signal sent at step 3 lands before the run ends, even on a loaded 2-core machine
+# (the tiny model's steps take milliseconds; 12 steps once finished before pgrep and kill did).
+STEPS = 30
 
 
 def _args(data: str, run_dir: Path, save_dir: Path, *extra: str) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpformer.autoconfig.cluster import load_cluster
+from mpformer.autoconfig.cluster import cluster_dir, load_cluster
 from mpformer.autoconfig.compute import gemm_efficiency
 from mpformer.autoconfig.cost import _collective, iteration_time, layer_times, tp_step_time
 from mpformer.autoconfig.memory import Workload
@@ -251,3 +251,37 @@ def test_reference_layouts_calibrate_pipelines_and_tensor_parallel_waits():
     assert calibration(replace(c, measured={})).pipeline == {}
     no_cores = calibration(replace(c, cores=None))  # a CPU profile on a host of its own cores: compute only
     assert no_cores.pipeline == {} and no_cores.compute == pytest.approx(cal.compute)
+
+
+def test_a_hidden_collective_still_holds_its_sms(tmp_path):
+    """links.beside: what the window cannot cover is exposed; the rest costs the compute beside it the
+    share of SMs NCCL's CTAs hold (comm_sms / sm_count) for as long as it runs. On the H100 preset
+    (24 of 132) a ZeRO-1 step's hidden gradient reduction therefore costs 24/132 of its time."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.links import beside, sm_share
+    from mpformer.core.errors import ConfigError
+
+    c = load_cluster("dgx-h100", nodes=4)
+    share = 24 / 132
+    assert sm_share(c) == pytest.approx(share)
+    assert beside(c, 1.0, 0.25) == pytest.approx(0.75 + share * 0.25)  # longer than its window
+    assert beside(c, 0.2, 1.0) == pytest.approx(share * 0.2)  # wholly hidden
+    assert beside(c, 0.2, 0.0) == pytest.approx(0.2)  # nothing to hide behind
+    free = replace(c, comm_sms=0)
+    assert sm_share(free) == 0.0 and beside(free, 0.2, 1.0) == 0.0
+    assert sm_share(replace(c, sm_count=None)) == 0.0
+    # one micro-batch at dp=32: the reduction runs behind the backward; what it hides is not free
+    L = ParallelLayout(dp=32, zero=1)
+    w = Workload(global_batch_size=32, micro_batch_size=1, seq_length=2048, precision="bf16")
+    n = GPT.num_params()
+    held, bare = (iteration_time(GPT, L, w, x, params_per_rank=n) for x in (c, free))
+    assert held.compute_s == pytest.approx(bare.compute_s)
+    assert held.dp_comm_exposed_s > bare.dp_comm_exposed_s > 0
+    # the CPU host shares its cores: nothing hides there and the preset states no SMs
+    assert load_cluster("local-cpu").comm_sms == 0
+    bad = tmp_path / "bad.yaml"
+    text = (cluster_dir() / "dgx-h100.yaml").read_text()
+    bad.write_text(text.replace("comm_sms: 24", "comm_sms: 132"))
+    with pytest.raises(ConfigError, match=r"comm_sms=132 must be a whole number >= 0 and below sm_count \(132\)"):
+        load_cluster(str(bad))

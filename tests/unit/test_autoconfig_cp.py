@@ -38,22 +38,31 @@ def test_every_kind_is_priced_and_only_those():
 
 
 def test_ring_formula_with_and_without_overlap():
-    """Hop = 2 S b k d B over the link (dK/dV hops: the same elements in fp32); forward (cp-1) max(0, hop -
-    block); backward: K/V in at the first step, dK/dV out at the last, both at the cp-2 between, each step
-    behind the block's backward (2 blocks), then dK/dV home exposed; block = attention / cp."""
+    """Hop = 2 S b k d B over the link (dK/dV hops: the same elements in fp32); forward (cp-1) times the
+    part of a hop its block cannot cover; backward: K/V in at the first step, dK/dV out at the last,
+    both at the cp-2 between, each step behind the block's backward (2 blocks), then dK/dV home
+    exposed; block = attention / cp. A hidden hop still takes the share of the SMs NCCL holds
+    (comm_sms / sm_count: 24 of 132 on the H100 preset) from the block it runs beside."""
     L = _cp("ring")
     attn = layer_times_parts(LLAMA8B, L, LONG, H100)[4]
+    share = 24 / 132
+    assert (H100.comm_sms, H100.sm_count) == (24, 132)
     hop = _p2p(H100, 2 * (131072 // 8) * 1 * 8 * 128 * 2, False)
     dhop = _p2p(H100, 2 * (131072 // 8) * 1 * 8 * 128 * 4, False)
     assert dhop < attn / 8  # 128k tokens: every hop hides behind its block
-    assert cp_layer_times(LLAMA8B, L, LONG, H100) == pytest.approx((0.0, dhop))
+    assert cp_layer_times(LLAMA8B, L, LONG, H100) == pytest.approx(
+        (7 * share * hop, share * (hop + dhop + 6 * (hop + dhop)) + dhop))
+    free = replace(H100, comm_sms=0)  # a device whose collectives hold no SMs: hidden hops are free
+    assert cp_layer_times(LLAMA8B, L, LONG, free) == pytest.approx((0.0, dhop))
     slow = replace(H100, intra_bandwidth=2e9)  # hops longer than blocks
     hop, block = _p2p(slow, 2 * 16384 * 8 * 128 * 2, False), attn / 8
     dhop = _p2p(slow, 2 * 16384 * 8 * 128 * 4, False)
     assert hop > 2 * block
     fwd, bwd = cp_layer_times(LLAMA8B, L, LONG, slow)
-    assert fwd == pytest.approx(7 * (hop - block))
-    assert bwd == pytest.approx((hop - 2 * block) + (dhop - 2 * block) + 6 * (hop + dhop - 2 * block) + dhop)
+    assert fwd == pytest.approx(7 * (hop - block + share * block))
+    held = 2 * block * share  # each backward step overlaps its whole window
+    assert bwd == pytest.approx((hop - 2 * block + held) + (dhop - 2 * block + held)
+                                + 6 * (hop + dhop - 2 * block + held) + dhop)
     sel = cp_layer_times(LLAMA8B, replace(L, recompute="selective"), LONG, slow)
     assert sel == pytest.approx((fwd, bwd + fwd))  # the checkpointed core runs its ring again
     cpu = replace(load_cluster("local-cpu"), measured={}, devices_per_node=8)  # shared cores: nothing hides
@@ -109,8 +118,13 @@ def test_hybrid_is_ulysses_inside_a_ring():
     hop, block = _p2p(c, 2 * 8 * s * 1 * 128 * 2, True), attn / 2
     dhop = _p2p(c, 2 * 8 * s * 1 * 128 * 4, True)  # dK/dV in fp32
     fwd, bwd = cp_layer_times(LLAMA8B, L, LONG, c)
-    assert fwd == pytest.approx(a2a + max(hop - block, 0.0))
-    assert bwd == pytest.approx(a2a + max(hop - 2 * block, 0.0) + max(dhop - 2 * block, 0.0) + dhop)
+    share = c.comm_sms / c.sm_count  # a hidden hop still holds NCCL's SMs (links.beside)
+
+    def beside(comm: float, window: float) -> float:
+        return max(comm - window, 0.0) + share * min(comm, window)
+
+    assert fwd == pytest.approx(a2a + beside(hop, block))
+    assert bwd == pytest.approx(a2a + beside(hop, 2 * block) + beside(dhop, 2 * block) + dhop)
     ring = sum(cp_layer_times(LLAMA8B, replace(L, cp_kind="ring", cp_ulysses=1), LONG, c))
     assert fwd + bwd < ring  # the slow link carries one hop instead of fifteen
 
