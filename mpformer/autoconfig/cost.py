@@ -49,7 +49,7 @@ from mpformer.autoconfig.pipeline_cost import pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
-from mpformer.core.pipeline_plan import stage_counts
+from mpformer.core.pipeline_plan import stage_counts, stage_index
 from mpformer.pipeline.simulate import Costs
 
 
@@ -220,17 +220,17 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
             pipe = max(pipe, micro * compute_per_micro / L.pp)
     if dilation is not None:
         pipe *= cal.pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
-        pipe += micro * max(sum(tps[c_ * L.pp + r] for c_ in range(L.vpp)) for r in range(L.pp))
+        pipe += micro * max(sum(tps[stage_index(L, r, c_)] for c_ in range(L.vpp)) for r in range(L.pp))
     compute = micro * compute_per_micro / L.pp
     tp_step = tp_step_time(m, L, c, cal)
     pipe += tp_step
-    waits = [sum(tps[c * L.pp + r] for c in range(L.vpp)) for r in range(L.pp)]
+    waits = [sum(tps[stage_index(L, r, c)] for c in range(L.vpp)) for r in range(L.pp)]
     slowest = max(range(L.pp), key=waits.__getitem__)
     tp_comm = micro * waits[slowest] + tp_step
-    mine = [counts[chunk * L.pp + slowest] for chunk in range(L.vpp)]
+    mine = [counts[stage_index(L, slowest, chunk)] for chunk in range(L.vpp)]
     cp_comm = micro * sum(sum(ns) * sum(cp_layer_times(m, lay, w, c)) for lay, ns in _recompute_split(L, mine)) \
         if L.cp > 1 else 0.0
-    first = [chunk * L.pp for chunk in range(L.vpp)]  # pipeline rank 0's stages: it finishes last
+    first = [stage_index(L, 0, chunk) for chunk in range(L.vpp)]  # pipeline rank 0's stages: it finishes last
     dp_exposed = _dp_time(m, L, w, c, params_per_rank, micro, sum(fs[i] for i in first),
                           sum(bs[i] + wc[i] for i in first), slow is not None)
     optimizer = optimizer_time(L, w, c, params_per_rank)

@@ -61,7 +61,7 @@ from mpformer.autoconfig.step_memory import Reduction, Unit, walk
 from mpformer.core.buffers import zero3_groups
 from mpformer.core.layout import ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
-from mpformer.core.pipeline_plan import stage_counts
+from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 from mpformer.optim.engine import MAX_IN_FLIGHT
 from mpformer.optim.memory import zero_formula_bytes
 
@@ -356,8 +356,8 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
     # keep in flight, which walk() adds last: one build per shape.
     out, shapes = [], {}
     for r in range(L.pp):
-        first, last = r == 0, r == L.pp - 1
-        chunks = tuple(counts[c * L.pp + r] for c in range(L.vpp))
+        first, last = rank_ends(L, r)  # a V schedule's rank 0 holds both ends
+        chunks = tuple(counts[stage_index(L, r, c)] for c in range(L.vpp))
         key = (first, last, chunks, r > 0)
         if key not in shapes:
             shapes[key] = build(r, first, last, chunks)

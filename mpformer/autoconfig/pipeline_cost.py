@@ -13,6 +13,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from mpformer.autoconfig.sharing import shared_step_time
+from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES
 from mpformer.pipeline.actions import Schedule
 from mpformer.pipeline.simulate import Costs
 from mpformer.pipeline.timeline import CompiledTimeline, compile_schedule
@@ -35,7 +36,7 @@ def _compiled(name: str, pp: int, microbatches: int, vpp: int) -> CompiledTimeli
 def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,
                   dilation: Callable[[int], float] | None = None, blocking: bool = False) -> float:
     """simulate()'s step time of the schedule. Past p micro-batches (ZB-H2: its minimum, 2p - 1) every
-    schedule here is in its steady state, where each further micro-batch adds the same time: the
+    schedule here but ZB-V is in its steady state, where each further micro-batch adds the same time: the
     timelines at that many and p more micro-batches are simulated and extended linearly (tests check
     this against the full timeline), so a 64-stage pipeline of 512 micro-batches costs two small ones.
 
@@ -55,7 +56,9 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
 
     lo = max(pp, min_microbatches(schedule, pp))  # ZB-H2 runs from 2p - 1 micro-batches
     hi = lo + pp
-    if microbatches <= hi:
+    if microbatches <= hi or schedule in V_SCHEDULES:
+        # ZB-V's list-scheduled order settles into a cycle whose length depends on the costs (4
+        # micro-batches at p = 6 with uneven stages): timed whole, not extended
         return run(microbatches)
     t_lo, t_hi = run(lo), run(hi)
     return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
@@ -66,7 +69,7 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     """A lower bound of simulate()'s step time for every generated schedule, in closed form (the
     search ranks every plan by it and simulates only those that can still win, search.py).
 
-    Rank r holds global stages r, r + p, ... (one per chunk). It cannot start before the first
+    Rank r holds global stages r, r + p, ... (one per chunk; in a V, r and 2p - 1 - r). It cannot start before the first
     micro-batch has come through the stages before it, fill_r = sum of F and p2p over stages < r; it
     then does all its work, m x its stages' F + B + W (blocking p2p: a transfer more each); and in
     the schedules whose B carries W (1F1B, GPipe, interleaved) its last action is a backward of its
@@ -83,9 +86,9 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     extra = hop * (microbatches - 1) * vpp if blocking and pp > 1 else 0.0
     best = 0.0
     for r in range(pp):
-        mine = range(r, pp * vpp, pp)
+        mine = (r, 2 * pp - 1 - r) if schedule in V_SCHEDULES else range(r, pp * vpp, pp)
         work = microbatches * sum(f[s] + b[s] + w[s] for s in mine) + extra
         fill = sum(f[:r]) + r * hop
-        tail = 0.0 if schedule in ("zb-h1", "zb-h2") else sum(b[:r]) + r * hop
+        tail = 0.0 if schedule in SPLIT_BACKWARD else sum(b[:r]) + r * hop
         best = max(best, fill + work + tail)
     return best

@@ -43,7 +43,7 @@ from mpformer.core.config import FixedPlan
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import CP_KINDS, ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig, divisors
-from mpformer.core.pipeline_plan import stage_counts
+from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
 # pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice.
@@ -207,8 +207,8 @@ def _structure_bound(model: ModelConfig, cluster: Cluster, w: Workload, bases: l
     for L in bases:
         L = replace(L, recompute=rec, recompute_layers=k)
         counts = stage_counts(model, L, w.seq_length)
-        params = max(stage_params(model, L, sum(counts[c * L.pp + r] for c in range(L.vpp)), r == 0, r == L.pp - 1)
-                     for r in range(L.pp))
+        params = max(stage_params(model, L, sum(counts[stage_index(L, r, c)] for c in range(L.vpp)),
+                                  *rank_ends(L, r)) for r in range(L.pp))
         best = min(best, iteration_time(model, L, ww, cluster, params_per_rank=params,
                                         simulate_pipeline=False).iteration_s)
     return best

@@ -17,8 +17,9 @@ from mpformer.core.model_config import ModelConfig, divisors
 from mpformer.core.topology import Topology
 
 CP_KINDS = ("ring", "allgather", "ulysses", "hybrid")  # Megatron --cp-comm-type p2p | allgather | a2a | a2a+p2p
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
-SPLIT_BACKWARD = ("zb-h1", "zb-h2")  # schedules that run a backward as BI then BW (a WeightGradStore)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules that run a backward as BI then BW (a WeightGradStore)
+V_SCHEDULES = ("zb-v",)  # two chunks per rank in a V (pipeline/actions.py): vpp = 2
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_PARTITIONS = ("uniform", "balanced")
@@ -102,8 +103,12 @@ def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:
         raise ConfigError(f"schedule interleaved needs vpp >= 2 at pp={pp} (vpp={vpp}); valid: vpp in 2, 3, 4, ...")
     if vpp > 1 and pp == 1:
         raise ConfigError(f"vpp={vpp} needs pp > 1; valid at pp=1: vpp=1")
-    if vpp > 1 and name != "interleaved":
-        raise ConfigError(f"schedule {name} has no virtual stages (vpp={vpp}); valid: vpp=1, or schedule interleaved")
+    if name in V_SCHEDULES and (vpp != 2 or pp < 2):
+        raise ConfigError(f"schedule {name} runs two chunks per rank in a V: it needs vpp=2 and pp >= 2 "
+                          f"(got vpp={vpp}, pp={pp}); valid: vpp=2")
+    if vpp > 1 and name not in ("interleaved", *V_SCHEDULES):
+        raise ConfigError(f"schedule {name} has no virtual stages (vpp={vpp}); valid: vpp=1, or schedule "
+                          f"interleaved or {', '.join(V_SCHEDULES)}")
     low = min_microbatches(name, pp)
     if microbatches < low:
         raise ConfigError(f"schedule {name} at pp={pp} needs microbatches >= {low}, got {microbatches}")

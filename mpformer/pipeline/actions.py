@@ -1,9 +1,17 @@
 """The schedule IR: one ordered list of actions per pipeline rank (docs/architecture.md, principle 3).
 
-Layout of stages. With ``pp`` ranks and ``vpp`` virtual chunks per rank there are ``pp * vpp``
-global stages; rank ``r`` holds chunks ``c = 0 .. vpp-1`` and chunk ``c`` is global stage
-``c * pp + r`` (Megatron's interleaved layout: rank r holds stages r, r+pp, r+2pp, ...). Stage 0
-owns the embedding, the last stage ``pp * vpp - 1`` the LM head and the loss.
+Layout of stages (``Schedule.placement``). With ``pp`` ranks and ``vpp`` virtual chunks per rank there
+are ``pp * vpp`` global stages; rank ``r`` holds chunks ``c = 0 .. vpp-1``:
+
+    interleaved  chunk ``c`` is global stage ``c * pp + r`` (Megatron's interleaved layout: rank r
+                 holds stages r, r+pp, r+2pp, ...); vpp = 1 is the plain pipeline
+    v            vpp = 2 in a V (Qi et al.'s ZB-V, DeepSeek's DualPipeV): chunk 0 is stage r, chunk 1
+                 stage 2 pp - 1 - r, so rank pp-1 holds the two middle stages and rank 0 the first
+                 and the last (embedding and head on one rank)
+
+Stage 0 owns the embedding, the last stage ``pp * vpp - 1`` the LM head and the loss. Two consecutive
+stages on one rank (the V's turn) hand over in memory: no communication action joins them, and the
+later compute only has to come after the earlier one in the rank's list.
 
 Operations (``Op``):
 
@@ -93,6 +101,21 @@ _TOKEN = re.compile(r"^(BI|BW|sF|rF|sB|rB|F|B)(\d+)(?:\.(\d+))?$")
 _HEADER = "# mpformer-schedule"
 
 
+PLACEMENTS = ("interleaved", "v")
+
+
+def stage_of(pp: int, rank: int, chunk: int, v: bool = False) -> int:
+    """Global stage of ``rank``'s ``chunk`` (module docstring; ``v``: the V placement)."""
+    return 2 * pp - 1 - rank if v and chunk == 1 else chunk * pp + rank
+
+
+def rank_chunk(pp: int, stage: int, v: bool = False) -> tuple[int, int]:
+    """The (rank, chunk) that holds global ``stage``: the inverse of ``stage_of``."""
+    if v and stage >= pp:
+        return 2 * pp - 1 - stage, 1
+    return stage % pp, stage // pp
+
+
 @dataclass(frozen=True, order=True)
 class Action:
     """One step of one rank's list: ``op`` on ``microbatch`` for local ``chunk``."""
@@ -102,9 +125,9 @@ class Action:
     microbatch: int
     chunk: int = 0
 
-    def stage(self, pp: int) -> int:
-        """The global stage this action belongs to (chunk * pp + rank)."""
-        return self.chunk * pp + self.rank
+    def stage(self, pp: int, v: bool = False) -> int:
+        """The global stage this action belongs to (``stage_of``)."""
+        return 2 * pp - 1 - self.rank if v and self.chunk == 1 else self.chunk * pp + self.rank
 
     def token(self, with_chunk: bool = True) -> str:
         """Text form without the rank, e.g. ``sF3.1``."""
@@ -115,23 +138,22 @@ class Action:
         """``rank 1 action rF3`` — how errors name an action."""
         return f"rank {self.rank} action {self.token(vpp > 1)}"
 
-    def peer_stage(self, pp: int) -> int:
+    def peer_stage(self, pp: int, v: bool = False) -> int:
         """The global stage on the other end of a communication action."""
-        s = self.stage(pp)
+        s = self.stage(pp, v)
         return s + 1 if self.op in (Op.SEND_F, Op.RECV_B) else s - 1
 
-    def peer(self, pp: int) -> tuple[int, int]:
+    def peer(self, pp: int, v: bool = False) -> tuple[int, int]:
         """(rank, chunk) on the other end of a communication action."""
-        s = self.peer_stage(pp)
-        return s % pp, s // pp
+        return rank_chunk(pp, self.peer_stage(pp, v), v)
 
-    def message(self, pp: int) -> tuple[str, int, int]:
+    def message(self, pp: int, v: bool = False) -> tuple[str, int, int]:
         """The identity of the tensor a communication action moves: (kind, microbatch, source stage).
 
         A send and a receive match iff their messages are equal; the shape is then the same by
         construction (activations and gradients at a stage boundary are [seq, batch, hidden]).
         """
-        op, stage = self.op, self.chunk * pp + self.rank
+        op, stage = self.op, self.stage(pp, v)
         if op is Op.SEND_F or op is Op.SEND_B:
             return ("F" if op is Op.SEND_F else "B"), self.microbatch, stage
         return ("F", self.microbatch, stage - 1) if op is Op.RECV_F else ("B", self.microbatch, stage + 1)
@@ -155,10 +177,27 @@ class Schedule:
     microbatches: int
     name: str
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
+    placement: str = "interleaved"  # which chunk is which stage (module docstring)
 
     def __post_init__(self) -> None:
         if len(self.actions) != self.pp:
             raise ScheduleError(f"schedule {self.name!r} has {len(self.actions)} rank lists for pp={self.pp}")
+        if self.placement not in PLACEMENTS:
+            raise ScheduleError(f"placement {self.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
+        if self.placement == "v" and (self.vpp != 2 or self.pp < 2):
+            raise ScheduleError(f"placement v needs vpp=2 and pp >= 2, got vpp={self.vpp} pp={self.pp}")
+
+    @property
+    def v(self) -> bool:
+        """The V placement (module docstring)."""
+        return self.placement == "v"
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return stage_of(self.pp, rank, chunk, self.v)
+
+    def local(self, stage: int, other: int) -> bool:
+        """Whether two stages sit on one rank (the V's turn): they hand over without a message."""
+        return rank_chunk(self.pp, stage, self.v)[0] == rank_chunk(self.pp, other, self.v)[0]
 
     @property
     def num_stages(self) -> int:
@@ -172,7 +211,8 @@ class Schedule:
 
     # -- text ---------------------------------------------------------------------------------
     def header(self) -> str:
-        return f"{_HEADER} name={self.name} pp={self.pp} vpp={self.vpp} microbatches={self.microbatches}"
+        place = " placement=v" if self.v else ""
+        return f"{_HEADER} name={self.name} pp={self.pp} vpp={self.vpp} microbatches={self.microbatches}{place}"
 
     def to_text(self) -> str:
         chunked = self.vpp > 1
@@ -239,7 +279,7 @@ def _read_header(line: str) -> dict[str, str]:
         return dict(p.split("=", 1) for p in pairs)  # type: ignore[misc]
     except ValueError:
         raise ScheduleError(f"cannot read header {line!r}; expected key=value pairs "
-                            "(name, pp, vpp, microbatches)") from None
+                            "(name, pp, vpp, microbatches, placement)") from None
 
 
 def _assemble(rows: dict[int, list[Action]], meta: dict[str, str]) -> Schedule:
@@ -256,7 +296,8 @@ def _assemble(rows: dict[int, list[Action]], meta: dict[str, str]) -> Schedule:
     extra = sorted(r for r in rows if r >= pp)
     if missing or extra:
         raise ScheduleError(f"a schedule for pp={pp} lists ranks 0..{pp - 1}; missing {missing}, extra {extra}")
-    return Schedule(pp, vpp, mbs, meta.get("name", "custom"), tuple(tuple(rows[r]) for r in range(pp)))
+    return Schedule(pp, vpp, mbs, meta.get("name", "custom"), tuple(tuple(rows[r]) for r in range(pp)),
+                    meta.get("placement", "interleaved"))
 
 
 def load_schedule(path: str | Path) -> Schedule:
@@ -270,9 +311,9 @@ def load_schedule(path: str | Path) -> Schedule:
 
 
 def make_schedule(name: str, pp: int, vpp: int, microbatches: int,
-                  lists: Sequence[Iterable[Action]]) -> Schedule:
+                  lists: Sequence[Iterable[Action]], placement: str = "interleaved") -> Schedule:
     """Freeze per-rank lists into a Schedule (generators build plain lists, then call this)."""
-    return Schedule(pp, vpp, microbatches, name, tuple(tuple(x) for x in lists))
+    return Schedule(pp, vpp, microbatches, name, tuple(tuple(x) for x in lists), placement)
 
 
 def repeat(schedule: Schedule, times: int) -> Schedule:
@@ -287,4 +328,4 @@ def repeat(schedule: Schedule, times: int) -> Schedule:
     # Ranks iterate k outermost: a rank finishes its list for step k before starting step k+1.
     lists = [[Action(a.rank, a.op, a.microbatch + k * m, a.chunk) for k in range(times) for a in acts]
              for acts in schedule.actions]
-    return make_schedule(f"{schedule.name}x{times}", schedule.pp, schedule.vpp, m * times, lists)
+    return make_schedule(f"{schedule.name}x{times}", schedule.pp, schedule.vpp, m * times, lists, schedule.placement)

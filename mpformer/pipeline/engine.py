@@ -50,7 +50,7 @@ class PipelineEngine:
         BI/BW really split (models.parallelize.build_rank makes it for the zero-bubble schedules; an
         evaluation engine runs forwards only and needs none). ``on_weight_grad(p)`` runs after BW
         accumulated into ``p.grad`` (what autograd's post-accumulate-grad hooks would have run)."""
-        assert schedule.pp == plan.pp and schedule.vpp == plan.vpp
+        assert schedule.pp == plan.pp and schedule.vpp == plan.vpp and schedule.v == plan.v
         self.model, self.plan, self.schedule, self.p2p, self.autocast = model, plan, schedule, p2p, autocast
         self.on_grads_done, self.on_weight_grad = on_grads_done, on_weight_grad
         self.dispatch: dict[Op, Callable[[Action, torch.Tensor | None], None]] = {
@@ -130,11 +130,13 @@ class PipelineEngine:
 
     def _input_of(self, a: Action) -> torch.Tensor | None:
         """The received tensor ``a`` consumes: the activation of an F, the output gradient of a B/BI."""
-        key = (a.microbatch, a.chunk)
-        if a.op is Op.F and not self.plan.is_first(a.chunk):
-            return self._received(self.recv_f, key)
-        if a.op in (Op.B, Op.BI) and not self.plan.is_last(a.chunk):
-            return self._received(self.recv_b, key)
+        key, plan = (a.microbatch, a.chunk), self.plan
+        if a.op is Op.F and not plan.is_first(a.chunk):
+            before = plan.local_stage(plan.stage(a.chunk) - 1)  # the V's turn: the output stays on the rank
+            return self._received(self.recv_f, key) if before is None else self.outputs[a.microbatch, before].detach()
+        if a.op in (Op.B, Op.BI) and not plan.is_last(a.chunk):
+            after = plan.local_stage(plan.stage(a.chunk) + 1)
+            return self._received(self.recv_b, key) if after is None else self.input_grads.pop((a.microbatch, after))
         return None
 
     # ---- compute -----------------------------------------------------------------------------
@@ -187,7 +189,7 @@ class PipelineEngine:
         recvs: list[tuple[int, torch.Tensor]] = []
         recv_slots: list[tuple[dict, Key, Action]] = []
         for a in acts:
-            key, (peer, _) = (a.microbatch, a.chunk), a.peer(pp)
+            key, (peer, _) = (a.microbatch, a.chunk), a.peer(pp, self.schedule.v)
             if a.op is Op.SEND_F:
                 sends.append((peer, self.outputs[key].detach()))
             elif a.op is Op.SEND_B:

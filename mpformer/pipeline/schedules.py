@@ -17,6 +17,9 @@ compute orders, for rank r of p, m microbatches (``F i`` = forward of microbatch
                  range); Qi et al.'s ZB-H1: p activations on every rank, bubble (p-1)(T_F+T_B-T_W)
     zb-h2        the same with lags 2(p-1-r) and 2(p-1): 2p-1 activations on every rank, extra
                  warmup forwards fill the start, the deferred BW's fill the drain
+    zb-v         two chunks per rank in a V (actions.py's placement v: chunk 1 is stage 2p-1-r),
+                 list-scheduled on the unit clock under a cap of 2p chunk activations (1F1B's
+                 peak): BI first, then F, then the deferred BW (``_zbv_orders``)
 
 Communication (``_aligned_comm``): replay the compute orders on an ideal clock (T_F = T_BI = T_W
 = 1, T_B = 2, a message usable the moment it is produced) and post both sides of each message at
@@ -36,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpformer.core.layout import check_args
-from mpformer.pipeline.actions import Action, Op, Schedule, make_schedule
+from mpformer.pipeline.actions import Action, Op, Schedule, make_schedule, rank_chunk, stage_of
 from mpformer.pipeline.verify import verify
 
 Compute = tuple[Op, int, int]  # (op, microbatch, chunk) on the rank whose order list holds it
@@ -94,18 +97,84 @@ def _zero_bubble_orders(pp: int, m: int, k: int) -> tuple[int, Orders]:
     return 1, orders
 
 
-def _messages(pp: int, vpp: int, r: int, op: Op, mb: int, c: int) -> tuple[tuple | None, tuple | None]:
+def _zbv_orders(pp: int, m: int, vpp: int = 2) -> tuple[int, Orders]:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): two chunks per rank in a
+    V (placement v), the backward split into BI and BW, each rank holding at most 2p chunk activations
+    (p whole-stage micro-batches: 1F1B's peak). The order is list-scheduled on the unit clock (T_F =
+    T_BI = T_W = 1 per chunk, messages free): whenever a rank is free it runs, of what is ready, an
+    input-gradient pass (the critical path; oldest micro-batch first, the later stage first), else a
+    forward while it holds fewer than 2p activations (the later stage first: it finishes a micro-batch
+    already in flight), else a deferred weight pass (the oldest), else it waits. With equal costs this
+    fills the steady state completely; the memory cap is what keeps the warm-up's forwards to 1F1B's."""
+    last, cap = 2 * pp - 1, 2 * pp
+    end: dict[tuple[Op, int, int], int] = {}  # (op, microbatch, stage) -> end tick
+    orders: list[list[Compute]] = [[] for _ in range(pp)]
+    held = [0] * pp
+    waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (microbatch, stage) awaiting BW
+    next_f = [[0, 0] for _ in range(pp)]  # per rank and chunk: the next microbatch to forward
+    next_b = [[0, 0] for _ in range(pp)]  # ... and to run BI on
+    total, done, t = 2 * m * 3 * pp, 0, 0
+
+    def ready(op: Op, mb: int, stage: int) -> bool:
+        if op is Op.F:
+            return stage == 0 or end.get((Op.F, mb, stage - 1), t + 1) <= t
+        if stage == last:
+            return end.get((Op.F, mb, stage), t + 1) <= t
+        return end.get((Op.BI, mb, stage + 1), t + 1) <= t
+
+    while done < total:
+        for r in range(pp):  # every rank free at tick t (all computes take one tick) picks one
+            stages = (stage_of(pp, r, 0, True), stage_of(pp, r, 1, True))
+            pick = None
+            cands = [(next_b[r][c], -stages[c], c) for c in (0, 1) if next_b[r][c] < m]
+            for mb, _, c in sorted(cands):
+                if ready(Op.BI, mb, stages[c]) and end.get((Op.F, mb, stages[c]), t + 1) <= t:
+                    pick = (Op.BI, mb, c)
+                    break
+            if pick is None and held[r] < cap:
+                cands = [(next_f[r][c], -stages[c], c) for c in (0, 1) if next_f[r][c] < m]
+                for mb, _, c in sorted(cands):
+                    if ready(Op.F, mb, stages[c]):
+                        pick = (Op.F, mb, c)
+                        break
+            if pick is None and waiting_w[r]:
+                mb, st = waiting_w[r].pop(0)
+                pick = (Op.BW, mb, 0 if st == stages[0] else 1)
+            if pick is None:
+                continue
+            op, mb, c = pick
+            orders[r].append(pick)
+            end[op, mb, stages[c]] = t + 1
+            done += 1
+            if op is Op.F:
+                next_f[r][c] += 1
+                held[r] += 1
+            elif op is Op.BI:
+                next_b[r][c] += 1
+                waiting_w[r].append((mb, stages[c]))
+            else:
+                held[r] -= 1
+        t += 1
+        assert t <= 4 * total, "zb-v's list scheduling stalled"  # cannot happen: the cap is 1F1B's
+    return 2, orders
+
+
+def _messages(pp: int, vpp: int, r: int, op: Op, mb: int, c: int, v: bool = False
+              ) -> tuple[tuple | None, tuple | None]:
     """The messages (Action.message) of the receive a compute needs and of the send it feeds, without
-    building the actions: the generators call this for every compute of every rank."""
-    stage, last = c * pp + r, pp * vpp - 1
+    building the actions: the generators call this for every compute of every rank. None at the ends of
+    the pipeline and at the V's turn (``v``: stages pp-1 and pp on rank pp-1 hand over in memory)."""
+    stage, last = stage_of(pp, r, c, v), pp * vpp - 1
+    before = stage > 0 and not (v and stage == pp)
+    after = stage < last and not (v and stage == pp - 1)
     if op == Op.F:
-        return (("F", mb, stage - 1) if stage > 0 else None), (("F", mb, stage) if stage < last else None)
+        return (("F", mb, stage - 1) if before else None), (("F", mb, stage) if after else None)
     if op in (Op.B, Op.BI):
-        return (("B", mb, stage + 1) if stage < last else None), (("B", mb, stage) if stage > 0 else None)
+        return (("B", mb, stage + 1) if after else None), (("B", mb, stage) if before else None)
     return None, None
 
 
-def _clock(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[int]]:
+def _clock(pp: int, vpp: int, orders: list[list[Compute]], v: bool = False) -> list[list[int]]:
     """Start tick of every compute (costs TICKS) when a message arrives as soon as it is produced."""
     arrived: dict[tuple[str, int, int], int] = {}
     waiting: dict[tuple[str, int, int], int] = {}  # message -> the rank blocked on it
@@ -117,7 +186,7 @@ def _clock(pp: int, vpp: int, orders: list[list[Compute]]) -> list[list[int]]:
         order, n = orders[r], len(orders[r])
         while ptr[r] < n:
             op, mb, c = order[ptr[r]]
-            key, out = _messages(pp, vpp, r, op, mb, c)
+            key, out = _messages(pp, vpp, r, op, mb, c, v)
             if key is not None and key not in arrived:
                 waiting[key] = r
                 break
@@ -147,7 +216,7 @@ class Placement:
     key: tuple
 
 
-def _placements(pp: int, vpp: int, orders: Orders) -> tuple[list[list[int]], list[Placement]]:
+def _placements(pp: int, vpp: int, orders: Orders, v: bool = False) -> tuple[list[list[int]], list[Placement]]:
     """Post both sides of every message at one tick where sender and receiver both sit in a gap.
 
     On the TICKS clock (no waiting for messages: the ideal timeline) a rank's gaps are the
@@ -157,7 +226,7 @@ def _placements(pp: int, vpp: int, orders: Orders) -> tuple[list[list[int]], lis
     open, so the blocking execution reproduces the ideal timeline: no deadlock, no added wait.
     Returns every compute's start tick and the placements.
     """
-    starts = _clock(pp, vpp, orders)
+    starts = _clock(pp, vpp, orders, v)
     ends = [[t + TICKS[op] for t, (op, _, _) in zip(st, o)] for st, o in zip(starts, orders)]
     index = [{(op if op != Op.BI else Op.B, mb, c): i for i, (op, mb, c) in enumerate(o)} for o in orders]
 
@@ -167,11 +236,10 @@ def _placements(pp: int, vpp: int, orders: Orders) -> tuple[list[list[int]], lis
     out: list[Placement] = []
     for r, order in enumerate(orders):
         for i, (op, mb, c) in enumerate(order):
-            msg = _messages(pp, vpp, r, op, mb, c)[1]
+            msg = _messages(pp, vpp, r, op, mb, c, v)[1]
             if msg is None:
                 continue
-            q = (msg[2] + (1 if op == Op.F else -1)) % pp  # the neighbouring global stage's rank
-            qc = (msg[2] + (1 if op == Op.F else -1)) // pp
+            q, qc = rank_chunk(pp, msg[2] + (1 if op == Op.F else -1), v)  # the neighbouring global stage
             consumer = index[q][(Op.F if op == Op.F else Op.B, mb, qc)]
             gs, gr = i + 1, bisect_left(starts[q], ends[r][i])  # first gaps at or after the send
             while True:
@@ -189,10 +257,10 @@ def _placements(pp: int, vpp: int, orders: Orders) -> tuple[list[list[int]], lis
     return starts, out
 
 
-def _aligned_comm(pp: int, vpp: int, orders: Orders) -> list[list[Action]]:
+def _aligned_comm(pp: int, vpp: int, orders: Orders, v: bool = False) -> list[list[Action]]:
     """The action lists: every rank's computes with the messages placed by ``_placements``."""
     groups: dict[tuple[int, int], list[tuple[tuple, Action]]] = {}
-    for pl in _placements(pp, vpp, orders)[1]:
+    for pl in _placements(pp, vpp, orders, v)[1]:
         op, mb, c = orders[pl.r][pl.i]
         fwd = op == Op.F
         qc = orders[pl.q][pl.consumer][2]
@@ -230,18 +298,25 @@ def zb_h2(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
     return _make("zb-h2", pp, microbatches, vpp)
 
 
+def zb_v(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
+    return _make("zb-v", pp, microbatches, vpp)
+
+
 ORDERS: dict[str, Callable[[int, int, int], tuple[int, Orders]]] = {
     "gpipe": _gpipe_orders,
     "1f1b": _1f1b_orders,
     "interleaved": _interleaved_orders,
     "zb-h1": lambda pp, m, vpp=1: _zero_bubble_orders(pp, m, 1),
     "zb-h2": lambda pp, m, vpp=1: _zero_bubble_orders(pp, m, 2),
+    "zb-v": _zbv_orders,
 }
+PLACEMENT = {"zb-v": "v"}  # schedules whose chunks sit in a V (actions.py); the rest interleave
 
 
 def _make(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
-    v, orders = ORDERS[name](pp, microbatches, vpp)
-    return make_schedule(name, pp, v, microbatches, _aligned_comm(pp, v, orders))
+    chunks, orders = ORDERS[name](pp, microbatches, vpp)
+    place = PLACEMENT.get(name, "interleaved")
+    return make_schedule(name, pp, chunks, microbatches, _aligned_comm(pp, chunks, orders, place == "v"), place)
 
 
 Generator = Callable[[int, int, int], Schedule]
@@ -251,6 +326,7 @@ SCHEDULES: dict[str, Generator] = {
     "interleaved": interleaved_1f1b,
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
+    "zb-v": zb_v,
 }
 
 

@@ -66,9 +66,9 @@ class Costs:
         val = getattr(self, key)
         return float(val) if isinstance(val, int | float) else float(val[stage])
 
-    def duration(self, action: Action, pp: int) -> float:
+    def duration(self, action: Action, pp: int, v: bool = False) -> float:
         """How long ``action`` keeps its rank busy (communication: 0, its wait is modelled apart)."""
-        stage = action.stage(pp)
+        stage = action.stage(pp, v)
         if action.op == Op.F:
             return self._at("f", stage)
         if action.op == Op.BI:
@@ -119,7 +119,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool =
     costs = costs or Costs()
     costs.check(schedule.num_stages)
     peaks = [] if verified else verify(schedule).peak_inflight
-    timeline = execute(schedule, lambda a: costs.duration(a, schedule.pp), costs.p2p, blocking=blocking)
+    timeline = execute(schedule, lambda a: costs.duration(a, schedule.pp, schedule.v), costs.p2p, blocking=blocking)
     step = max((t.end for row in timeline for t in row), default=0.0)
     busy = [sum(t.end - t.start for t in row if not t.action.op.is_comm) for row in timeline]
     idle = [step - b for b in busy]

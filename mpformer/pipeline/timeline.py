@@ -58,7 +58,7 @@ class CompiledTimeline:
 
 def compile_timeline(s: Schedule) -> CompiledTimeline:
     """Walk the lists as the overlapped engine does (with no durations: only who waits on whom)."""
-    pp, acts, last_stage = s.pp, s.actions, s.num_stages - 1
+    pp, acts, last_stage, v = s.pp, s.actions, s.num_stages - 1, s.v
     ptr = [0] * pp
     last = [-1] * pp  # node id of each rank's last compute so far
     posted: dict[tuple[str, int, int], tuple[bool, int]] = {}  # message -> (its send?, node after which posted)
@@ -76,7 +76,7 @@ def compile_timeline(s: Schedule) -> CompiledTimeline:
         row = acts[r]
         while ptr[r] < len(row):
             a = row[ptr[r]]
-            op, stage = a.op, a.chunk * pp + a.rank
+            op, stage = a.op, a.stage(pp, v)
             if op in _COMM:
                 msg = _MESSAGE[op](a.microbatch, stage)  # Action.message, inline: called for every action
                 other = posted.pop(msg, None)
@@ -89,12 +89,13 @@ def compile_timeline(s: Schedule) -> CompiledTimeline:
                         runnable.append(waiting.pop(msg))
                 ptr[r] += 1
                 continue
-            if op is Op.F:
-                need = ("F", a.microbatch, stage - 1) if stage > 0 else None
+            if op is Op.F:  # (the V's turn hands over on the rank: after the rank's previous compute)
+                need = ("F", a.microbatch, stage - 1) if stage > 0 and not (v and s.local(stage, stage - 1)) else None
             elif op is Op.BW:
                 need = None
             else:
-                need = ("B", a.microbatch, stage + 1) if stage < last_stage else None
+                need = (("B", a.microbatch, stage + 1) if stage < last_stage and not (v and s.local(stage, stage + 1))
+                        else None)
             if need is not None and need not in arrived:
                 waiting[need] = r
                 break
@@ -120,11 +121,13 @@ def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Com
     lists' compiled form on every generated schedule (tests/unit/test_pipeline_timeline.py); the cost
     model compiles schedules of 64 stages and hundreds of micro-batches with it."""
     from mpformer.core.layout import check_args
-    from mpformer.pipeline.schedules import ORDERS, _placements
+    from mpformer.pipeline.actions import stage_of
+    from mpformer.pipeline.schedules import ORDERS, PLACEMENT, _placements
 
     check_args(name, pp, microbatches, vpp)
-    v, orders = ORDERS[name](pp, microbatches, vpp)
-    starts, placements = _placements(pp, v, orders)
+    chunks, orders = ORDERS[name](pp, microbatches, vpp)
+    v = PLACEMENT.get(name) == "v"
+    starts, placements = _placements(pp, chunks, orders, v)
     order = sorted((t, r, i) for r, st in enumerate(starts) for i, t in enumerate(st))
     node = {(r, i): k for k, (_, r, i) in enumerate(order)}
     inputs = {(pl.q, pl.consumer): (node[pl.r, pl.gs - 1] if pl.gs else -1, node[pl.q, pl.gr - 1] if pl.gr else -1)
@@ -138,8 +141,8 @@ def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Com
         recv_post.append(q)
         has_input.append((r, i) in inputs)
         ops.append(op)
-        stages.append(c * pp + r)
-    return CompiledTimeline(pp * v, tuple(prev), tuple(send_post), tuple(recv_post), tuple(has_input), tuple(ops),
+        stages.append(stage_of(pp, r, c, v))
+    return CompiledTimeline(pp * chunks, tuple(prev), tuple(send_post), tuple(recv_post), tuple(has_input), tuple(ops),
                             tuple(stages))
 
 

@@ -42,7 +42,7 @@ def write_trace(path: str | Path, events: Sequence[Event], vpp: int) -> Path:
     return path
 
 
-def measured_costs(events: Sequence[Event], num_stages: int, pp: int, p2p: float = 0.0) -> Costs:
+def measured_costs(events: Sequence[Event], num_stages: int, pp: int, p2p: float = 0.0, v: bool = False) -> Costs:
     """Median seconds of F, BI (or a combined B) and BW per global stage.
 
     A combined B is reported as ``b`` with ``w = 0``, which is how ``Costs.duration`` prices B
@@ -53,7 +53,7 @@ def measured_costs(events: Sequence[Event], num_stages: int, pp: int, p2p: float
         if a.op.is_comm:
             continue
         kind = {Op.F: "f", Op.B: "b", Op.BI: "b", Op.BW: "w"}[a.op]
-        by.setdefault((kind, a.stage(pp)), []).append(end - start)
+        by.setdefault((kind, a.stage(pp, v)), []).append(end - start)
 
     def per_stage(kind: str) -> list[float]:
         return [statistics.median(by[(kind, s)]) if (kind, s) in by else 0.0 for s in range(num_stages)]

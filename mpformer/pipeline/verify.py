@@ -62,7 +62,7 @@ def verify(schedule: Schedule) -> VerifyResult:
 
 def _check_rank(s: Schedule, r: int) -> int:
     """Pass 1 for rank r; returns its peak in-flight activations."""
-    pp, last = s.pp, s.num_stages - 1
+    pp, last, v = s.pp, s.num_stages - 1, s.v
     seen: set[tuple[Op, int, int]] = set()
     inflight = peak = 0
 
@@ -72,7 +72,11 @@ def _check_rank(s: Schedule, r: int) -> int:
     def need(op: Op, a: Action, why: str) -> None:
         if (op, a.microbatch, a.chunk) not in seen:
             fail(a, f"needs {Action(r, op, a.microbatch, a.chunk).token(s.vpp > 1)} before it ({why}, "
-                    f"stage {a.stage(pp)})")
+                    f"stage {a.stage(pp, v)})")
+
+    def need_local(op: Op, a: Action, chunk: int, why: str) -> None:  # the V's turn: in memory
+        if (op, a.microbatch, chunk) not in seen and (op is not Op.B or (Op.BI, a.microbatch, chunk) not in seen):
+            fail(a, f"needs {Action(r, op, a.microbatch, chunk).token(True)} before it ({why}, on this rank)")
 
     for a in s.actions[r]:
         op, mb, c = a.op, a.microbatch, a.chunk
@@ -80,12 +84,14 @@ def _check_rank(s: Schedule, r: int) -> int:
             fail(a, f"is in rank {r}'s list")
         if not (0 <= c < s.vpp and 0 <= mb < s.microbatches):
             fail(a, f"is out of range: microbatch 0..{s.microbatches - 1}, chunk 0..{s.vpp - 1}")
-        stage = c * pp + r
+        stage = a.stage(pp, v)
         key = (op, mb, c)
         if key in seen:
             fail(a, f"is a duplicate: stage {stage} already has it for this microbatch")
         if op is Op.F:
-            if stage > 0:
+            if stage > 0 and v and s.local(stage, stage - 1):
+                need_local(Op.F, a, 1 - c, "the previous stage's forward")
+            elif stage > 0:
                 need(Op.RECV_F, a, "the activation from the previous stage")
             inflight += 1
             peak = max(peak, inflight)
@@ -93,15 +99,20 @@ def _check_rank(s: Schedule, r: int) -> int:
             if ((Op.BI if op is Op.B else Op.B), mb, c) in seen:
                 fail(a, "mixes B with BI/BW for the same microbatch and chunk")
             need(Op.F, a, "its forward")
-            if stage < last:
+            if stage < last and v and s.local(stage, stage + 1):
+                need_local(Op.B, a, 1 - c, "the next stage's backward")
+            elif stage < last:
                 need(Op.RECV_B, a, "the output gradient from the next stage")
             inflight -= op is Op.B
         elif op is Op.BW:
             need(Op.BI, a, "the input-gradient pass of the same microbatch and chunk")
             inflight -= 1
         else:
-            if not 0 <= a.peer_stage(pp) <= last:
-                fail(a, f"on stage {stage} has no neighbour stage {a.peer_stage(pp)} (stages 0..{last})")
+            if not 0 <= a.peer_stage(pp, v) <= last:
+                fail(a, f"on stage {stage} has no neighbour stage {a.peer_stage(pp, v)} (stages 0..{last})")
+            if v and s.local(stage, a.peer_stage(pp, v)):
+                fail(a, f"joins stages {stage} and {a.peer_stage(pp, v)}, which sit on this rank and hand over "
+                        "in memory: no message")
             if op is Op.SEND_F:
                 need(Op.F, a, "the forward whose output it sends")
             elif op is Op.SEND_B and (Op.B, mb, c) not in seen:
@@ -114,7 +125,7 @@ def _check_rank(s: Schedule, r: int) -> int:
 def _check_complete(s: Schedule, r: int, seen: set[tuple[Op, int, int]]) -> None:
     last = s.num_stages - 1
     for c in range(s.vpp):
-        stage = c * s.pp + r
+        stage = s.stage(r, c)
         for mb in range(s.microbatches):
             missing = None
             if (Op.F, mb, c) not in seen:
@@ -123,9 +134,9 @@ def _check_complete(s: Schedule, r: int, seen: set[tuple[Op, int, int]]) -> None
                 missing = Op.B
             elif (Op.BI, mb, c) in seen and (Op.BW, mb, c) not in seen:
                 missing = Op.BW
-            elif stage < last and (Op.SEND_F, mb, c) not in seen:
+            elif stage < last and (Op.SEND_F, mb, c) not in seen and not s.local(stage, stage + 1):
                 missing = Op.SEND_F
-            elif stage > 0 and (Op.SEND_B, mb, c) not in seen:
+            elif stage > 0 and (Op.SEND_B, mb, c) not in seen and not s.local(stage, stage - 1):
                 missing = Op.SEND_B
             if missing is not None:
                 tok = Action(r, missing, mb, c).token(s.vpp > 1)
@@ -162,7 +173,7 @@ def execute(schedule: Schedule, duration: Callable[[Action], float], p2p: float 
     """
     if not blocking:
         return _run_overlapped(schedule, duration, p2p)
-    pp, acts = schedule.pp, schedule.actions
+    pp, acts, v = schedule.pp, schedule.actions, schedule.v
     segs = [_segments(a) for a in acts]
     ptr, clock = [0] * pp, [0.0] * pp
     pending, group_end = [0] * pp, [0.0] * pp
@@ -182,7 +193,7 @@ def execute(schedule: Schedule, duration: Callable[[Action], float], p2p: float 
             t = clock[r]
             pending[r], group_end[r] = hi - lo, t
             for i in range(lo, hi):
-                msg = acts[r][i].message(pp)
+                msg = acts[r][i].message(pp, v)
                 other = posted.pop(msg, None)
                 if other is None:
                     posted[msg] = (r, i, t)
@@ -209,16 +220,16 @@ def execute(schedule: Schedule, duration: Callable[[Action], float], p2p: float 
 
 def _input_message(s: Schedule, a: Action) -> tuple[str, int, int] | None:
     """The message a compute consumes (None for BW and at the ends of the pipeline)."""
-    stage = a.stage(s.pp)
-    if a.op == Op.F and stage > 0:
-        return Action(a.rank, Op.RECV_F, a.microbatch, a.chunk).message(s.pp)
-    if a.op in (Op.B, Op.BI) and stage < s.num_stages - 1:
-        return Action(a.rank, Op.RECV_B, a.microbatch, a.chunk).message(s.pp)
-    return None
+    stage = a.stage(s.pp, s.v)
+    if a.op == Op.F and stage > 0 and not s.local(stage, stage - 1):
+        return Action(a.rank, Op.RECV_F, a.microbatch, a.chunk).message(s.pp, s.v)
+    if a.op in (Op.B, Op.BI) and stage < s.num_stages - 1 and not s.local(stage, stage + 1):
+        return Action(a.rank, Op.RECV_B, a.microbatch, a.chunk).message(s.pp, s.v)
+    return None  # the pipeline's ends, a weight pass, or the V's turn (its input is on the rank already)
 
 
 def _run_overlapped(s: Schedule, duration: Callable[[Action], float], p2p: float) -> list[list[TimedAction]]:
-    pp, acts = s.pp, s.actions
+    pp, acts, v = s.pp, s.actions, s.v
     ptr, clock = [0] * pp, [0.0] * pp
     timed: list[list[TimedAction | None]] = [[None] * len(a) for a in acts]
     posted: dict[tuple[str, int, int], tuple[int, int, float]] = {}
@@ -230,7 +241,7 @@ def _run_overlapped(s: Schedule, duration: Callable[[Action], float], p2p: float
         while ptr[r] < len(acts[r]):
             a, t = acts[r][ptr[r]], clock[r]
             if a.op.is_comm:
-                msg = a.message(pp)
+                msg = a.message(pp, v)
                 other = posted.pop(msg, None)
                 if other is None:
                     posted[msg] = (r, ptr[r], t)
@@ -267,7 +278,7 @@ def _deadlock_message(s: Schedule, blocked: list[int], posted: dict) -> str:
     first_wait = {rank: s.actions[rank][i] for rank, i in earliest.items()}
     r = blocked[0]
     a = first_wait[r]
-    q, c = a.peer(s.pp)
+    q, c = a.peer(s.pp, s.v)
     mirror = {Op.SEND_F: Op.RECV_F, Op.RECV_F: Op.SEND_F, Op.SEND_B: Op.RECV_B, Op.RECV_B: Op.SEND_B}[a.op]
     want = Action(q, mirror, a.microbatch, c).token(s.vpp > 1)
     there = f"blocked at action {first_wait[q].token(s.vpp > 1)}" if q in first_wait else "never posting it"
@@ -282,12 +293,12 @@ def _check_channel_order(s: Schedule) -> None:
     for r, acts in enumerate(s.actions):
         for a in acts:
             if a.op in (Op.SEND_F, Op.SEND_B):
-                sends.setdefault((r, a.peer(s.pp)[0]), []).append(a)
+                sends.setdefault((r, a.peer(s.pp, s.v)[0]), []).append(a)
             elif a.op.is_comm:
-                recvs.setdefault((a.peer(s.pp)[0], r), []).append(a)
+                recvs.setdefault((a.peer(s.pp, s.v)[0], r), []).append(a)
     for (src, dst), out in sends.items():
         for k, (snd, rcv) in enumerate(zip(out, recvs.get((src, dst), []))):
-            if snd.message(s.pp) != rcv.message(s.pp):
+            if snd.message(s.pp, s.v) != rcv.message(s.pp, s.v):
                 raise ScheduleError(
                     f"{rcv.describe(s.vpp)} is receive #{k + 1} from rank {src} but send #{k + 1} of rank {src} "
                     f"to rank {dst} is {snd.token(s.vpp > 1)}; messages between two ranks match in posting "

@@ -73,7 +73,9 @@ class Trainer:
         self.plan = self.rank.plan if layout.pp > 1 else None
         self.micro_steps = t.global_batch_size // (t.micro_batch_size * layout.dp)
         tied = None
-        if self.plan is not None and cfg.model.tie_embeddings:  # the embedding's copy on the last stage
+        # The embedding's copy on the last stage; a V schedule puts the first and the last stage on one
+        # rank, which ties the two itself (the same module, as at pp=1).
+        if self.plan is not None and cfg.model.tie_embeddings and not self.plan.v:
             pair = groups.embedding_comm()  # collective; None on the stages between the first and the last
             tied = TiedCopy(self.model.embed.weight, pair, owner=self.plan.has_embedding) if pair else None
         # Over dp x cp: a replica's cp ranks hold partial sums of its gradient (each its part of the sequence).

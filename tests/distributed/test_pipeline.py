@@ -1,6 +1,6 @@
 """Pipeline parallelism on gloo ranks against the single-process run (the oracle), fp32.
 
-Every schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2) at pp 2 and 4, an explicit
+Every schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2, ZB-V) at pp 2 and 4, an explicit
 uneven split, a balanced split over 3 stages, then pp=2 x tp=2 and pp=2 x dp=2 on 4 processes:
 3 steps of AdamW with clipping give the pp=1 losses and gradient norms to 1e-5 relative, and the
 final weights (read back as full tensors from the layout-free checkpoints) agree to 1e-4 absolute:
@@ -24,7 +24,7 @@ RTOL = 1e-5
 BASE = {"model": "tiny-llama", "model.num_layers": 8, "train.seq_length": 32, "train.steps": 3,
         "train.global_batch_size": 8, "train.micro_batch_size": 1, "train.device": "cpu", "optim.lr": 3e-3,
         "optim.warmup_steps": 1, "optim.clip_grad": 0.5, "logging.progress": False}
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]
 RUNS = {"ref": (1, {}), "gpt2_ref": (1, {"model": "tiny-gpt2", "model.num_layers": 4})}
 for pp in (2, 4):
     for name, vpp in SCHEDULES:
@@ -37,6 +37,10 @@ RUNS["pp2_dp2"] = (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.schedule": 
 RUNS["gpt2_pp2_dp2"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 2, "parallel.dp": 2,
                              "parallel.schedule": "zb-h1"})  # the tied head's weight gradient deferred
 RUNS["gpt2_pp4"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 4})  # tied, stages between
+# ZB-V: the tied embedding and head both on rank 0 (one module, as at pp=1); with data parallelism
+RUNS["gpt2_pp2_zbv"] = (2, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 2, "parallel.vpp": 2,
+                            "parallel.schedule": "zb-v"})
+RUNS["pp2_dp2_zbv"] = (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.schedule": "zb-v", "parallel.vpp": 2})
 
 # The weights each layout starts from, as its trainer built them (meta device, each stage filling its
 # own layers), assembled from every rank: bit for bit the single-device model's (GPT-2 at pp=4: the
@@ -45,7 +49,7 @@ INIT = {"init_pp2": (2, {"parallel.pp": 2}),
         "init_pp4_gpt2": (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 4}),
         "init_pp2_tp2": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True})}
 
-EVAL = ("ref", "pp2_split")  # validation during training (eval.interval) through the pipeline too
+EVAL = ("ref", "pp2_split", "pp2_zb-v")  # validation during training (eval.interval) through the pipeline too
 
 
 def _worker(world: int, data: str, root: str) -> dict:
@@ -106,8 +110,9 @@ def test_pipeline_matches_one_process(results, run):
 
 def test_validation_during_pipeline_training(results):
     assert len(results["ref"]["val_losses"]) == 1
-    torch.testing.assert_close(torch.tensor(results["pp2_split"]["val_losses"]),
-                               torch.tensor(results["ref"]["val_losses"]), rtol=RTOL, atol=0)
+    for run in ("pp2_split", "pp2_zb-v"):  # zb-v: the forward passes hand over at the V's turn in memory
+        torch.testing.assert_close(torch.tensor(results[run]["val_losses"]),
+                                   torch.tensor(results["ref"]["val_losses"]), rtol=RTOL, atol=0)
 
 
 def test_trace_of_the_real_run_follows_the_schedule(results):

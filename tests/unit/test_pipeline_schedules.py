@@ -11,12 +11,13 @@ import time
 import pytest
 
 from mpformer.core.errors import ConfigError
-from mpformer.core.layout import check_args, min_microbatches
+from mpformer.core.layout import V_SCHEDULES, check_args, min_microbatches
 from mpformer.pipeline.actions import Action, Op, Schedule, ScheduleError, parse_token, repeat
 from mpformer.pipeline.schedules import SCHEDULES, build_schedule
 from mpformer.pipeline.verify import verify
 
-CASES = [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 3), ("zb-h1", 3, 5, 1), ("zb-h2", 2, 3, 1)]
+CASES = [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 3), ("zb-h1", 3, 5, 1), ("zb-h2", 2, 3, 1),
+         ("zb-v", 3, 5, 2)]
 
 
 def computes(s: Schedule, rank: int) -> list[str]:
@@ -114,7 +115,7 @@ def test_zero_bubble_orders():
     assert all(op in (Op.F, Op.BI, Op.BW) or op.is_comm for acts in h2.actions for op in (a.op for a in acts))
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in V_SCHEDULES])  # a V needs pp >= 2
 def test_pp1_has_no_communication(name):
     s = build_schedule(name, 1, 3, 1)
     assert all(not a.op.is_comm for a in s.actions[0])
@@ -144,6 +145,9 @@ def test_sends_follow_their_compute_and_receives_precede_it():
     (("1f1b", 4, 8, 2), "schedule 1f1b has no virtual stages"),
     (("zb-h1", 4, 3, 1), "schedule zb-h1 at pp=4 needs microbatches >= 4, got 3"),
     (("zb-h2", 4, 6, 1), "schedule zb-h2 at pp=4 needs microbatches >= 7, got 6"),
+    (("zb-v", 4, 8, 1), "schedule zb-v runs two chunks per rank in a V: it needs vpp=2 and pp >= 2 .*valid: vpp=2"),
+    (("zb-v", 1, 8, 2), "vpp=2 needs pp > 1"),
+    (("zb-h1", 4, 8, 2), "schedule zb-h1 has no virtual stages .*valid: vpp=1, or schedule interleaved or zb-v"),
     (("gpipe", 0, 4, 1), "pp=0 must be an integer >= 1"),
     (("1f1b", 2, 0, 1), "microbatches=0 must be an integer >= 1"),
 ])
@@ -154,7 +158,7 @@ def test_bad_arguments_are_one_line_config_errors(args, match):
 
 
 def test_minimums():
-    assert [min_microbatches(n, 4) for n in SCHEDULES] == [1, 1, 4, 4, 7]
+    assert [min_microbatches(n, 4) for n in SCHEDULES] == [1, 1, 4, 4, 7, 1]
     build_schedule("1f1b", 4, 1)  # fewer microbatches than stages is legal for GPipe/1F1B (all warmup)
     build_schedule("gpipe", 8, 1)
 
