@@ -17,9 +17,10 @@ from mpformer.core.model_config import ModelConfig, divisors
 from mpformer.core.topology import Topology
 
 CP_KINDS = ("ring", "allgather", "ulysses", "hybrid")  # Megatron --cp-comm-type p2p | allgather | a2a | a2a+p2p
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
-SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules that run a backward as BI then BW (a WeightGradStore)
-V_SCHEDULES = ("zb-v",)  # two chunks per rank in a V (pipeline/actions.py): vpp = 2
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+# schedules that run a backward as BI then BW (a WeightGradStore)
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+V_SCHEDULES = ("zb-v", "dualpipev")  # two chunks per rank in a V (pipeline/actions.py): vpp = 2
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_PARTITIONS = ("uniform", "balanced")
@@ -89,7 +90,7 @@ def valid_pp_values(model: ModelConfig, vpp: int = 1) -> list[int]:
 
 def min_microbatches(name: str, pp: int) -> int:
     """The fewest microbatches a schedule accepts (interleaved also needs a multiple of pp)."""
-    return {"zb-h1": pp, "zb-h2": 2 * pp - 1, "interleaved": pp}.get(name, 1)
+    return {"zb-h1": pp, "zb-h2": 2 * pp - 1, "interleaved": pp, "dualpipev": 2 * pp}.get(name, 1)
 
 
 def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:

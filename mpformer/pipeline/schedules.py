@@ -19,7 +19,9 @@ compute orders, for rank r of p, m microbatches (``F i`` = forward of microbatch
                  warmup forwards fill the start, the deferred BW's fill the drain
     zb-v         two chunks per rank in a V (actions.py's placement v: chunk 1 is stage 2p-1-r),
                  list-scheduled on the unit clock under a cap of 2p chunk activations (1F1B's
-                 peak): BI first, then F, then the deferred BW (``_zbv_orders``)
+                 peak): BI first, then F, then the deferred BW (v_orders.py)
+    dualpipev    the same V, DeepSeek's eight phases per rank (v_orders.py): 2p + 1
+                 chunk activations; its F&B pairs run one after the other (not overlapped)
 
 Communication (``_aligned_comm``): replay the compute orders on an ideal clock (T_F = T_BI = T_W
 = 1, T_B = 2, a message usable the moment it is produced) and post both sides of each message at
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 from mpformer.core.layout import check_args
 from mpformer.pipeline.actions import Action, Op, Schedule, make_schedule, rank_chunk, stage_of
+from mpformer.pipeline.v_orders import dualpipev_orders, zbv_orders
 from mpformer.pipeline.verify import verify
 
 Compute = tuple[Op, int, int]  # (op, microbatch, chunk) on the rank whose order list holds it
@@ -95,68 +98,6 @@ def _zero_bubble_orders(pp: int, m: int, k: int) -> tuple[int, Orders]:
             order += [(op, i, 0) for op, i in ((Op.F, x), (Op.BI, x - lag_b), (Op.BW, x - lag_w)) if 0 <= i < m]
         orders.append(order)
     return 1, orders
-
-
-def _zbv_orders(pp: int, m: int, vpp: int = 2) -> tuple[int, Orders]:
-    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): two chunks per rank in a
-    V (placement v), the backward split into BI and BW, each rank holding at most 2p chunk activations
-    (p whole-stage micro-batches: 1F1B's peak). The order is list-scheduled on the unit clock (T_F =
-    T_BI = T_W = 1 per chunk, messages free): whenever a rank is free it runs, of what is ready, an
-    input-gradient pass (the critical path; oldest micro-batch first, the later stage first), else a
-    forward while it holds fewer than 2p activations (the later stage first: it finishes a micro-batch
-    already in flight), else a deferred weight pass (the oldest), else it waits. With equal costs this
-    fills the steady state completely; the memory cap is what keeps the warm-up's forwards to 1F1B's."""
-    last, cap = 2 * pp - 1, 2 * pp
-    end: dict[tuple[Op, int, int], int] = {}  # (op, microbatch, stage) -> end tick
-    orders: list[list[Compute]] = [[] for _ in range(pp)]
-    held = [0] * pp
-    waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (microbatch, stage) awaiting BW
-    next_f = [[0, 0] for _ in range(pp)]  # per rank and chunk: the next microbatch to forward
-    next_b = [[0, 0] for _ in range(pp)]  # ... and to run BI on
-    total, done, t = 2 * m * 3 * pp, 0, 0
-
-    def ready(op: Op, mb: int, stage: int) -> bool:
-        if op is Op.F:
-            return stage == 0 or end.get((Op.F, mb, stage - 1), t + 1) <= t
-        if stage == last:
-            return end.get((Op.F, mb, stage), t + 1) <= t
-        return end.get((Op.BI, mb, stage + 1), t + 1) <= t
-
-    while done < total:
-        for r in range(pp):  # every rank free at tick t (all computes take one tick) picks one
-            stages = (stage_of(pp, r, 0, True), stage_of(pp, r, 1, True))
-            pick = None
-            cands = [(next_b[r][c], -stages[c], c) for c in (0, 1) if next_b[r][c] < m]
-            for mb, _, c in sorted(cands):
-                if ready(Op.BI, mb, stages[c]) and end.get((Op.F, mb, stages[c]), t + 1) <= t:
-                    pick = (Op.BI, mb, c)
-                    break
-            if pick is None and held[r] < cap:
-                cands = [(next_f[r][c], -stages[c], c) for c in (0, 1) if next_f[r][c] < m]
-                for mb, _, c in sorted(cands):
-                    if ready(Op.F, mb, stages[c]):
-                        pick = (Op.F, mb, c)
-                        break
-            if pick is None and waiting_w[r]:
-                mb, st = waiting_w[r].pop(0)
-                pick = (Op.BW, mb, 0 if st == stages[0] else 1)
-            if pick is None:
-                continue
-            op, mb, c = pick
-            orders[r].append(pick)
-            end[op, mb, stages[c]] = t + 1
-            done += 1
-            if op is Op.F:
-                next_f[r][c] += 1
-                held[r] += 1
-            elif op is Op.BI:
-                next_b[r][c] += 1
-                waiting_w[r].append((mb, stages[c]))
-            else:
-                held[r] -= 1
-        t += 1
-        assert t <= 4 * total, "zb-v's list scheduling stalled"  # cannot happen: the cap is 1F1B's
-    return 2, orders
 
 
 def _messages(pp: int, vpp: int, r: int, op: Op, mb: int, c: int, v: bool = False
@@ -302,15 +243,20 @@ def zb_v(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
     return _make("zb-v", pp, microbatches, vpp)
 
 
+def dualpipev(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
+    return _make("dualpipev", pp, microbatches, vpp)
+
+
 ORDERS: dict[str, Callable[[int, int, int], tuple[int, Orders]]] = {
     "gpipe": _gpipe_orders,
     "1f1b": _1f1b_orders,
     "interleaved": _interleaved_orders,
     "zb-h1": lambda pp, m, vpp=1: _zero_bubble_orders(pp, m, 1),
     "zb-h2": lambda pp, m, vpp=1: _zero_bubble_orders(pp, m, 2),
-    "zb-v": _zbv_orders,
+    "zb-v": zbv_orders,
+    "dualpipev": dualpipev_orders,
 }
-PLACEMENT = {"zb-v": "v"}  # schedules whose chunks sit in a V (actions.py); the rest interleave
+PLACEMENT = {"zb-v": "v", "dualpipev": "v"}  # schedules whose chunks sit in a V (actions.py); the rest interleave
 
 
 def _make(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
@@ -327,6 +273,7 @@ SCHEDULES: dict[str, Generator] = {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
     "zb-v": zb_v,
+    "dualpipev": dualpipev,
 }
 
 

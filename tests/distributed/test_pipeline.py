@@ -1,6 +1,6 @@
 """Pipeline parallelism on gloo ranks against the single-process run (the oracle), fp32.
 
-Every schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2, ZB-V) at pp 2 and 4, an explicit
+Every schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2, ZB-V, DualPipeV) at pp 2 and 4, an explicit
 uneven split, a balanced split over 3 stages, then pp=2 x tp=2 and pp=2 x dp=2 on 4 processes:
 3 steps of AdamW with clipping give the pp=1 losses and gradient norms to 1e-5 relative, and the
 final weights (read back as full tensors from the layout-free checkpoints) agree to 1e-4 absolute:
@@ -24,7 +24,7 @@ RTOL = 1e-5
 BASE = {"model": "tiny-llama", "model.num_layers": 8, "train.seq_length": 32, "train.steps": 3,
         "train.global_batch_size": 8, "train.micro_batch_size": 1, "train.device": "cpu", "optim.lr": 3e-3,
         "optim.warmup_steps": 1, "optim.clip_grad": 0.5, "logging.progress": False}
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
 RUNS = {"ref": (1, {}), "gpt2_ref": (1, {"model": "tiny-gpt2", "model.num_layers": 4})}
 for pp in (2, 4):
     for name, vpp in SCHEDULES:

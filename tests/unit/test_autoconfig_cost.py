@@ -60,7 +60,7 @@ def test_pipeline_bubble_and_dp_terms():
 
 
 @pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
-                                      ("zb-v", 2)])
+                                      ("zb-v", 2), ("dualpipev", 2)])
 def test_pipeline_time_extrapolation_equals_the_full_timeline(name, vpp):
     from mpformer.autoconfig.cost import pipeline_time
     from mpformer.pipeline.schedules import build_schedule

@@ -17,7 +17,7 @@ from mpformer.pipeline.schedules import SCHEDULES, build_schedule
 from mpformer.pipeline.verify import verify
 
 CASES = [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 3), ("zb-h1", 3, 5, 1), ("zb-h2", 2, 3, 1),
-         ("zb-v", 3, 5, 2)]
+         ("zb-v", 3, 5, 2), ("dualpipev", 3, 7, 2)]
 
 
 def computes(s: Schedule, rank: int) -> list[str]:
@@ -148,6 +148,7 @@ def test_sends_follow_their_compute_and_receives_precede_it():
     (("zb-v", 4, 8, 1), "schedule zb-v runs two chunks per rank in a V: it needs vpp=2 and pp >= 2 .*valid: vpp=2"),
     (("zb-v", 1, 8, 2), "vpp=2 needs pp > 1"),
     (("zb-h1", 4, 8, 2), "schedule zb-h1 has no virtual stages .*valid: vpp=1, or schedule interleaved or zb-v"),
+    (("dualpipev", 4, 7, 2), "schedule dualpipev at pp=4 needs microbatches >= 8, got 7"),
     (("gpipe", 0, 4, 1), "pp=0 must be an integer >= 1"),
     (("1f1b", 2, 0, 1), "microbatches=0 must be an integer >= 1"),
 ])
@@ -158,7 +159,7 @@ def test_bad_arguments_are_one_line_config_errors(args, match):
 
 
 def test_minimums():
-    assert [min_microbatches(n, 4) for n in SCHEDULES] == [1, 1, 4, 4, 7, 1]
+    assert [min_microbatches(n, 4) for n in SCHEDULES] == [1, 1, 4, 4, 7, 1, 8]
     build_schedule("1f1b", 4, 1)  # fewer microbatches than stages is legal for GPipe/1F1B (all warmup)
     build_schedule("gpipe", 8, 1)
 

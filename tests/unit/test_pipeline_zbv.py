@@ -54,3 +54,19 @@ def test_bubble_at_most_zb_h1_with_one_f_one_b_peak(pp, m):
     assert max(zbv.peak_inflight) / 2 <= max(one.peak_inflight) == min(pp, m)
     if (pp, m) == (6, 24):  # the issue's case: ZB-H1 idles 0.065 of the step
         assert h1.bubble_fraction == pytest.approx(0.065, abs=5e-4) and zbv.bubble_fraction < 0.05
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (3, 7), (4, 8), (6, 24), (8, 16)])
+def test_dualpipev_phases_verify_and_hold_2p_plus_1_chunks(pp, m):
+    """DualPipeV's eight phases (schedules._dualpipev_orders): every (micro-batch, chunk) once forward
+    and once backward (full, or split with its weight pass later), on the V; peak 2p + 1 chunk
+    activations (the DualPipe README's PP + 1 in its units of a V stage); at equal costs its bubble is
+    below ZB-H1's. Its F&B pairs run one after the other here (no overlapped pair in the IR yet)."""
+    s = build_schedule("dualpipev", pp, m, 2)
+    assert s.v and verify(s).peak_inflight == [2 * pp + 1] * pp
+    for r in range(pp):
+        ops = [(a.op, a.chunk) for a in s.compute_actions(r)]
+        assert ops[:2 * (pp - r - 1)] == [(Op.F, 0)] * (2 * (pp - r - 1))  # phase 1: the warm-up
+        assert all(o is Op.BW for o, _ in ops[-(r + 1):])  # phase 8: the deferred weight passes
+    sim = simulate(s, Costs(f=0.5, b=0.5, w=0.5))
+    assert sim.bubble_fraction < simulate(build_schedule("zb-h1", pp, m), Costs()).bubble_fraction
