@@ -83,7 +83,8 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     hop = costs.p2p if pp > 1 else 0.0
     # blocking: every (micro-batch, chunk) but the one whose transfers lie on the fill and tail waits
     # for at least one transfer of its own
-    extra = hop * (microbatches - 1) * vpp if blocking and pp > 1 else 0.0
+    # (DualPipeV's overlapped pairs wait for their two inputs at once: not counted for it)
+    extra = hop * (microbatches - 1) * vpp if blocking and pp > 1 and schedule != "dualpipev" else 0.0
     best = 0.0
     for r in range(pp):
         mine = (r, 2 * pp - 1 - r) if schedule in V_SCHEDULES else range(r, pp * vpp, pp)

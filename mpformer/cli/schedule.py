@@ -31,11 +31,14 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--microbatches", type=int, help="microbatches per step")
     p.add_argument("--file", metavar="F", help="verify and simulate a hand-written schedule instead (text form, "
                                                "or CSV if F ends in .csv); replaces --schedule/--pp/--microbatches")
-    p.add_argument("--vpp", type=int, default=1, help="virtual chunks per rank (interleaved only; default 1)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual chunks per rank (interleaved; 2 for zb-v and "
+                   "dualpipev; default 1)")
     p.add_argument("--f", type=float, default=1.0, help="forward time of one stage (default 1)")
     p.add_argument("--b", type=float, default=1.0, help="input-gradient backward time of one stage (default 1)")
     p.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time of one stage (default 1)")
     p.add_argument("--p2p", type=float, default=0.0, help="time of one send/receive (default 0)")
+    p.add_argument("--fb", type=float, default=None, help="time of one overlapped forward-and-backward pair "
+                   "(dualpipev's F&B, per chunk pair; default: the two in turn)")
     p.add_argument("--blocking", action="store_true",
                    help="model an engine that waits for each p2p group as a whole (default: a receive is "
                         "waited for at its consumer, a send never blocks)")
@@ -110,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
     v = schedule.vpp
-    costs = Costs(f=args.f / v, b=args.b / v, w=args.w / v, p2p=args.p2p)
+    costs = Costs(f=args.f / v, b=args.b / v, w=args.w / v, p2p=args.p2p, fb=args.fb)
     res = simulate(schedule, costs, blocking=args.blocking)
     print(summary(res, steady_state_bubble(schedule, costs, blocking=args.blocking)), flush=True)
     if args.print:

@@ -34,10 +34,12 @@ Text form, one line per rank (``Schedule.to_text`` / ``Schedule.from_text``)::
     r0: F0 sF0 F1 sF1 rB0 B0 rB1 B1
     r1: rF0 F0 B0 sB0 rF1 F1 B1 sB1
 
-A token is ``OP MICROBATCH [. CHUNK]`` with OP one of ``F B BI BW sF rF sB rB`` (s = send,
-r = receive); ``F3.1`` is microbatch 3 on chunk 1. The chunk is printed only when vpp > 1 and is
-0 when omitted. The header is optional: without it pp is the number of rank lines, vpp and
-microbatches the largest chunk and microbatch + 1, and the name "custom".
+A token is ``OP MICROBATCH [. CHUNK] [&]`` with OP one of ``F B BI BW sF rF sB rB`` (s = send,
+r = receive); ``F3.1`` is microbatch 3 on chunk 1. A compute marked ``&`` runs beside the rank's next
+compute as one pair (DualPipe's overlapped F&B): the pair starts when both its inputs are there,
+nothing is posted between its two halves, and the second does not depend on the first. The chunk
+is printed only when vpp > 1 and is 0 when omitted. The header is optional: without it pp is the
+number of rank lines, vpp and microbatches the largest chunk and microbatch + 1, and the name "custom".
 
 Batching rule (the engine and the verifier share it): a maximal run of adjacent communication
 actions on a rank is ONE group. The engine posts the whole group with one batch_isend_irecv and
@@ -97,7 +99,7 @@ _SHORT = {Op.F: "F", Op.B: "B", Op.BI: "BI", Op.BW: "BW",
           Op.SEND_F: "sF", Op.RECV_F: "rF", Op.SEND_B: "sB", Op.RECV_B: "rB"}
 _FROM_SHORT = {v: k for k, v in _SHORT.items()}
 # Longest alternatives first so that "BI3" is not read as "B" + "I3".
-_TOKEN = re.compile(r"^(BI|BW|sF|rF|sB|rB|F|B)(\d+)(?:\.(\d+))?$")
+_TOKEN = re.compile(r"^(BI|BW|sF|rF|sB|rB|F|B)(\d+)(?:\.(\d+))?(&?)$")
 _HEADER = "# mpformer-schedule"
 
 
@@ -124,15 +126,16 @@ class Action:
     op: Op
     microbatch: int
     chunk: int = 0
+    overlap: bool = False  # runs beside the rank's next compute as one pair (DualPipe's F&B)
 
     def stage(self, pp: int, v: bool = False) -> int:
         """The global stage this action belongs to (``stage_of``)."""
         return 2 * pp - 1 - self.rank if v and self.chunk == 1 else self.chunk * pp + self.rank
 
     def token(self, with_chunk: bool = True) -> str:
-        """Text form without the rank, e.g. ``sF3.1``."""
+        """Text form without the rank, e.g. ``sF3.1`` (``F3.0&``: overlapped with the next compute)."""
         suffix = f".{self.chunk}" if with_chunk else ""
-        return f"{self.op.short}{self.microbatch}{suffix}"
+        return f"{self.op.short}{self.microbatch}{suffix}{'&' if self.overlap else ''}"
 
     def describe(self, vpp: int) -> str:
         """``rank 1 action rF3`` — how errors name an action."""
@@ -162,10 +165,11 @@ class Action:
 def parse_token(token: str, rank: int) -> Action:
     m = _TOKEN.match(token)
     if m is None:
-        raise ScheduleError(f"rank {rank}: cannot read action {token!r}; a token is OP MICROBATCH[.CHUNK] with "
-                            f"OP one of {', '.join(_FROM_SHORT)} (e.g. F3, sF3.1)")
-    op, mb, chunk = m.groups()
-    return Action(rank, _FROM_SHORT[op], int(mb), int(chunk or 0))
+        raise ScheduleError(f"rank {rank}: cannot read action {token!r}; a token is OP MICROBATCH[.CHUNK][&] with "
+                            f"OP one of {', '.join(_FROM_SHORT)} (e.g. F3, sF3.1, F3.0& for a compute that "
+                            "overlaps the next)")
+    op, mb, chunk, pair = m.groups()
+    return Action(rank, _FROM_SHORT[op], int(mb), int(chunk or 0), pair == "&")
 
 
 @dataclass(frozen=True)
@@ -245,9 +249,11 @@ class Schedule:
         buf = io.StringIO()
         buf.write(self.header() + "\n")
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["rank", "op", "microbatch", "chunk"])
+        pairs = any(a.overlap for acts in self.actions for a in acts)  # the column only where it says something
+        w.writerow(["rank", "op", "microbatch", "chunk"] + (["overlap"] if pairs else []))
         for acts in self.actions:
-            w.writerows([a.rank, a.op.value, a.microbatch, a.chunk] for a in acts)
+            w.writerows([a.rank, a.op.value, a.microbatch, a.chunk] + ([int(a.overlap)] if pairs else [])
+                        for a in acts)
         return buf.getvalue()
 
     @classmethod
@@ -260,12 +266,14 @@ class Schedule:
             elif line.strip() and not line.startswith("#"):
                 body.append(line)
         reader = csv.DictReader(body)
-        if reader.fieldnames != ["rank", "op", "microbatch", "chunk"]:
-            raise ScheduleError(f"CSV header must be rank,op,microbatch,chunk, got {reader.fieldnames}")
+        columns = ["rank", "op", "microbatch", "chunk"]
+        if reader.fieldnames not in (columns, [*columns, "overlap"]):
+            raise ScheduleError(f"CSV header must be rank,op,microbatch,chunk[,overlap], got {reader.fieldnames}")
         rows: dict[int, list[Action]] = {}
         for i, row in enumerate(reader, 2):
             try:
-                a = Action(int(row["rank"]), Op(row["op"]), int(row["microbatch"]), int(row["chunk"]))
+                a = Action(int(row["rank"]), Op(row["op"]), int(row["microbatch"]), int(row["chunk"]),
+                           row.get("overlap", "0") == "1")
             except (ValueError, TypeError):
                 raise ScheduleError(f"CSV row {i}: cannot read {row}; op is one of "
                                     f"{', '.join(o.value for o in Op)}") from None
@@ -326,6 +334,6 @@ def repeat(schedule: Schedule, times: int) -> Schedule:
     """
     m = schedule.microbatches
     # Ranks iterate k outermost: a rank finishes its list for step k before starting step k+1.
-    lists = [[Action(a.rank, a.op, a.microbatch + k * m, a.chunk) for k in range(times) for a in acts]
+    lists = [[Action(a.rank, a.op, a.microbatch + k * m, a.chunk, a.overlap) for k in range(times) for a in acts]
              for acts in schedule.actions]
     return make_schedule(f"{schedule.name}x{times}", schedule.pp, schedule.vpp, m * times, lists, schedule.placement)

@@ -115,6 +115,11 @@ def _messages(pp: int, vpp: int, r: int, op: Op, mb: int, c: int, v: bool = Fals
     return None, None
 
 
+def _paired(x: tuple) -> bool:
+    """Whether a compute of an order opens an overlapped pair with the next (a 4th element, True)."""
+    return len(x) > 3 and bool(x[3])
+
+
 def _clock(pp: int, vpp: int, orders: list[list[Compute]], v: bool = False) -> list[list[int]]:
     """Start tick of every compute (costs TICKS) when a message arrives as soon as it is produced."""
     arrived: dict[tuple[str, int, int], int] = {}
@@ -126,12 +131,16 @@ def _clock(pp: int, vpp: int, orders: list[list[Compute]], v: bool = False) -> l
         r = runnable.pop()
         order, n = orders[r], len(orders[r])
         while ptr[r] < n:
-            op, mb, c = order[ptr[r]]
+            op, mb, c = order[ptr[r]][:3]
             key, out = _messages(pp, vpp, r, op, mb, c, v)
-            if key is not None and key not in arrived:
-                waiting[key] = r
+            keys = [key]
+            if _paired(order[ptr[r]]):  # an overlapped pair starts when its second half's input is there too
+                keys.append(_messages(pp, vpp, r, *order[ptr[r] + 1][:3], v)[0])
+            missing = next((k for k in keys if k is not None and k not in arrived), None)
+            if missing is not None:
+                waiting[missing] = r
                 break
-            t = max(clock[r], arrived[key]) if key is not None else clock[r]
+            t = max([clock[r]] + [arrived[k] for k in keys if k is not None])
             starts[r].append(t)
             clock[r], ptr[r] = t + TICKS[op], ptr[r] + 1
             if out is not None:
@@ -168,24 +177,30 @@ def _placements(pp: int, vpp: int, orders: Orders, v: bool = False) -> tuple[lis
     Returns every compute's start tick and the placements.
     """
     starts = _clock(pp, vpp, orders, v)
-    ends = [[t + TICKS[op] for t, (op, _, _) in zip(st, o)] for st, o in zip(starts, orders)]
-    index = [{(op if op != Op.BI else Op.B, mb, c): i for i, (op, mb, c) in enumerate(o)} for o in orders]
+    ends = [[t + TICKS[x[0]] for t, x in zip(st, o)] for st, o in zip(starts, orders)]
+    index = [{(x[0] if x[0] != Op.BI else Op.B, x[1], x[2]): i for i, x in enumerate(o)} for o in orders]
+    inside = [[g > 0 and _paired(o[g - 1]) for g in range(len(o) + 1)] for o in orders]  # within a pair
+    inf = float("inf")
 
-    def gap(r: int, g: int) -> tuple[int, float]:  # gap g precedes compute g
-        return (ends[r][g - 1] if g else 0), (starts[r][g] if g < len(starts[r]) else float("inf"))
+    def gap(r: int, g: int) -> tuple[float, float]:  # gap g precedes compute g; none inside a pair
+        if inside[r][g]:
+            return inf, -inf
+        return (ends[r][g - 1] if g else 0), (starts[r][g] if g < len(starts[r]) else inf)
 
     out: list[Placement] = []
     for r, order in enumerate(orders):
-        for i, (op, mb, c) in enumerate(order):
+        for i, x in enumerate(order):
+            op, mb, c = x[:3]
             msg = _messages(pp, vpp, r, op, mb, c, v)[1]
             if msg is None:
                 continue
             q, qc = rank_chunk(pp, msg[2] + (1 if op == Op.F else -1), v)  # the neighbouring global stage
             consumer = index[q][(Op.F if op == Op.F else Op.B, mb, qc)]
+            last = consumer - inside[q][consumer]  # a pair's second half takes its input before the pair
             gs, gr = i + 1, bisect_left(starts[q], ends[r][i])  # first gaps at or after the send
             while True:
                 (a_s, b_s), (a_r, b_r) = gap(r, gs), gap(q, gr)
-                if max(a_s, a_r) <= min(b_s, b_r) or gr == consumer:
+                if max(a_s, a_r) <= min(b_s, b_r) or gr == last:
                     break  # a shared tick; or the receiver's last chance, where the sender waits
                 # Move the gap that ends first past every gap of its rank that ends before the other
                 # one begins (none of those can share a tick with it): a walk one gap at a time would
@@ -193,7 +208,10 @@ def _placements(pp: int, vpp: int, orders: Orders, v: bool = False) -> tuple[lis
                 if b_s < b_r:
                     gs = max(gs + 1, bisect_left(starts[r], a_r, gs + 1))
                 else:
-                    gr = min(consumer, max(gr + 1, bisect_left(starts[q], a_s, gr + 1)))
+                    gr = min(last, max(gr + 1, bisect_left(starts[q], a_s, gr + 1)))
+            while inside[r][gs]:  # the receiver's last chance came first: post after the pair
+                gs += 1
+                a_s = ends[r][gs - 1]
             out.append(Placement(r, i, gs, q, gr, consumer, (max(a_s, a_r), ends[r][i], msg)))
     return starts, out
 
@@ -202,7 +220,7 @@ def _aligned_comm(pp: int, vpp: int, orders: Orders, v: bool = False) -> list[li
     """The action lists: every rank's computes with the messages placed by ``_placements``."""
     groups: dict[tuple[int, int], list[tuple[tuple, Action]]] = {}
     for pl in _placements(pp, vpp, orders, v)[1]:
-        op, mb, c = orders[pl.r][pl.i]
+        op, mb, c = orders[pl.r][pl.i][:3]
         fwd = op == Op.F
         qc = orders[pl.q][pl.consumer][2]
         groups.setdefault((pl.r, pl.gs), []).append((pl.key, Action(pl.r, Op.SEND_F if fwd else Op.SEND_B, mb, c)))

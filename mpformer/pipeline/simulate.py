@@ -49,6 +49,7 @@ class Costs:
     b: PerStage = 1.0
     w: PerStage = 1.0
     p2p: float = 0.0
+    fb: float | None = None  # an overlapped F&B pair (DualPipe's F&B); None: the two run in turn
 
     def check(self, num_stages: int) -> None:
         for key in ("f", "b", "w"):
@@ -61,6 +62,8 @@ class Costs:
                 raise ConfigError(f"cost {key}={val} must be >= 0")
         if self.p2p < 0:
             raise ConfigError(f"cost p2p={self.p2p} must be >= 0")
+        if self.fb is not None and self.fb < 0:
+            raise ConfigError(f"cost fb={self.fb} must be >= 0")
 
     def _at(self, key: str, stage: int) -> float:
         val = getattr(self, key)
@@ -78,6 +81,10 @@ class Costs:
         if action.op == Op.B:
             return self._at("b", stage) + self._at("w", stage)
         return 0.0
+
+    def pair(self, a: Action, b: Action, pp: int, v: bool = False) -> float:
+        """An overlapped pair's time: ``fb``, or its halves' sum without one."""
+        return self.fb if self.fb is not None else self.duration(a, pp, v) + self.duration(b, pp, v)
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool =
     costs = costs or Costs()
     costs.check(schedule.num_stages)
     peaks = [] if verified else verify(schedule).peak_inflight
-    timeline = execute(schedule, lambda a: costs.duration(a, schedule.pp, schedule.v), costs.p2p, blocking=blocking)
+    pp, v = schedule.pp, schedule.v
+    timeline = execute(schedule, lambda a: costs.duration(a, pp, v), costs.p2p, blocking=blocking,
+                       pair=lambda a, b: costs.pair(a, b, pp, v))
     step = max((t.end for row in timeline for t in row), default=0.0)
     busy = [sum(t.end - t.start for t in row if not t.action.op.is_comm) for row in timeline]
     idle = [step - b for b in busy]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpformer.pipeline.actions import Op, Schedule, ScheduleError
+from mpformer.pipeline.actions import Action, Op, Schedule, ScheduleError
 from mpformer.pipeline.simulate import Costs
 
 _KIND = {Op.F: "f", Op.BI: "b", Op.BW: "w"}
@@ -24,7 +24,9 @@ _KIND = {Op.F: "f", Op.BI: "b", Op.BW: "w"}
 class CompiledTimeline:
     """Computes in a dependency order; per compute: the previous compute of its rank, the computes
     after which its input's send and receive are posted (-1: none, the message or rank starts at 0),
-    whether it has an input, and (op, global stage) for its duration."""
+    whether it has an input, and (op, global stage) for its duration. ``partner``: for the first half
+    of an overlapped pair (actions.py) the node of its second half, else -1 (empty: no pairs); the
+    pair starts when both inputs are there and its time is split as ``simulate`` splits it."""
 
     num_stages: int
     prev: tuple[int, ...]
@@ -33,6 +35,7 @@ class CompiledTimeline:
     has_input: tuple[bool, ...]
     ops: tuple[Op, ...]
     stages: tuple[int, ...]
+    partner: tuple[int, ...] = ()
 
     def step_time(self, costs: Costs) -> float:
         """The last compute's end (= simulate(schedule, costs).step_time for the overlapped engine)."""
@@ -45,14 +48,28 @@ class CompiledTimeline:
                 else:
                     table[op, s] = costs._at(_KIND[op], s)
         p2p, end = costs.p2p, [0.0] * len(self.prev)
-        prev, sp, rp, inp = self.prev, self.send_post, self.recv_post, self.has_input
+        prev, sp, rp, inp, partner = self.prev, self.send_post, self.recv_post, self.has_input, self.partner
+        pair_end: dict[int, float] = {}  # second half of a pair -> the pair's end
+
+        def arrival(i: int) -> float:
+            return max(end[sp[i]] if sp[i] >= 0 else 0.0, end[rp[i]] if rp[i] >= 0 else 0.0) + p2p
+
         for i, (op, s) in enumerate(zip(self.ops, self.stages)):
+            if i in pair_end:
+                end[i] = pair_end.pop(i)
+                continue
             t = end[prev[i]] if prev[i] >= 0 else 0.0
             if inp[i]:
-                a = end[sp[i]] if sp[i] >= 0 else 0.0
-                b = end[rp[i]] if rp[i] >= 0 else 0.0
-                t = max(t, max(a, b) + p2p)
-            end[i] = t + table[op, s]
+                t = max(t, arrival(i))
+            j = partner[i] if partner else -1
+            if j < 0:
+                end[i] = t + table[op, s]
+                continue
+            if inp[j]:
+                t = max(t, arrival(j))
+            c1, c2 = table[op, s], table[self.ops[j], self.stages[j]]
+            d = costs.fb if costs.fb is not None else c1 + c2
+            end[i], pair_end[j] = t + (d * c1 / (c1 + c2) if c1 + c2 > 0 else 0.0), t + d
         return max(end, default=0.0)
 
 
@@ -70,6 +87,16 @@ def compile_timeline(s: Schedule) -> CompiledTimeline:
     has_input: list[bool] = []
     ops: list[Op] = []
     stages: list[int] = []
+    partner: list[int] = []
+
+    def need_of(a: Action) -> tuple[str, int, int] | None:
+        op, stage = a.op, a.stage(pp, v)
+        if op is Op.F:  # (the V's turn hands over on the rank: after the rank's previous compute)
+            return ("F", a.microbatch, stage - 1) if stage > 0 and not (v and s.local(stage, stage - 1)) else None
+        if op is Op.BW:
+            return None
+        return ("B", a.microbatch, stage + 1) if stage < last_stage and not (v and s.local(stage, stage + 1)) else None
+
     runnable = list(range(pp))
     while runnable:
         r = runnable.pop()
@@ -89,29 +116,27 @@ def compile_timeline(s: Schedule) -> CompiledTimeline:
                         runnable.append(waiting.pop(msg))
                 ptr[r] += 1
                 continue
-            if op is Op.F:  # (the V's turn hands over on the rank: after the rank's previous compute)
-                need = ("F", a.microbatch, stage - 1) if stage > 0 and not (v and s.local(stage, stage - 1)) else None
-            elif op is Op.BW:
-                need = None
-            else:
-                need = (("B", a.microbatch, stage + 1) if stage < last_stage and not (v and s.local(stage, stage + 1))
-                        else None)
-            if need is not None and need not in arrived:
-                waiting[need] = r
+            group = row[ptr[r]:ptr[r] + 2] if a.overlap else (a,)  # a pair waits for both inputs
+            needs = [need_of(x) for x in group]
+            missing = next((n for n in needs if n is not None and n not in arrived), None)
+            if missing is not None:
+                waiting[missing] = r
                 break
-            send, recv = arrived[need] if need is not None else (-1, -1)
-            prev.append(last[r])
-            send_post.append(send)
-            recv_post.append(recv)
-            has_input.append(need is not None)
-            ops.append(op)
-            stages.append(stage)
-            last[r] = len(prev) - 1
-            ptr[r] += 1
+            for x, need in zip(group, needs):
+                send, recv = arrived[need] if need is not None else (-1, -1)
+                prev.append(last[r])
+                send_post.append(send)
+                recv_post.append(recv)
+                has_input.append(need is not None)
+                ops.append(x.op)
+                stages.append(x.stage(pp, v))
+                partner.append(len(prev) if x.overlap else -1)
+                last[r] = len(prev) - 1
+            ptr[r] += len(group)
     if any(ptr[r] < len(acts[r]) for r in range(pp)) or posted:
         raise ScheduleError(f"schedule {s.name!r} cannot run to its end (run verify() for the exact cause)")
     return CompiledTimeline(s.num_stages, tuple(prev), tuple(send_post), tuple(recv_post), tuple(has_input),
-                            tuple(ops), tuple(stages))
+                            tuple(ops), tuple(stages), tuple(partner) if any(p >= 0 for p in partner) else ())
 
 
 def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> CompiledTimeline:
@@ -122,7 +147,7 @@ def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Com
     model compiles schedules of 64 stages and hundreds of micro-batches with it."""
     from mpformer.core.layout import check_args
     from mpformer.pipeline.actions import stage_of
-    from mpformer.pipeline.schedules import ORDERS, PLACEMENT, _placements
+    from mpformer.pipeline.schedules import ORDERS, PLACEMENT, _paired, _placements
 
     check_args(name, pp, microbatches, vpp)
     chunks, orders = ORDERS[name](pp, microbatches, vpp)
@@ -132,9 +157,10 @@ def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Com
     node = {(r, i): k for k, (_, r, i) in enumerate(order)}
     inputs = {(pl.q, pl.consumer): (node[pl.r, pl.gs - 1] if pl.gs else -1, node[pl.q, pl.gr - 1] if pl.gr else -1)
               for pl in placements}
-    prev, send_post, recv_post, has_input, ops, stages = [], [], [], [], [], []
+    prev, send_post, recv_post, has_input, ops, stages, partner = [], [], [], [], [], [], []
     for _, r, i in order:
-        op, _, c = orders[r][i]
+        op, _, c = orders[r][i][:3]
+        partner.append(node[r, i + 1] if _paired(orders[r][i]) else -1)
         prev.append(node[r, i - 1] if i else -1)
         s, q = inputs.get((r, i), (-1, -1))
         send_post.append(s)
@@ -143,7 +169,7 @@ def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Com
         ops.append(op)
         stages.append(stage_of(pp, r, c, v))
     return CompiledTimeline(pp * chunks, tuple(prev), tuple(send_post), tuple(recv_post), tuple(has_input), tuple(ops),
-                            tuple(stages))
+                            tuple(stages), tuple(partner) if any(p >= 0 for p in partner) else ())
 
 
 _COMM = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})

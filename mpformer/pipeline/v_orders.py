@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mpformer.pipeline.actions import Op, stage_of
 
-Compute = tuple[Op, int, int]  # (op, microbatch, chunk), as in schedules.py
+Compute = tuple  # (op, microbatch, chunk[, True: overlapped with the next compute]), as in schedules.py
 Orders = list[list[Compute]]
 
 
@@ -86,9 +86,10 @@ def dualpipev_orders(pp: int, m: int, vpp: int = 2) -> tuple[int, Orders]:
         1  F0 x 2(p-r-1)            warm-up down the V
         2  F0 F1 x (r+1)            both chunks fill
         3  BI1 W F1 x (p-r-1)       the first backwards, their weight passes at once
-        4  F0 B1 F1 B0 x (m-2p+r+1) the steady state: F0 beside B1, F1 beside B0 (DualPipe overlaps
-                                    each pair's compute and communication; here they run in turn)
-        5  B1 F1 B0 x (p-r-1)
+        4  F0 B1 F1 B0 x (m-2p+r+1) the steady state: F0 beside B1, F1 beside B0, each an overlapped
+                                    pair (actions.py: DualPipe overlaps one's compute with the other's
+                                    communication; priced by Costs.fb, run in turn by this engine)
+        5  B1 F1 B0 x (p-r-1)       F1 beside B0
         6  B1 B0 x (r+1)            from the middle step on, split backwards (BI)
         7  W BI0 x (p-r-1)
         8  W x (r+1)                the deferred weight passes drain
@@ -102,8 +103,8 @@ def _dualpipev_rank(pp: int, m: int, r: int) -> list[Compute]:
     nf, nb = [0, 0], [0, 0]
     deferred: list[tuple[int, int]] = []
 
-    def f(c: int) -> None:
-        order.append((Op.F, nf[c], c))
+    def f(c: int, pair: bool = False) -> None:  # pair: overlapped with the backward that follows
+        order.append((Op.F, nf[c], c, True) if pair else (Op.F, nf[c], c))
         nf[c] += 1
 
     def b(c: int, split: bool = False) -> None:
@@ -123,10 +124,10 @@ def _dualpipev_rank(pp: int, m: int, r: int) -> list[Compute]:
         f(0), f(1)
     for _ in range(ahead):
         b(1, True), w(), f(1)
-    for _ in range(m - 2 * pp + behind):
-        f(0), b(1), f(1), b(0)
+    for i in range(m - 2 * pp + behind):  # the middle rank's first F0, B1 apart: a smaller bubble
+        f(0, i > 0 or r < pp - 1), b(1), f(1, True), b(0)
     for _ in range(ahead):
-        b(1), f(1), b(0)
+        b(1), f(1, True), b(0)
     for i in range(behind):  # the split starts mid-phase: with B0 on even ranks, with B1 on odd ones
         b(1, i > behind // 2 or (i == behind // 2 and r % 2 == 1)), b(0, i >= behind // 2)
     for _ in range(ahead):

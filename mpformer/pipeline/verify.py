@@ -78,10 +78,13 @@ def _check_rank(s: Schedule, r: int) -> int:
         if (op, a.microbatch, chunk) not in seen and (op is not Op.B or (Op.BI, a.microbatch, chunk) not in seen):
             fail(a, f"needs {Action(r, op, a.microbatch, chunk).token(True)} before it ({why}, on this rank)")
 
-    for a in s.actions[r]:
+    acts = s.actions[r]
+    for k, a in enumerate(acts):
         op, mb, c = a.op, a.microbatch, a.chunk
         if a.rank != r:
             fail(a, f"is in rank {r}'s list")
+        if a.overlap:
+            _check_pair(s, a, acts[k + 1] if k + 1 < len(acts) else None, fail)
         if not (0 <= c < s.vpp and 0 <= mb < s.microbatches):
             fail(a, f"is out of range: microbatch 0..{s.microbatches - 1}, chunk 0..{s.vpp - 1}")
         stage = a.stage(pp, v)
@@ -122,6 +125,18 @@ def _check_rank(s: Schedule, r: int) -> int:
     return peak
 
 
+def _check_pair(s: Schedule, a: Action, b: Action | None, fail: Callable[[Action, str], None]) -> None:
+    """An overlapped pair: two computes back to back, the second not needing the first (they run at
+    once), the second not opening another pair."""
+    if a.op.is_comm or b is None or b.op.is_comm or b.overlap:
+        fail(a, "is marked to overlap the next action, which must be a compute (and not itself marked)")
+    same = (a.microbatch, a.chunk) == (b.microbatch, b.chunk)
+    turn = a.microbatch == b.microbatch and s.v and s.local(a.stage(s.pp, True), b.stage(s.pp, True))
+    if (same and a.op is Op.F) or (same and a.op is Op.BI and b.op is Op.BW) or (turn and a.op is b.op is Op.F) \
+            or (turn and a.op in (Op.B, Op.BI) and b.op in (Op.B, Op.BI)):
+        fail(a, f"overlaps {b.token(s.vpp > 1)}, which needs its result: a pair must be independent")
+
+
 def _check_complete(s: Schedule, r: int, seen: set[tuple[Op, int, int]]) -> None:
     last = s.num_stages - 1
     for c in range(s.vpp):
@@ -158,7 +173,8 @@ def _segments(acts: tuple[Action, ...]) -> list[tuple[int, int, bool]]:
 
 
 def execute(schedule: Schedule, duration: Callable[[Action], float], p2p: float = 0.0, *,
-            blocking: bool = True) -> list[list[TimedAction]]:
+            blocking: bool = True, pair: Callable[[Action, Action], float] | None = None
+            ) -> list[list[TimedAction]]:
     """Run every rank's list in order; return each action's (start, end). Two engine semantics:
 
     blocking=True: a group is posted when its rank reaches it; each operation completes ``p2p``
@@ -169,15 +185,26 @@ def execute(schedule: Schedule, duration: Callable[[Action], float], p2p: float 
     the receive it consumes (complete ``p2p`` after both sides posted). This is the engine that
     waits for a receive right before its consumer and for its sends lazily.
 
-    A compute takes ``duration(action)``. Times do not depend on the order ranks are advanced in.
+    A compute takes ``duration(action)``; an overlapped pair (actions.py) starts when both its inputs
+    are there and takes ``pair(first, second)`` (default: the two durations' sum), split between its
+    halves in proportion to their own durations. Times do not depend on the order ranks are advanced in.
     """
+    def run_pair(r: int, i: int, t: float) -> float:
+        a, b = acts[r][i], acts[r][i + 1]
+        da, db = duration(a), duration(b)
+        d = pair(a, b) if pair is not None else da + db
+        mid = t + (d * da / (da + db) if da + db > 0 else 0.0)
+        timed[r][i], timed[r][i + 1] = TimedAction(a, t, mid), TimedAction(b, mid, t + d)
+        return t + d
+
+    acts = schedule.actions
+    timed: list[list[TimedAction | None]] = [[None] * len(a) for a in acts]
     if not blocking:
-        return _run_overlapped(schedule, duration, p2p)
-    pp, acts, v = schedule.pp, schedule.actions, schedule.v
+        return _run_overlapped(schedule, duration, p2p, run_pair, timed)
+    pp, v = schedule.pp, schedule.v
     segs = [_segments(a) for a in acts]
     ptr, clock = [0] * pp, [0.0] * pp
     pending, group_end = [0] * pp, [0.0] * pp
-    timed: list[list[TimedAction | None]] = [[None] * len(a) for a in acts]
     posted: dict[tuple[str, int, int], tuple[int, int, float]] = {}  # message -> (rank, index, time)
     runnable = list(range(pp))
     while runnable:
@@ -186,6 +213,10 @@ def execute(schedule: Schedule, duration: Callable[[Action], float], p2p: float 
             lo, hi, is_comm = segs[r][ptr[r]]
             if not is_comm:
                 a, t = acts[r][lo], clock[r]
+                if a.overlap:  # its partner is the next segment: both run now
+                    clock[r] = run_pair(r, lo, t)
+                    ptr[r] += 2
+                    continue
                 clock[r] = t + duration(a)
                 timed[r][lo] = TimedAction(a, t, clock[r])
                 ptr[r] += 1
@@ -228,10 +259,11 @@ def _input_message(s: Schedule, a: Action) -> tuple[str, int, int] | None:
     return None  # the pipeline's ends, a weight pass, or the V's turn (its input is on the rank already)
 
 
-def _run_overlapped(s: Schedule, duration: Callable[[Action], float], p2p: float) -> list[list[TimedAction]]:
+def _run_overlapped(s: Schedule, duration: Callable[[Action], float], p2p: float,
+                    run_pair: Callable[[int, int, float], float], timed: list[list[TimedAction | None]]
+                    ) -> list[list[TimedAction]]:
     pp, acts, v = s.pp, s.actions, s.v
     ptr, clock = [0] * pp, [0.0] * pp
-    timed: list[list[TimedAction | None]] = [[None] * len(a) for a in acts]
     posted: dict[tuple[str, int, int], tuple[int, int, float]] = {}
     done: dict[tuple[str, int, int], float] = {}  # message -> time its receive completes
     waiting: dict[tuple[str, int, int], int] = {}  # message -> rank whose next compute needs it
@@ -253,12 +285,16 @@ def _run_overlapped(s: Schedule, duration: Callable[[Action], float], p2p: float
                         runnable.append(waiting.pop(msg))
                 ptr[r] += 1
                 continue
-            need = _input_message(s, a)
-            if need is not None:
-                if need not in done:
-                    waiting[need] = r
-                    break
-                t = max(t, done[need])
+            needs = [_input_message(s, x) for x in (acts[r][ptr[r]:ptr[r] + 2] if a.overlap else (a,))]
+            missing = next((n for n in needs if n is not None and n not in done), None)
+            if missing is not None:
+                waiting[missing] = r
+                break
+            t = max([t] + [done[n] for n in needs if n is not None])
+            if a.overlap:
+                clock[r] = run_pair(r, ptr[r], t)
+                ptr[r] += 2
+                continue
             clock[r] = t + duration(a)
             timed[r][ptr[r]] = TimedAction(a, t, clock[r])
             ptr[r] += 1

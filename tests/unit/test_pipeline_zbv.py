@@ -57,16 +57,32 @@ def test_bubble_at_most_zb_h1_with_one_f_one_b_peak(pp, m):
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (3, 7), (4, 8), (6, 24), (8, 16)])
-def test_dualpipev_phases_verify_and_hold_2p_plus_1_chunks(pp, m):
-    """DualPipeV's eight phases (schedules._dualpipev_orders): every (micro-batch, chunk) once forward
-    and once backward (full, or split with its weight pass later), on the V; peak 2p + 1 chunk
-    activations (the DualPipe README's PP + 1 in its units of a V stage); at equal costs its bubble is
-    below ZB-H1's. Its F&B pairs run one after the other here (no overlapped pair in the IR yet)."""
+def test_dualpipev_phases_verify_and_match_the_published_bubble(pp, m):
+    """DualPipeV's eight phases (v_orders.py): every (micro-batch, chunk) once forward and once
+    backward, on the V; peak 2p + 1 chunk activations (the DualPipe README's PP + 1, PP = 2p stages);
+    with T_F = T_B = T_W (per chunk: F = 1, full backward B = 2, W = 1) the idle time per rank is the
+    README's (PP/2 - 1)(F&B + B - 3W): every rank when a pair takes F + B (no overlap gain), the worst
+    rank when the overlapped pair is faster (F&B = 2.5)."""
     s = build_schedule("dualpipev", pp, m, 2)
     assert s.v and verify(s).peak_inflight == [2 * pp + 1] * pp
+    assert Schedule.from_text(s.to_text()) == s and Schedule.from_csv(s.to_csv()) == s  # "&" marks a pair
     for r in range(pp):
         ops = [(a.op, a.chunk) for a in s.compute_actions(r)]
         assert ops[:2 * (pp - r - 1)] == [(Op.F, 0)] * (2 * (pp - r - 1))  # phase 1: the warm-up
         assert all(o is Op.BW for o, _ in ops[-(r + 1):])  # phase 8: the deferred weight passes
-    sim = simulate(s, Costs(f=0.5, b=0.5, w=0.5))
-    assert sim.bubble_fraction < simulate(build_schedule("zb-h1", pp, m), Costs()).bubble_fraction
+    for fb in (3.0, 2.5):
+        idle = simulate(s, Costs(f=1.0, b=1.0, w=1.0, fb=fb)).idle
+        want = (pp - 1) * (fb + 2.0 - 3 * 1.0)
+        assert max(idle) == pytest.approx(want)
+        if fb == 3.0:
+            assert idle == pytest.approx([want] * pp)
+
+
+def test_an_overlapped_pair_must_be_independent():
+    s = build_schedule("dualpipev", 2, 4, 2)
+    acts = list(s.actions[1])
+    i = next(k for k, (a, b) in enumerate(zip(acts, acts[1:]))  # rank 1's turn: F k.0 then F k.1
+             if a.op is b.op is Op.F and (a.chunk, b.chunk) == (0, 1) and a.microbatch == b.microbatch)
+    acts[i] = Action(1, Op.F, acts[i].microbatch, 0, True)
+    with pytest.raises(ScheduleError, match=rf"overlaps F{acts[i].microbatch}.1, which needs its result"):
+        verify(Schedule(2, 2, 4, "dualpipev", (s.actions[0], tuple(acts)), "v"))
