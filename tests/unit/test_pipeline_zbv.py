@@ -4,6 +4,8 @@ activations when T_F = T_B = T_W)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from mpformer.core.layout import ParallelLayout
@@ -81,7 +83,7 @@ def test_dualpipev_phases_verify_and_match_the_published_bubble(pp, m):
 def test_an_overlapped_pair_must_be_independent():
     s = build_schedule("dualpipev", 2, 4, 2)
     acts = list(s.actions[1])
-    i = next(k for k, (a, b) in enumerate(zip(acts, acts[1:]))  # rank 1's turn: F k.0 then F k.1
+    i = next(k for k, (a, b) in enumerate(itertools.pairwise(acts))  # rank 1's turn: F k.0 then F k.1
              if a.op is b.op is Op.F and (a.chunk, b.chunk) == (0, 1) and a.microbatch == b.microbatch)
     acts[i] = Action(1, Op.F, acts[i].microbatch, 0, True)
     with pytest.raises(ScheduleError, match=rf"overlaps F{acts[i].microbatch}.1, which needs its result"):
