@@ -47,6 +47,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--trace", metavar="F.json", help="write a Chrome trace (chrome://tracing, Perfetto); "
                                                     "one cost unit is shown as 1 ms")
     p.add_argument("--print", action="store_true", help="print the schedule's action lists (text form)")
+    p.add_argument("--table", action="store_true", help="every schedule at --pp and --microbatches side by side: "
+                   "simulated bubble and peak activations next to the published formulas (markdown)")
     return p
 
 
@@ -104,6 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_output_file(value, flag, kinds)
     if not args.f + args.b + args.w > 0:
         raise ConfigError(f"--f {args.f} --b {args.b} --w {args.w}: the step costs must add up to more than 0")
+    if args.table:
+        if args.pp is None or args.microbatches is None:
+            raise ConfigError("--table needs --pp P --microbatches M")
+        from mpformer.pipeline.compare import markdown, schedule_table
+
+        print(markdown(schedule_table(args.pp, args.microbatches, args.f, args.b, args.w, args.fb), args.pp,
+                       args.microbatches), end="")
+        return 0
     if args.file:
         schedule = load_schedule(args.file)
     elif args.schedule is None or args.pp is None or args.microbatches is None:

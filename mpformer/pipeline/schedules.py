@@ -18,8 +18,7 @@ compute orders, for rank r of p, m microbatches (``F i`` = forward of microbatch
     zb-h2        the same with lags 2(p-1-r) and 2(p-1): 2p-1 activations on every rank, extra
                  warmup forwards fill the start, the deferred BW's fill the drain
     zb-v         two chunks per rank in a V (actions.py's placement v: chunk 1 is stage 2p-1-r),
-                 list-scheduled on the unit clock under a cap of 2p chunk activations (1F1B's
-                 peak): BI first, then F, then the deferred BW (v_orders.py)
+                 Qi et al.'s section-6 order: 2p chunk activations (1F1B's peak) (v_orders.py)
     dualpipev    the same V, DeepSeek's eight phases per rank (v_orders.py): 2p + 1
                  chunk activations; its F&B pairs run one after the other (not overlapped)
 

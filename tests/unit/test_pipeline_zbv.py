@@ -55,7 +55,10 @@ def test_bubble_at_most_zb_h1_with_one_f_one_b_peak(pp, m):
     # peak activations in layers: a ZB-V unit is half a stage; 1F1B's rank 0 holds p whole stages
     assert max(zbv.peak_inflight) / 2 <= max(one.peak_inflight) == min(pp, m)
     if (pp, m) == (6, 24):  # the case: ZB-H1 idles 0.065 of the step
-        assert h1.bubble_fraction == pytest.approx(0.065, abs=5e-4) and zbv.bubble_fraction < 0.05
+        assert h1.bubble_fraction == pytest.approx(0.065, abs=5e-4) and zbv.bubble_fraction < 0.04
+    for f, b, w in ((1.0, 1.5, 0.5), (1.0, 2.0, 1.0)):  # and with unequal passes: the order is not tuned to them
+        v_ = simulate(build_schedule("zb-v", pp, m, 2), Costs(f=f / 2, b=b / 2, w=w / 2)).bubble_fraction
+        assert v_ <= simulate(build_schedule("zb-h1", pp, m), Costs(f=f, b=b, w=w)).bubble_fraction + 1e-12
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (3, 7), (4, 8), (6, 24), (8, 16)])
