@@ -2,7 +2,7 @@
 
     python benchmarks/bench_pipeline.py [--json F] [--pp 4] [--microbatches 8] [--steps 5]
 
-For each schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2) the same Llama-style model
+For each schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2, ZB-V, DualPipeV) the same Llama-style model
 is split over ``pp`` gloo ranks and the PipelineEngine runs ``--steps`` timed steps (after one
 untimed) of ``--microbatches`` micro-batches, with tracing on. From that same run:
 
@@ -38,7 +38,7 @@ from mpformer.core.model_config import ModelConfig
 from mpformer.parallel.spawn import run_distributed
 from mpformer.pipeline.simulate import simulate
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -131,7 +131,7 @@ def _analyse(name: str, vpp: int, run: dict, args: argparse.Namespace, p2p_s: fl
     step_windows = [(max(r[k][0] for r in per_rank), max(r[k][1] for r in per_rank)) for k in range(args.steps)]
     measured = [t1 - t0 for t0, t1 in step_windows]
     events = run["events"]
-    costs = measured_costs(events, schedule.num_stages, args.pp, p2p=p2p_s)
+    costs = measured_costs(events, schedule.num_stages, args.pp, p2p=p2p_s, v=schedule.v)
     sim = simulate(schedule, costs)
     sim_blocking = simulate(schedule, costs, blocking=True)
     bubbles = []

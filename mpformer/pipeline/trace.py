@@ -46,16 +46,19 @@ def measured_costs(events: Sequence[Event], num_stages: int, pp: int, p2p: float
     """Median seconds of F, BI (or a combined B) and BW per global stage.
 
     A combined B is reported as ``b`` with ``w = 0``, which is how ``Costs.duration`` prices B
-    (b + w). A stage that never ran an op gets 0 for it.
+    (b + w). A stage that ran both (DualPipeV: full backwards in its steady state, split ones at its
+    ends) is priced by its split passes, a full B being their sum. A stage that never ran an op gets
+    0 for it.
     """
-    by: dict[tuple[str, int], list[float]] = {}
+    by: dict[tuple[Op, int], list[float]] = {}
     for a, start, end in events:
-        if a.op.is_comm:
-            continue
-        kind = {Op.F: "f", Op.B: "b", Op.BI: "b", Op.BW: "w"}[a.op]
-        by.setdefault((kind, a.stage(pp, v)), []).append(end - start)
+        if not a.op.is_comm:
+            by.setdefault((a.op, a.stage(pp, v)), []).append(end - start)
 
-    def per_stage(kind: str) -> list[float]:
-        return [statistics.median(by[(kind, s)]) if (kind, s) in by else 0.0 for s in range(num_stages)]
+    def med(op: Op, s: int) -> float:
+        return statistics.median(by[op, s]) if (op, s) in by else 0.0
 
-    return Costs(f=per_stage("f"), b=per_stage("b"), w=per_stage("w"), p2p=p2p)
+    split = [(Op.BI, s) in by for s in range(num_stages)]
+    b = [med(Op.BI, s) if split[s] else med(Op.B, s) for s in range(num_stages)]
+    w = [med(Op.BW, s) if split[s] else 0.0 for s in range(num_stages)]
+    return Costs(f=[med(Op.F, s) for s in range(num_stages)], b=b, w=w, p2p=p2p)

@@ -91,3 +91,14 @@ def test_an_overlapped_pair_must_be_independent():
     acts[i] = Action(1, Op.F, acts[i].microbatch, 0, True)
     with pytest.raises(ScheduleError, match=rf"overlaps F{acts[i].microbatch}.1, which needs its result"):
         verify(Schedule(2, 2, 4, "dualpipev", (s.actions[0], tuple(acts)), "v"))
+
+
+def test_measured_costs_price_a_stage_with_split_and_full_backwards_by_its_split_passes():
+    from mpformer.pipeline.trace import measured_costs
+
+    events = [(Action(0, Op.F, 0, 0), 0.0, 1.0), (Action(0, Op.B, 0, 0), 1.0, 4.0),  # full B: 3 = BI + BW
+              (Action(0, Op.BI, 1, 0), 4.0, 5.0), (Action(0, Op.BW, 1, 0), 5.0, 7.0),
+              (Action(0, Op.F, 0, 1), 7.0, 9.0), (Action(0, Op.B, 0, 1), 9.0, 13.0),
+              (Action(0, Op.SEND_F, 0, 0), 13.0, 14.0)]
+    c = measured_costs(events, 4, 2, p2p=0.5, v=True)  # rank 0 holds stages 0 and 3 in the V
+    assert (c.f, c.b, c.w, c.p2p) == ([1.0, 0.0, 0.0, 2.0], [1.0, 0.0, 0.0, 4.0], [2.0, 0.0, 0.0, 0.0], 0.5)
