@@ -56,6 +56,11 @@ CONFIGS = {  # name: (ranks, overrides)
     "zero1 bf16 full": (2, {"parallel.zero": 1, "train.precision": "bf16", "parallel.recompute": "full",
                             "model.vocab_size": 1024}),
     "pp2 1f1b fp32": (2, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1}),
+    # The V schedules: rank 0 holds the embedding and the head (stages 0 and 3), rank 1 the middle two.
+    "pp2 zb-v fp32": (2, {"parallel.zero": 1, "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zb-v",
+                          "train.micro_batch_size": 1}),
+    "pp2 dualpipev fp32": (2, {"parallel.zero": 1, "parallel.pp": 2, "parallel.vpp": 2,
+                               "parallel.schedule": "dualpipev", "train.micro_batch_size": 1}),
     # A smaller vocabulary moves the peak from the head's chunk into the layers' backward.
     "zero2 fp32 vocab 1k": (2, {"parallel.zero": 2, "model.vocab_size": 1024}),
     "zero3 bf16 vocab 1k": (2, {"parallel.zero": 3, "train.precision": "bf16", "model.vocab_size": 1024}),
@@ -73,7 +78,8 @@ CONFIGS = {  # name: (ranks, overrides)
     "zero3 bf16 gpt2 tied split full": (2, {**GPT2, "parallel.zero": 3, "train.precision": "bf16",
                                             "parallel.recompute": "full", **SPLIT}),
 }
-BATCHES = {name: 1 for name in CONFIGS} | {"zero2 bf16 accum": 2, "pp2 1f1b fp32": 4}  # micro-batches per rank
+BATCHES = {name: 1 for name in CONFIGS} | {"zero2 bf16 accum": 2, "pp2 1f1b fp32": 4, "pp2 zb-v fp32": 4,
+                                            "pp2 dualpipev fp32": 4}  # micro-batches per rank
 ENV = NATIVE_KERNELS
 
 
