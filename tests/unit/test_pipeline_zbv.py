@@ -102,3 +102,20 @@ def test_measured_costs_price_a_stage_with_split_and_full_backwards_by_its_split
               (Action(0, Op.SEND_F, 0, 0), 13.0, 14.0)]
     c = measured_costs(events, 4, 2, p2p=0.5, v=True)  # rank 0 holds stages 0 and 3 in the V
     assert (c.f, c.b, c.w, c.p2p) == ([1.0, 0.0, 0.0, 2.0], [1.0, 0.0, 0.0, 4.0], [2.0, 0.0, 0.0, 0.0], 0.5)
+
+
+def test_a_v_link_carries_both_directions_and_each_keeps_its_order():
+    """On a V every link carries activations and gradients both ways (chunk 0 down, chunk 1 back up);
+    the verifier orders each direction of a link on its own, so a swap in either is caught."""
+    s = build_schedule("zb-v", 2, 4, 2)
+    kinds = {(a.op, a.peer(2, True)[0]) for a in s.actions[0] if a.op in (Op.SEND_F, Op.SEND_B)}
+    back = {(a.op, a.peer(2, True)[0]) for a in s.actions[1] if a.op in (Op.SEND_F, Op.SEND_B)}
+    assert kinds == {(Op.SEND_F, 1), (Op.SEND_B, 1)} and back == {(Op.SEND_F, 0), (Op.SEND_B, 0)}
+    for rank in (0, 1):  # swap this rank's first two receives of one kind from the other rank
+        acts = list(s.actions[rank])
+        idx = [k for k, a in enumerate(acts) if a.op is Op.RECV_F][:2]
+        acts[idx[0]], acts[idx[1]] = acts[idx[1]], acts[idx[0]]
+        lists = list(s.actions)
+        lists[rank] = tuple(acts)
+        with pytest.raises(ScheduleError):
+            verify(Schedule(2, 2, 4, "zb-v", tuple(lists), "v"))
