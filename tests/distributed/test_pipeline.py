@@ -41,6 +41,8 @@ RUNS["gpt2_pp4"] = (4, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.p
 RUNS["gpt2_pp2_zbv"] = (2, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 2, "parallel.vpp": 2,
                             "parallel.schedule": "zb-v"})
 RUNS["pp2_dp2_zbv"] = (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.schedule": "zb-v", "parallel.vpp": 2})
+RUNS["pp2_tp2_dualpipev"] = (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                                 "parallel.schedule": "dualpipev", "parallel.vpp": 2})
 
 # The weights each layout starts from, as its trainer built them (meta device, each stage filling its
 # own layers), assembled from every rank: bit for bit the single-device model's (GPT-2 at pp=4: the
