@@ -69,6 +69,10 @@ class TrainConfig:
     # A loss spike: a step whose grad norm exceeds this many times the median of the last 50 steps' norms
     # is treated as a non-finite one (train.on_nan says what happens). 0: off.
     spike_factor: float = 0.0
+    # Optimizer post-validation: each rank steps as soon as its gradients are final, before the global
+    # norm and inf check, and undoes the step exactly when they say it needed clipping or skipping
+    # (optim/speculate.py); holds a copy of the optimizer's state for the step.
+    post_validation: bool = False
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
     # ZeRO-3 (elements; why these defaults: core/buffers.py): a layer's submodules merge into units of at
     # most zero3_unit_numel, the next unit is gathered ahead when it has at most zero3_prefetch_numel, and a

@@ -65,6 +65,7 @@ from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.param_gather import ParamGather
+from mpformer.optim.speculate import Speculation
 from mpformer.optim.state import EngineState
 from mpformer.optim.units import ZERO3_DEFAULTS, Zero3Settings, build_units
 from mpformer.parallel.comm import Comm
@@ -320,7 +321,7 @@ class GradEngine:
             self.gather.reset()
         for g, spec in self.shard_grads([s for s in self.red.specs if s.sync is not None]):
             spec.sync.all_reduce(g)  # tp ranks share dp rank and layout: the same shards
-        scaler, self.skipped = self.red.scaler, False
+        scaler, self.skipped, self._coeff = self.red.scaler, False, None
         if scaler is not None:
             self.skipped = scaler.update(self._unscale(1.0 / scaler.scale))
 
@@ -350,9 +351,10 @@ class GradEngine:
             if comm is not None and comm.size > 1:
                 comm.all_reduce(t, op=op)
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, max_norm: float, *, speculation: Speculation | None = None) -> float:
         """The global gradient norm before clipping (nan on a skipped step); scales the gradient shards
-        when it exceeds ``max_norm`` (0: no clipping)."""
+        when it exceeds ``max_norm`` (0: no clipping). After a speculative step (``speculate``) the
+        scaling waits for ``step(speculation)``, which redoes the step when it is needed."""
         if self.skipped:
             return float("nan")
         total = torch.zeros((), device=self.buckets[0].grad_shard.device)
@@ -360,10 +362,24 @@ class GradEngine:
             total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
         self._world_reduce(total)
         total = total.sqrt()
-        if max_norm > 0:
-            coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_([b.grad_shard for b in self.buckets], coeff)
+        self._coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0) if max_norm > 0 else None
+        if self._coeff is not None and speculation is None:
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
         return float(total)
+
+    def speculate(self) -> Speculation | None:
+        """Optimizer post-validation (speculate.py): the step taken now, on unclipped gradients, the
+        state it changes saved first; None on a skipped fp16 step (nothing to take)."""
+        if self.skipped:
+            return None
+        spec = Speculation.take(self.optimizer)
+        self.optimizer.step()
+        return spec
+
+    def undo(self, speculation: Speculation | None) -> None:
+        """A speculative step that should not have happened (a bad step skipped): state as before."""
+        if speculation is not None:
+            speculation.restore(self.optimizer)
 
     def _unscale(self, inv_scale: float) -> bool:
         """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
@@ -381,11 +397,18 @@ class GradEngine:
             if b.masters is not None and b.param_shard is not None:  # stage 3 casts the masters when gathering
                 b.param_shard[s.piece.shard_offset:s.piece.shard_offset + s.piece.numel].copy_(s.master)
 
-    def step(self) -> None:
-        """The wrapped optimizer on this rank's shard, then (stages 1-2) the parameters all-gathered."""
+    def step(self, speculation: Speculation | None = None) -> None:
+        """The wrapped optimizer on this rank's shard, then (stages 1-2) the parameters all-gathered.
+        After a speculative step: kept when ``clip`` found no clipping, else undone and redone on the
+        clipped gradients (the synchronous step's arithmetic, in its order)."""
         if self.skipped:
             return
-        self.optimizer.step()
+        if speculation is None:
+            self.optimizer.step()
+        elif self._coeff is not None and float(self._coeff) < 1.0:
+            speculation.restore(self.optimizer)
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
+            self.optimizer.step()
         self.steps_taken += 1
         self.write_back()
         if self.param_gather is not None:

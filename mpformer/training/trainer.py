@@ -181,7 +181,11 @@ class Trainer:
         loss_sum = self._forward_backward(self._micro_batches())
         start = self.progress.consumed_samples  # this step's samples: [start, start + global batch)
         self.engine.finish()  # reductions over dp (and a tied copy, tp partial sums, fp16 unscaling)
-        grad_norm = self.engine.clip(self.cfg.optim.clip_grad)
+        spec = None
+        if t.post_validation:  # step now, validate after the norm's collective (optim/speculate.py)
+            self.schedule.apply(self.engine.optimizer, self.progress.step)
+            spec = self.engine.speculate()
+        grad_norm = self.engine.clip(self.cfg.optim.clip_grad, speculation=spec)
         loss = self._global_loss(loss_sum)  # the same on every rank, as the norm: one decision everywhere
         why = None if self.engine.skipped else bad_step(loss, grad_norm, self.progress.recent_grad_norms,
                                                          t.spike_factor)
@@ -196,9 +200,10 @@ class Trainer:
             self.progress.recent_grad_norms = [*self.progress.recent_grad_norms, grad_norm][-SPIKE_WINDOW:]
         lr = self.schedule.apply(self.engine.optimizer, self.progress.step)
         if bad:  # on_nan=skip: the weights and optimizer state stay as they were
+            self.engine.undo(spec)
             self.progress.skipped_steps += 1
         else:
-            self.engine.step()  # not on a skipped fp16 step
+            self.engine.step(spec)  # not on a skipped fp16 step
         if self.scaler is not None:
             extra["skipped_steps"] = self.scaler.skipped
         elif t.on_nan == "skip":

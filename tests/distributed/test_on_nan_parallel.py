@@ -6,7 +6,8 @@ loss lives on one stage, the gradients are sharded and the weights are gathered 
 is injected on every rank into the output of every leaf module during the step that reads sample
 POISON, so the loss and every gradient (each stage's, each shard's) are NaN, as after a real blow-up.
 The ranks agree on the decision because the loss and norm are global; the losses of the guarded run
-must equal the oracle's bit for bit (the same reductions in the same order over the same samples).
+must equal the oracle's bit for bit (the same reductions in the same order over the same samples),
+also with optimizer post-validation, whose speculative step on the poisoned gradients is undone.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def _worker(data: str, root: str) -> dict:
             "oracle": train(overrides(base, d / "oracle", **{"train.steps": BASE["train.steps"] - 1,
                                                              "data.skip_ranges": f"[[{POISON},{POISON + GBS}]]"})),
             "skip": train(overrides(base, d / "skip", **{"train.on_nan": "skip"})),
+            # post-validation: the poisoned step was taken speculatively and must be undone exactly
+            "skip_pv": train(overrides(base, d / "skip_pv", **{"train.on_nan": "skip", "train.post_validation": True})),
             "rollback": train(overrides(base, d / "rollback", **{"train.on_nan": "rollback",
                                                                  "checkpoint.save_interval": 2})),
         }
@@ -78,6 +81,8 @@ def test_skip_and_rollback_equal_a_run_without_the_samples(ranks, layout):
     k = POISON_STEP - 1
     assert skip[:k] == oracle[:k] and skip[k + 1:] == oracle[k:], (skip, oracle)
     assert skip[k] != skip[k]  # the poisoned step's loss is NaN, and it is skipped
+    pv = got["skip_pv"]["losses"]  # the same with optimizer post-validation (its speculation undone)
+    assert pv[:k] == skip[:k] and pv[k + 1:] == skip[k + 1:] and pv[k] != pv[k], (pv, skip)
     # Rollback: steps 1-3, the poisoned step 4 is undone back to step 2's checkpoint, then 3.. on.
     assert got["rollback"]["steps"] == [1, 2, 3, 3, 4, 5, 6], got["rollback"]["steps"]
     assert back[:k] == oracle[:k] and back[k:k + 3] == oracle[k - 1:], (back, oracle)

@@ -43,6 +43,15 @@ RUNS["gpt2_pp2_zbv"] = (2, {"model": "tiny-gpt2", "model.num_layers": 4, "parall
 RUNS["pp2_dp2_zbv"] = (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.schedule": "zb-v", "parallel.vpp": 2})
 RUNS["pp2_tp2_dualpipev"] = (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
                                  "parallel.schedule": "dualpipev", "parallel.vpp": 2})
+# Optimizer post-validation (optim/speculate.py): the same steps as the synchronous runs, bit for bit,
+# with clip_grad 0.5 clipping some steps (the speculative step undone and redone) and not others.
+RUNS["pp2_zb-v_noclip"] = (2, {"parallel.pp": 2, "parallel.schedule": "zb-v", "parallel.vpp": 2,
+                               "optim.clip_grad": 100.0})  # no step clipped: every speculation kept
+RUNS["pp2_bf16_noclip"] = (2, {"parallel.pp": 2, "train.precision": "bf16", "optim.clip_grad": 100.0})  # masters
+PV = {"pp2_zb-h2": "pp2_zb-h2_pv", "pp4_1f1b": "pp4_1f1b_pv", "pp2_tp2": "pp2_tp2_pv", "pp2_dp2": "pp2_dp2_pv",
+      "pp2_zb-v_noclip": "pp2_zb-v_noclip_pv", "pp2_bf16_noclip": "pp2_bf16_noclip_pv"}
+for sync, pv in PV.items():
+    RUNS[pv] = (RUNS[sync][0], {**RUNS[sync][1], "train.post_validation": True})
 
 # The weights each layout starts from, as its trainer built them (meta device, each stage filling its
 # own layers), assembled from every rank: bit for bit the single-device model's (GPT-2 at pp=4: the
@@ -97,7 +106,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return read_all_tensors(path / "checkpoints")
 
 
-@pytest.mark.parametrize("run", [n for n in RUNS if n not in ("ref", "gpt2_ref")])
+@pytest.mark.parametrize("run", [n for n in RUNS if n not in ("ref", "gpt2_ref") and "noclip" not in n])
 def test_pipeline_matches_one_process(results, run):
     ref_name = "gpt2_ref" if run.startswith("gpt2") else "ref"
     got, want = results[run], results[ref_name]
@@ -108,6 +117,19 @@ def test_pipeline_matches_one_process(results, run):
     assert sorted(mine) == sorted(ref)
     for name in ref:
         torch.testing.assert_close(mine[name], ref[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("sync", sorted(PV))
+def test_post_validation_takes_the_synchronous_steps_bit_for_bit(results, sync):
+    got, want = results[PV[sync]], results[sync]
+    assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"]
+    norms, clip = want["grad_norms"], RUNS[sync][1].get("optim.clip_grad", BASE["optim.clip_grad"])
+    if sync.endswith("noclip"):
+        assert all(n <= clip for n in norms), norms  # every speculative step kept
+    else:
+        assert all(n > clip for n in norms), norms  # every one undone and redone clipped
+    mine, ref = _weights(results["root"] / PV[sync]), _weights(results["root"] / sync)
+    assert sorted(mine) == sorted(ref) and all(torch.equal(mine[k], ref[k]) for k in ref)
 
 
 def test_validation_during_pipeline_training(results):
