@@ -75,6 +75,24 @@ def test_pipeline_time_extrapolation_equals_the_full_timeline(name, vpp):
             assert pipeline_time(name, p, m, vpp, costs) == pytest.approx(full, rel=1e-9), (name, p, m)
 
 
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_v_schedules_long_timelines_are_extended_within_one_percent(name):
+    import random
+
+    from mpformer.autoconfig.cost import pipeline_time
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.simulate import Costs, simulate
+
+    rng = random.Random(3)
+    for p in (2, 4, 6):
+        st = 2 * p
+        costs = Costs(f=[rng.uniform(0.5, 1.5) for _ in range(st)], b=[rng.uniform(0.8, 2.0) for _ in range(st)],
+                      w=[rng.uniform(0.3, 1.0) for _ in range(st)], p2p=0.05)
+        for m in (8 * p, 12 * p):  # 8p: timed whole; beyond: extended from 4p and 6p
+            full = simulate(build_schedule(name, p, m, 2), costs).step_time
+            assert pipeline_time(name, p, m, 2, costs) == pytest.approx(full, rel=1e-9 if m == 8 * p else 1e-2)
+
+
 @pytest.mark.parametrize("name,pp,m", [("gpipe", 2, 2), ("1f1b", 4, 8), ("zb-h1", 4, 8)])
 def test_shared_step_time_is_processor_sharing(name, pp, m):
     """Ranks sharing cores, against what processor sharing must give: a core each (dilation 1) is the
