@@ -56,6 +56,10 @@ CONFIGS = {  # name: (ranks, overrides)
     "zero1 bf16 full": (2, {"parallel.zero": 1, "train.precision": "bf16", "parallel.recompute": "full",
                             "model.vocab_size": 1024}),
     "pp2 1f1b fp32": (2, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1}),
+    # Optimizer post-validation (optim/speculate.py): a copy of the stepped parameters and Adam's state
+    # for the step; with ZeRO-0 and one short micro-batch that copy is the step's peak.
+    "zero0 fp32 vocab 1k post-validation": (2, {"parallel.zero": 0, "model.vocab_size": 1024,
+                                                "train.micro_batch_size": 1, "train.post_validation": True}),
     # The V schedules: rank 0 holds the embedding and the head (stages 0 and 3), rank 1 the middle two.
     "pp2 zb-v fp32": (2, {"parallel.zero": 1, "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zb-v",
                           "train.micro_batch_size": 1}),

@@ -57,7 +57,7 @@ from mpformer.autoconfig.layer_memory import (
     shape,
 )
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, parts_gathered, zero3_extras
-from mpformer.autoconfig.step_memory import Reduction, Unit, walk
+from mpformer.autoconfig.step_memory import Peak, Reduction, Unit, walk
 from mpformer.core.buffers import zero3_groups
 from mpformer.core.layout import ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
@@ -364,6 +364,10 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         n, state, units, per_chunk, io, head_forward = shapes[key]
         peak = walk(units, red, state=state, kept=(peaks[r] - 1) * per_chunk + io, head_forward=head_forward,
                     micro=micro)
+        if runtime.post_validation:  # the step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
+            copy = state + 12.0 * n / (n_d if L.zero >= 1 else 1)
+            if copy > peak.live:
+                peak = Peak(copy, 0.0, "optimizer step (post-validation copy)")
         transients = peak.live - state - peak.activations
         overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0) + RUNTIME_BYTES[device]
         out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where))

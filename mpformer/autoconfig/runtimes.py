@@ -67,6 +67,7 @@ class Runtime:
     block: str = "mpformer"  # what a layer keeps for backward: "mpformer" (PyTorch's autograd: layer_memory.py
     # layer_bytes) or "megatron" (Megatron's block: megatron_layer_bytes; Megatron-DeepSpeed runs it too)
     selective: str = "attention"  # recompute=selective: "attention" (Korthikanti; mpformer) or "op" (torchtitan)
+    post_validation: bool = False  # train.post_validation: a copy of the optimizer's shard during the step
     kernels: str = "eager"  # elementwise ops: fused | eager | composite (kernels.py)
     overlap_grad_reduce: bool = True  # buckets reduced during the backward
     overlap_p2p: bool = True  # False: each send/receive group blocks its rank until it completes
@@ -115,7 +116,7 @@ MEGATRON_CORE = Runtime("megatron-core", block="megatron", kernels="fused", tp_c
 def mpformer_runtime(t: TrainConfig) -> Runtime:
     """mpformer's runtime as a training config sets it up (its train.zero3_* settings)."""
     return replace(MPFORMER, unit_numel=t.zero3_unit_numel, prefetch_numel=t.zero3_prefetch_numel,
-                   reduce_numel=t.zero3_reduce_numel, bucket_mb=t.grad_bucket_mb)
+                   reduce_numel=t.zero3_reduce_numel, bucket_mb=t.grad_bucket_mb, post_validation=t.post_validation)
 
 
 def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: list[bool], wb: int,

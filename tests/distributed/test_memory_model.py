@@ -41,6 +41,9 @@ RUNS = {
                                         "parallel.recompute": "full", "train.zero3_unit_numel": 0},
     # ZB-V on two ranks: rank 0 holds the embedding and the head (stages 0 and 3), rank 1 the middle
     "pp2 zb-v fp32": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zb-v", "train.micro_batch_size": 1},
+    # optimizer post-validation: the step's copy of the parameters and Adam's state is the peak
+    "zero0 fp32 post-validation": {"parallel.zero": 0, "model.vocab_size": 1024, "train.micro_batch_size": 1,
+                                   "train.post_validation": True},
 }
 
 
@@ -75,6 +78,8 @@ def test_peak_matches_the_model(measured, name):
     ranks, stages = measured[name]
     for k, r in enumerate(ranks):  # a rank's pipeline stage's figures (pp is the outermost rank order)
         got, stage = r[name], stages[k // (len(ranks) // len(stages))]
+        if "post-validation" in name:
+            assert stage.phase == "optimizer step (post-validation copy)"
         assert abs(got["training_peak"] / stage.live - 1) <= TOL, (name, stage.phase, got, stage)
         assert got["held_at_start"] == pytest.approx(stage.model_state, rel=5e-3)
         assert got["setup_peak"] <= got["training_peak"]
