@@ -18,6 +18,19 @@ from mpformer.core.model_config import ModelConfig
 from mpformer.core.partition import balanced_for
 
 
+def stage_of(pp: int, rank: int, chunk: int, v: bool = False) -> int:
+    """Global stage of ``rank``'s ``chunk``: ``chunk * pp + rank``, or in a V (``v``) chunk 1 is
+    stage ``2 pp - 1 - rank`` (module docstring; pipeline/actions.py)."""
+    return 2 * pp - 1 - rank if v and chunk == 1 else chunk * pp + rank
+
+
+def rank_chunk(pp: int, stage: int, v: bool = False) -> tuple[int, int]:
+    """The (rank, chunk) that holds global ``stage``: the inverse of ``stage_of``."""
+    if v and stage >= pp:
+        return 2 * pp - 1 - stage, 1
+    return stage % pp, stage // pp
+
+
 @dataclass(frozen=True)
 class StagePlan:
     pp: int
@@ -31,7 +44,7 @@ class StagePlan:
         return [i for chunk in self.chunk_layers for i in chunk]
 
     def stage(self, chunk: int) -> int:
-        return 2 * self.pp - 1 - self.rank if self.v and chunk == 1 else chunk * self.pp + self.rank
+        return stage_of(self.pp, self.rank, chunk, self.v)
 
     @property
     def has_embedding(self) -> bool:
@@ -60,9 +73,7 @@ class StagePlan:
 
 def stage_index(layout: ParallelLayout, rank: int, chunk: int) -> int:
     """Global stage of pipeline ``rank``'s ``chunk`` under the layout's schedule (module docstring)."""
-    if layout.schedule in V_SCHEDULES and chunk == 1:
-        return 2 * layout.pp - 1 - rank
-    return chunk * layout.pp + rank
+    return stage_of(layout.pp, rank, chunk, layout.schedule in V_SCHEDULES)
 
 
 def rank_ends(layout: ParallelLayout, rank: int) -> tuple[bool, bool]:

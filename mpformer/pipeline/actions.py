@@ -65,6 +65,7 @@ from enum import Enum
 from pathlib import Path
 
 from mpformer.core.errors import ConfigError
+from mpformer.core.pipeline_plan import rank_chunk, stage_of
 
 
 class ScheduleError(ConfigError):
@@ -103,19 +104,7 @@ _TOKEN = re.compile(r"^(BI|BW|sF|rF|sB|rB|F|B)(\d+)(?:\.(\d+))?(&?)$")
 _HEADER = "# mpformer-schedule"
 
 
-PLACEMENTS = ("interleaved", "v")
-
-
-def stage_of(pp: int, rank: int, chunk: int, v: bool = False) -> int:
-    """Global stage of ``rank``'s ``chunk`` (module docstring; ``v``: the V placement)."""
-    return 2 * pp - 1 - rank if v and chunk == 1 else chunk * pp + rank
-
-
-def rank_chunk(pp: int, stage: int, v: bool = False) -> tuple[int, int]:
-    """The (rank, chunk) that holds global ``stage``: the inverse of ``stage_of``."""
-    if v and stage >= pp:
-        return 2 * pp - 1 - stage, 1
-    return stage % pp, stage // pp
+PLACEMENTS = ("interleaved", "v")  # which stage a chunk is: core/pipeline_plan.py's stage_of / rank_chunk
 
 
 @dataclass(frozen=True, order=True)
@@ -130,7 +119,7 @@ class Action:
 
     def stage(self, pp: int, v: bool = False) -> int:
         """The global stage this action belongs to (``stage_of``)."""
-        return 2 * pp - 1 - self.rank if v and self.chunk == 1 else self.chunk * pp + self.rank
+        return stage_of(pp, self.rank, self.chunk, v)
 
     def token(self, with_chunk: bool = True) -> str:
         """Text form without the rank, e.g. ``sF3.1`` (``F3.0&``: overlapped with the next compute)."""

@@ -39,7 +39,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpformer.core.layout import check_args
+from mpformer.core.layout import V_SCHEDULES, check_args
 from mpformer.pipeline.actions import Action, Op, Schedule, make_schedule, rank_chunk, stage_of
 from mpformer.pipeline.v_orders import dualpipev_orders, zbv_orders
 from mpformer.pipeline.verify import verify
@@ -273,12 +273,11 @@ ORDERS: dict[str, Callable[[int, int, int], tuple[int, Orders]]] = {
     "zb-v": zbv_orders,
     "dualpipev": dualpipev_orders,
 }
-PLACEMENT = {"zb-v": "v", "dualpipev": "v"}  # schedules whose chunks sit in a V (actions.py); the rest interleave
 
 
 def _make(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
     chunks, orders = ORDERS[name](pp, microbatches, vpp)
-    place = PLACEMENT.get(name, "interleaved")
+    place = "v" if name in V_SCHEDULES else "interleaved"  # a V schedule's chunks sit in a V (actions.py)
     return make_schedule(name, pp, chunks, microbatches, _aligned_comm(pp, chunks, orders, place == "v"), place)
 
 

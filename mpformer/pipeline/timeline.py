@@ -145,13 +145,13 @@ def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Com
     made of), in the start order of its ideal clock, which every dependency respects. Equal to the
     lists' compiled form on every generated schedule (tests/unit/test_pipeline_timeline.py); the cost
     model compiles schedules of 64 stages and hundreds of micro-batches with it."""
-    from mpformer.core.layout import check_args
+    from mpformer.core.layout import V_SCHEDULES, check_args
     from mpformer.pipeline.actions import stage_of
-    from mpformer.pipeline.schedules import ORDERS, PLACEMENT, _paired, _placements
+    from mpformer.pipeline.schedules import ORDERS, _paired, _placements
 
     check_args(name, pp, microbatches, vpp)
     chunks, orders = ORDERS[name](pp, microbatches, vpp)
-    v = PLACEMENT.get(name) == "v"
+    v = name in V_SCHEDULES
     starts, placements = _placements(pp, chunks, orders, v)
     order = sorted((t, r, i) for r, st in enumerate(starts) for i, t in enumerate(st))
     node = {(r, i): k for k, (_, r, i) in enumerate(order)}
