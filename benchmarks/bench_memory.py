@@ -65,6 +65,11 @@ CONFIGS = {  # name: (ranks, overrides)
                           "train.micro_batch_size": 1}),
     "pp2 dualpipev fp32": (2, {"parallel.zero": 1, "parallel.pp": 2, "parallel.vpp": 2,
                                "parallel.schedule": "dualpipev", "train.micro_batch_size": 1}),
+    # Token slices (TeraPipe): 1F1B over 4 slices of every micro-batch, each keeping its keys and values.
+    "pp2 1f1b fp32 4 token slices": (2, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1,
+                                         "parallel.pp_token_slices": 4, "model.vocab_size": 1024}),
+    "pp2 1f1b fp32 vocab 1k": (2, {"parallel.zero": 1, "parallel.pp": 2, "train.micro_batch_size": 1,
+                                   "model.vocab_size": 1024}),
     # A smaller vocabulary moves the peak from the head's chunk into the layers' backward.
     "zero2 fp32 vocab 1k": (2, {"parallel.zero": 2, "model.vocab_size": 1024}),
     "zero3 bf16 vocab 1k": (2, {"parallel.zero": 3, "train.precision": "bf16", "model.vocab_size": 1024}),
@@ -83,7 +88,8 @@ CONFIGS = {  # name: (ranks, overrides)
                                             "parallel.recompute": "full", **SPLIT}),
 }
 BATCHES = {name: 1 for name in CONFIGS} | {"zero2 bf16 accum": 2, "pp2 1f1b fp32": 4, "pp2 zb-v fp32": 4,
-                                            "pp2 dualpipev fp32": 4}  # micro-batches per rank
+                                            "pp2 dualpipev fp32": 4, "pp2 1f1b fp32 4 token slices": 4,
+                                            "pp2 1f1b fp32 vocab 1k": 4}  # micro-batches per rank
 ENV = NATIVE_KERNELS
 
 

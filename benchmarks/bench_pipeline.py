@@ -1,8 +1,9 @@
 """Pipeline schedules: measured step time on real ranks against the simulator's prediction.
 
-    python benchmarks/bench_pipeline.py [--json F] [--pp 4] [--microbatches 8] [--steps 5]
+    python benchmarks/bench_pipeline.py [--json F] [--pp 4] [--microbatches 8] [--steps 5] [--slices 2,4]
 
-For each schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2, ZB-V, DualPipeV) the same Llama-style model
+For each schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2, ZB-V, DualPipeV, then 1F1B with each
+``--slices`` k: token-level pipelining, every micro-batch in k sequence slices) the same Llama-style model
 is split over ``pp`` gloo ranks and the PipelineEngine runs ``--steps`` timed steps (after one
 untimed) of ``--microbatches`` micro-batches, with tracing on. From that same run:
 
@@ -39,6 +40,12 @@ from mpformer.parallel.spawn import run_distributed
 from mpformer.pipeline.simulate import simulate
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
+Run = tuple[str, str, int, int]  # (label, schedule, vpp, token slices)
+
+
+def runs(args: argparse.Namespace) -> list[Run]:
+    out = [(name + (f" (vpp={vpp})" if vpp > 1 else ""), name, vpp, 1) for name, vpp in SCHEDULES]
+    return out + [(f"1f1b, {k} token slices", "1f1b", 1, k) for k in args.slices]
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -89,17 +96,17 @@ def _worker(args: argparse.Namespace) -> dict:
         tok = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
         batches.append((tok[:, :-1], tok[:, 1:]))
     out: dict = {"runs": {}}
-    for name, vpp in SCHEDULES:
-        layout = ParallelLayout(dp=1, pp=args.pp, vpp=vpp, schedule=name)
+    for label, name, vpp, slices in runs(args):
+        layout = ParallelLayout(dp=1, pp=args.pp, vpp=vpp, schedule=name, pp_token_slices=slices)
         groups = ProcessGroups.build(layout, device)
         rank = groups.coords["pp"]
         plan = stage_plan(cfg, layout, rank, args.seq)
         store = WeightGradStore() if name in SPLIT_BACKWARD else None  # zb-h1/h2 run BW
         model = build_model(cfg, tp=groups.tp_context(), device=device.torch_device, seed=1, stage=plan, store=store)
-        p2p = P2P(groups.pp, groups.ledger, shape, torch.float32, device.torch_device)
+        p2p = P2P(groups.pp, groups.ledger, (args.seq // slices, *shape[1:]), torch.float32, device.torch_device)
         if "p2p_s" not in out:
             out["p2p_s"] = _ping_pong(p2p, rank, shape)
-        schedule = build_schedule(name, args.pp, args.microbatches, vpp)
+        schedule = build_schedule(name, args.pp, args.microbatches, vpp, slices=slices)
         engine = PipelineEngine(model, plan, schedule, p2p, store=store)
         steps, events = [], []
         for step in range(args.steps + 1):
@@ -117,16 +124,18 @@ def _worker(args: argparse.Namespace) -> dict:
         dist.all_gather_object(ends, steps, group=groups.pp)
         all_events = gather_events(events, groups.pp)
         if rank == 0:
-            out["runs"][name] = {"vpp": vpp, "steps": ends, "events": all_events}
+            out["runs"][label] = {"steps": ends, "events": all_events}
         del model, engine
     return out
 
 
-def _analyse(name: str, vpp: int, run: dict, args: argparse.Namespace, p2p_s: float) -> dict:
+def _analyse(r: Run, run: dict, args: argparse.Namespace, p2p_s: float) -> dict:
     from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.trace import measured_costs
 
-    schedule = build_schedule(name, args.pp, args.microbatches, vpp)
+    label, name, vpp, slices = r
+    schedule = build_schedule(name, args.pp, args.microbatches, vpp, slices=slices)
+    p2p_s *= 1 / slices  # a slice's message: the ping-pong's tensor over k (the transfer is bandwidth-bound here)
     per_rank = run["steps"]  # [rank][step] = (t0, t1)
     step_windows = [(max(r[k][0] for r in per_rank), max(r[k][1] for r in per_rank)) for k in range(args.steps)]
     measured = [t1 - t0 for t0, t1 in step_windows]
@@ -142,7 +151,7 @@ def _analyse(name: str, vpp: int, run: dict, args: argparse.Namespace, p2p_s: fl
                 busy[a.rank] += e - s
         bubbles.append(statistics.mean(1 - b / (t1 - t0) for b in busy))
     m = statistics.median(measured)
-    return {"schedule": name, "vpp": vpp, "measured_step_s": m, "simulated_step_s": sim.step_time,
+    return {"schedule": label, "vpp": vpp, "slices": slices, "measured_step_s": m, "simulated_step_s": sim.step_time,
             "ratio": m / sim.step_time, "simulated_blocking_step_s": sim_blocking.step_time,
             "measured_bubble": statistics.median(bubbles), "simulated_bubble": sim.bubble_fraction,
             "measured_steps_s": measured,
@@ -160,17 +169,21 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--slices", type=lambda x: [int(k) for k in x.split(",") if k], default=[2, 4],
+                    help="token slices to run 1f1b with, comma-separated ('' for none)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = run_distributed(_worker, args.pp, args=(args,), timeout=1800)[0]
     rows, results = [], []
-    for name, vpp in SCHEDULES:
-        r = _analyse(name, vpp, out["runs"][name], args, out["p2p_s"])
+    for run in runs(args):
+        r = _analyse(run, out["runs"][run[0]], args, out["p2p_s"])
         results.append(r)
-        rows.append([f"{name}" + (f" (vpp={vpp})" if vpp > 1 else ""), 1e3 * r["measured_step_s"],
+        rows.append([run[0], 1e3 * r["measured_step_s"],
                      1e3 * r["simulated_step_s"], r["ratio"], 1e3 * r["simulated_blocking_step_s"],
                      r["measured_bubble"], r["simulated_bubble"]])
+    env = environment()
+    print(f"cpu: {env['cpu_model']} ({env['cpu_capability']}), {env['cpu_count']} cores | torch {env['torch']}")
     print(f"pp={args.pp}, {args.microbatches} micro-batches of {args.batch}x{args.seq} tokens, Llama "
           f"L={args.layers} h={args.hidden} vocab={args.vocab}, {args.threads} thread(s) per rank; "
           f"p2p of one boundary tensor {1e3 * out['p2p_s']:.3f} ms")
@@ -178,7 +191,7 @@ def main() -> None:
                         "simulated, blocking groups ms", "measured bubble", "simulated bubble"], rows))
     for r in results:
         c = r["costs_ms"]
-        print(f"{r['schedule']:12s} per-stage ms  F {[round(x, 1) for x in c['f']]}  "
+        print(f"{r['schedule']:24s} per-stage ms  F {[round(x, 1) for x in c['f']]}  "
               f"B/BI {[round(x, 1) for x in c['b']]}  BW {[round(x, 1) for x in c['w']]}")
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json:

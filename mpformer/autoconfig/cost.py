@@ -188,7 +188,9 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     counts = stage_counts(m, L, w.seq_length)
     cal = calibration(c)  # once per candidate: its cache key is not free
     fc, bc, wc, tps = stage_costs(m, L, w, c, counts, cal)
-    boundary = w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
+    k = L.pp_token_slices  # token slices: the pipeline runs micro x k units, each priced by stage_costs
+    micro_batches, micro = micro, micro * k
+    boundary = w.seq_length // k // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
     boundary /= L.tp if L.sequence_parallel or w.runtime.p2p_split else 1
     p2p = _p2p(c, boundary, L.tp * L.cp * L.dp >= c.devices_per_node) if L.pp > 1 else 0.0
     compute_per_micro = sum(fc) + sum(bc) + sum(wc)
@@ -210,12 +212,13 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
         fs, bs = fc, bc
     if L.pp > 1 and simulate_pipeline:
         costs = Costs(f=fs, b=bs, w=wc, p2p=p2p)
-        pipe = pipeline_time(L.schedule, L.pp, micro, L.vpp, costs, dilation, blocking=not w.runtime.overlap_p2p)
+        blocking = not w.runtime.overlap_p2p
+        pipe = pipeline_time(L.schedule, L.pp, micro_batches, L.vpp, costs, dilation, blocking, k)
         if dilation is None:  # past 2p micro-batches the timeline is extrapolated: never below the bound
-            pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro, L.vpp, costs, blocking=not w.runtime.overlap_p2p))
+            pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, costs, blocking, k))
     else:  # the closed form: a lower bound of the simulated timeline, equal to it for even stages
-        pipe = pipeline_bound(L.schedule, L.pp, micro, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
-                              blocking=not w.runtime.overlap_p2p)
+        pipe = pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
+                              blocking=not w.runtime.overlap_p2p, slices=k)
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
     if dilation is not None:
@@ -239,7 +242,7 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm,
                      pp_bubble_s=max(pipe - compute - tp_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
                      dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
-                     extra={"microbatches": micro, "params": params_per_rank})
+                     extra={"microbatches": micro_batches, "params": params_per_rank})
 
 
 def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
@@ -247,8 +250,16 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
                 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per (chunk) stage and micro-batch: forward, backward (input), weight-gradient compute (the last
     two merged unless the schedule splits them), and the tensor- and context-parallel collectives
-    waited in (the profile's tensor-parallel correction scales only the first)."""
+    waited in (the profile's tensor-parallel correction scales only the first). With token slices
+    (``parallel.pp_token_slices`` = k) per slice, the pipeline's unit: every kernel at a slice's s/k
+    positions, and attention over the keys before it too. Slice j of a causal sequence attends to
+    (j + 1/2) slices' keys, k/2 on average, against the 1/2 a slice alone would: k times the attention
+    of an s/k sequence, forward and backward (FlashAttention's backward runs 2.5 times its forward's
+    work: five GEMMs against two)."""
     counts = stage_counts(m, L, w.seq_length) if counts is None else counts
+    slices = L.pp_token_slices
+    if slices > 1:
+        w = replace(w, seq_length=w.seq_length // slices)
     cal = calibration(c) if cal is None else cal
     k, split_factor = cal.compute, cal.split
     split = L.schedule in ("zb-h1", "zb-h2")
@@ -256,6 +267,7 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
     for lay, ns in _recompute_split(L, counts):  # recomputed layers and the others cost differently
         f, bi, bw_, tp_comm, attn = layer_times_parts(m, lay, w, c)
         cp = sum(cp_layer_times(m, lay, w, c, attn))
+        f, bi = f + (slices - 1) * attn, bi + 2.5 * (slices - 1) * attn  # the earlier slices' keys
         nf, nbi, nbw = kernel_launches(m, lay, w, "layers") if cal.launch else (0, 0, 0)  # host cost per launch
         f, bi, bw_ = (k * f + cal.launch * nf, (k * bi + cal.launch * nbi) * (split_factor if split else 1),
                       (k * bw_ + cal.launch * nbw) * (split_factor if split else 1))

@@ -162,28 +162,45 @@ def cp_extra_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -> 
     return 2.0 * seq * b * (max(kv, u) - kv) * d * wb
 
 
-def inflight_closed_form(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...] | None:
+def inflight_closed_form(schedule: str, pp: int, microbatches: int, vpp: int, slices: int = 1
+                         ) -> tuple[int, ...] | None:
     """Peak in-flight (micro-batch, chunk) units per rank of each generated schedule; equal to verify()
-    on the schedules' own action lists for every valid micro-batch count (checked by the unit tests)."""
-    p, m, v = pp, microbatches, vpp
+    on the schedules' own action lists for every valid micro-batch count (checked by the unit tests).
+    With token slices a unit is a slice: 1F1B warms up with k - 1 more (pipeline/schedules.py)."""
+    p, m, v, k = pp, microbatches, vpp, slices
+    if k > 1:
+        return {"1f1b": tuple(min(p - r - 1 + k, m * k) for r in range(p)), "gpipe": (m * k,) * p}.get(schedule)
     forms = {"1f1b": tuple(min(p - r, m) for r in range(p)), "gpipe": (m,) * p, "zb-h1": (min(p, m),) * p,
              "zb-h2": (min(2 * p - 1, m),) * p, "interleaved": tuple(min(v * p - r, v * m) for r in range(p))}
     return forms.get(schedule)
 
 
 @lru_cache(maxsize=4096)
-def inflight(schedule: str, pp: int, microbatches: int, vpp: int) -> tuple[int, ...]:
-    """Peak (micro-batch, chunk) activations each rank holds under the schedule: the closed form (a
-    generated schedule), else verify.py on the schedule's own action lists."""
+def inflight(schedule: str, pp: int, microbatches: int, vpp: int, slices: int = 1) -> tuple[int, ...]:
+    """Peak (micro-batch, chunk) activations each rank holds under the schedule (token slices: slices
+    of them): the closed form (a generated schedule), else verify.py on the schedule's own action lists."""
     from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.verify import verify
 
     if pp == 1:
         return (1,)
-    closed = inflight_closed_form(schedule, pp, microbatches, vpp)
+    closed = inflight_closed_form(schedule, pp, microbatches, vpp, slices)
     if closed is not None:
         return closed
-    return tuple(verify(build_schedule(schedule, pp, microbatches, vpp)).peak_inflight)
+    return tuple(verify(build_schedule(schedule, pp, microbatches, vpp, slices=slices)).peak_inflight)
+
+
+def slice_kv_bytes(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str) -> float:
+    """Token slices (context_parallel/token_slices.py): what a slice keeps per layer beyond an s/k
+    sequence's activations (``w`` is the slice's workload). Its own keys and values, kept for the later
+    slices; and, unless the layer recomputes, the attention core's saved keys and values reach back over
+    the earlier slices: (j + 1) slices' for slice j, counted at their mean (k + 1) / 2, less the one
+    slice's the activations count."""
+    k = L.pp_token_slices
+    if k == 1:
+        return 0.0
+    own = 2.0 * w.seq_length * w.micro_batch_size * max(1, m.kv_heads // L.tp) * m.head_size * BYTES[w.precision]
+    return own * (1.0 if mode == "full" else (k + 1) / 2)
 
 
 def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
@@ -230,7 +247,7 @@ def _layer(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtim
     """(kept for backward, live above that in its backward) of one layer under recompute ``mode``; ``sunk``:
     its projections' weight gradients go straight into the gradient buffers (mpformer's ZeRO-3)."""
     Lm = replace(L, recompute=mode, recompute_layers=None)
-    kept = cp_extra_bytes_per_layer(m, Lm, w)
+    kept = cp_extra_bytes_per_layer(m, Lm, w) + slice_kv_bytes(m, L, w, mode)
     again = cp_extra_bytes_per_layer(m, replace(Lm, recompute="none"), w) if mode != "none" and L.cp > 1 else 0.0
     x, wb = shape(m, L, w.seq_length, w.micro_batch_size), BYTES[w.precision]
     tokens = x.s_n * x.b
@@ -281,8 +298,11 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         L = replace(L, recompute="none", recompute_layers=None)
     wb, n_d = BYTES[w.precision], L.dp * L.cp
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
-    peaks = inflight(L.schedule, L.pp, micro, L.vpp) if L.pp > 1 else (1,)
+    peaks = inflight(L.schedule, L.pp, micro, L.vpp, L.pp_token_slices) if L.pp > 1 else (1,)
     counts = stage_counts(m, L, w.seq_length)
+    if L.pp_token_slices > 1:  # token slices: every unit in flight is a slice, s/k positions (slice_kv_bytes)
+        w = replace(w, seq_length=w.seq_length // L.pp_token_slices)
+        micro *= L.pp_token_slices
     x = shape(m, L, w.seq_length, w.micro_batch_size)
     stage3 = L.zero == 3
     sunk = stage3 and runtime.pooled  # mpformer's ZeRO-3 forms its projections' weight gradients in the buckets

@@ -20,21 +20,21 @@ from mpformer.pipeline.timeline import CompiledTimeline, compile_schedule
 
 
 @lru_cache(maxsize=64)
-def _schedule(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
+def _schedule(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1) -> Schedule:
     from mpformer.pipeline.schedules import build_schedule
 
-    return build_schedule(name, pp, microbatches, vpp)
+    return build_schedule(name, pp, microbatches, vpp, slices=slices)
 
 
 @lru_cache(maxsize=64)
-def _compiled(name: str, pp: int, microbatches: int, vpp: int) -> CompiledTimeline:
+def _compiled(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1) -> CompiledTimeline:
     """The schedule's timeline compiled from its generator's orders and message placements (the lists
     the engine runs are made of them; tests check the two agree on every generated schedule)."""
-    return compile_schedule(name, pp, microbatches, vpp)
+    return compile_schedule(name, pp, microbatches, vpp, slices)
 
 
 def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,
-                  dilation: Callable[[int], float] | None = None, blocking: bool = False) -> float:
+                  dilation: Callable[[int], float] | None = None, blocking: bool = False, slices: int = 1) -> float:
     """simulate()'s step time of the schedule. Past p micro-batches (ZB-H2: its minimum, 2p - 1) every
     schedule here but the V ones (below) is in its steady state, where each further micro-batch adds the same time: the
     timelines at that many and p more micro-batches are simulated and extended linearly (tests check
@@ -43,16 +43,17 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
     ``dilation(k)``: how much slower compute runs while k ranks of the pipeline compute at once (ranks
     sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``.
     ``blocking``: each batched send/receive group blocks its rank until it completes (an engine
-    without p2p overlap: Megatron-LM's and DeepSpeed's pipelines before MegaScale's change)."""
+    without p2p overlap: Megatron-LM's and DeepSpeed's pipelines before MegaScale's change).
+    ``slices``: token slices, ``costs`` then price one slice (one unit of the schedule)."""
     from mpformer.core.layout import min_microbatches
     from mpformer.pipeline.simulate import simulate
 
     def run(mb: int) -> float:
         if dilation is not None:
-            return shared_step_time(_schedule(schedule, pp, mb, vpp), costs, dilation)
+            return shared_step_time(_schedule(schedule, pp, mb, vpp, slices), costs, dilation)
         if not blocking:  # the same timeline, compiled once per schedule (pipeline/timeline.py)
-            return _compiled(schedule, pp, mb, vpp).step_time(costs)
-        return simulate(_schedule(schedule, pp, mb, vpp), costs, verified=True, blocking=blocking).step_time
+            return _compiled(schedule, pp, mb, vpp, slices).step_time(costs)
+        return simulate(_schedule(schedule, pp, mb, vpp, slices), costs, verified=True, blocking=blocking).step_time
 
     lo = max(pp, min_microbatches(schedule, pp))  # ZB-H2 runs from 2p - 1 micro-batches
     hi = lo + pp
@@ -69,8 +70,8 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
     return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
 
 
-def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs, blocking: bool = False
-                   ) -> float:
+def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs, blocking: bool = False,
+                   slices: int = 1) -> float:
     """A lower bound of simulate()'s step time for every generated schedule, in closed form (the
     search ranks every plan by it and simulates only those that can still win, search.py).
 
@@ -86,6 +87,7 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     b = [costs._at("b", s) for s in range(pp * vpp)]
     w = [costs._at("w", s) for s in range(pp * vpp)]
     hop = costs.p2p if pp > 1 else 0.0
+    microbatches *= slices  # token slices: the units flow as micro-batches do, ``costs`` price one
     # blocking: every (micro-batch, chunk) but the one whose transfers lie on the fill and tail waits
     # for at least one transfer of its own
     # (DualPipeV's overlapped pairs wait for their two inputs at once: not counted for it)

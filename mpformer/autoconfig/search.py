@@ -46,8 +46,9 @@ from mpformer.core.model_config import ModelConfig, divisors
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
-# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice.
-NOT_SEARCHED = ("pp_split", "grad_reduce_dtype")
+# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
+# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched.
+NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
 assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"

@@ -1,11 +1,12 @@
 """``mpformer-schedule`` / ``tools/schedule.py``: build, verify and simulate a pipeline schedule.
 
-    tools/schedule.py --schedule 1f1b --pp 4 --microbatches 8 [--vpp V] [--f 1 --b 1 --w 1 --p2p 0]
+    tools/schedule.py --schedule 1f1b --pp 4 --microbatches 8 [--vpp V] [--slices K] [--f 1 --b 1 --w 1 --p2p 0]
                       [--json F] [--plot F.png] [--trace F.json] [--print] [--blocking]
     tools/schedule.py --file my_schedule.txt ...      (a hand-written schedule, text or .csv)
 
 Costs are for one microbatch through one rank's share of the layers (a whole pipeline stage):
-with --vpp V each chunk costs 1/V of them, so step times compare across schedules. A schedule that
+with --vpp V each chunk costs 1/V of them, and with --slices K (token-level pipelining) each slice
+1/K, so step times compare across schedules. A schedule that
 does not split the backward pays b + w for its B. p2p is the time of one send/receive pair.
 """
 
@@ -33,6 +34,8 @@ def build_parser() -> ArgumentParser:
                                                "or CSV if F ends in .csv); replaces --schedule/--pp/--microbatches")
     p.add_argument("--vpp", type=int, default=1, help="virtual chunks per rank (interleaved; 2 for zb-v and "
                    "dualpipev; default 1)")
+    p.add_argument("--slices", type=int, default=1, help="token slices per micro-batch (TeraPipe; gpipe and 1f1b; "
+                   "default 1)")
     p.add_argument("--f", type=float, default=1.0, help="forward time of one stage (default 1)")
     p.add_argument("--b", type=float, default=1.0, help="input-gradient backward time of one stage (default 1)")
     p.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time of one stage (default 1)")
@@ -54,7 +57,8 @@ def build_parser() -> ArgumentParser:
 
 def summary(res: SimResult, steady: list[float]) -> str:
     s, c = res.schedule, res.costs
-    lines = [f"schedule {s.name}  pp={s.pp} microbatches={s.microbatches} vpp={s.vpp}  "
+    sliced = f" ({s.microbatches // s.slices} x {s.slices} token slices)" if s.slices > 1 else ""
+    lines = [f"schedule {s.name}  pp={s.pp} microbatches={s.microbatches}{sliced} vpp={s.vpp}  "
              f"(per chunk: f={c.f:g} b={c.b:g} w={c.w:g}; p2p={c.p2p:g})",
              f"step time {res.step_time:g}   bubble fraction {res.bubble_fraction:.4f} (mean over ranks)   "
              f"back-to-back steps: {sum(steady) / len(steady):.4f}",
@@ -82,6 +86,8 @@ def plot_timeline(res: SimResult, path: str | Path) -> None:
             ax.broken_barh([(t.start, t.end - t.start)], (r - 0.4, 0.8), facecolors=COLORS[a.op],
                            edgecolors="black", linewidth=0.5, alpha=1.0 - 0.25 * (a.chunk % 2))
             label = f"{a.microbatch}.{a.chunk}" if s.vpp > 1 else str(a.microbatch)
+            if s.slices > 1:  # micro-batch / slice
+                label = f"{a.microbatch // s.slices}/{a.microbatch % s.slices}"
             ax.text((t.start + t.end) / 2, r, label, ha="center", va="center", fontsize=7)
     ax.set_ylim(s.pp - 0.5, -0.5)
     ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
@@ -121,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {args.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
     else:
-        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
-    v = schedule.vpp
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp, slices=args.slices)
+    v = schedule.vpp * schedule.slices  # a chunk's, or a slice's, share of a stage's micro-batch
     costs = Costs(f=args.f / v, b=args.b / v, w=args.w / v, p2p=args.p2p, fb=args.fb)
     res = simulate(schedule, costs, blocking=args.blocking)
     print(summary(res, steady_state_bubble(schedule, costs, blocking=args.blocking)), flush=True)

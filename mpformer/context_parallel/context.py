@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from mpformer.context_parallel.blockwise import group_queries, local_attention, segment_index
 from mpformer.context_parallel.ring import Ring, ring_attention
+from mpformer.context_parallel.token_slices import KVSlices
 from mpformer.core.sequence import Segment, Segments, concat, merge, rank_segments
 from mpformer.parallel.comm import Comm, all_gather_seq, all_to_all
 
@@ -62,6 +63,13 @@ class SeqShard:
     index: torch.Tensor | None = None
     docs: torch.Tensor | None = None
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    past: KVSlices | None = None  # token slices: the earlier slices' keys and values (token_slices.py)
+
+    @property
+    def key_segments(self) -> Segments:
+        """The positions this rank's queries attend over locally: its own, or with token slices every
+        position from 0 to its slice's end."""
+        return self.segments if self.past is None else (Segment(0, self.segments[-1].stop),)
 
 
 def document_ids(tokens_bs: torch.Tensor, eos: int) -> torch.Tensor:

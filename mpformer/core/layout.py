@@ -21,6 +21,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe
 # schedules that run a backward as BI then BW (a WeightGradStore)
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two chunks per rank in a V (pipeline/actions.py): vpp = 2
+SLICED_SCHEDULES = ("gpipe", "1f1b")  # token-level pipelining (pipeline/schedules.py)
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_PARTITIONS = ("uniform", "balanced")
@@ -46,6 +47,7 @@ class ParallelLayout:
     pp_split: tuple[int, ...] | None = None  # transformer layers per global stage (pp * vpp entries)
     pp_partition: str = "uniform"  # without pp_split: equal layer counts, or balanced by compute cost
     grad_reduce_dtype: str = "fp32"  # data-parallel gradient reductions in fp32 or bf16 (accumulation: fp32)
+    pp_token_slices: int = 1  # token-level pipelining (TeraPipe): each micro-batch in this many sequence slices
 
     @property
     def topology(self) -> Topology:
@@ -61,6 +63,10 @@ class ParallelLayout:
         """Positions of a sequence one rank's activations hold between layers: 1/cp of it, and 1/tp of
         that under sequence parallelism (the pipeline's boundary shape is [this, b, h])."""
         return seq_length // self.cp // (self.tp if self.sequence_parallel else 1)
+
+    def boundary_positions(self, seq_length: int) -> int:
+        """Positions of one pipeline message ``[this, b, h]``: a rank's positions, or one token slice of them."""
+        return self.local_positions(seq_length) // self.pp_token_slices
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -93,13 +99,16 @@ def min_microbatches(name: str, pp: int) -> int:
     return {"zb-h1": pp, "zb-h2": 2 * pp - 1, "interleaved": pp, "dualpipev": 2 * pp}.get(name, 1)
 
 
-def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:
+def check_args(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1) -> None:
     """Raise a one-line ConfigError naming the valid values, or return."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
-    for key, val in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
+    for key, val in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp), ("slices", slices)):
         if not isinstance(val, int) or val < 1:
             raise ConfigError(f"{key}={val} must be an integer >= 1")
+    if slices > 1 and name not in SLICED_SCHEDULES:
+        raise ConfigError(f"schedule {name} cannot run token slices (pp_token_slices={slices}); valid: schedule "
+                          f"{' or '.join(SLICED_SCHEDULES)}, or pp_token_slices=1")
     if name == "interleaved" and pp > 1 and vpp < 2:
         raise ConfigError(f"schedule interleaved needs vpp >= 2 at pp={pp} (vpp={vpp}); valid: vpp in 2, 3, 4, ...")
     if vpp > 1 and pp == 1:
@@ -119,7 +128,7 @@ def check_args(name: str, pp: int, microbatches: int, vpp: int) -> None:
 
 
 def _check_values(L: ParallelLayout) -> None:
-    for key in ("tp", "pp", "cp", "vpp", "cp_ulysses"):
+    for key in ("tp", "pp", "cp", "vpp", "cp_ulysses", "pp_token_slices"):
         v = getattr(L, key)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"parallel.{key}={v} must be an integer >= 1")
@@ -166,6 +175,7 @@ def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) 
         raise ConfigError(f"train.seq_length={seq_length} must be divisible by parallel.tp={L.tp} under sequence "
                           f"parallelism (each rank keeps seq_length/tp positions); valid: multiples of {L.tp}")
     _check_pipeline(L, model)
+    _check_token_slices(L, seq_length)
     if L.cp > 1:
         _check_context_parallel(L, model, seq_length)
 
@@ -227,6 +237,31 @@ def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
         raise ConfigError(f"num_layers={layers} cannot be split into pp*vpp={stages} equal stages; valid: {valid}")
 
 
+def _check_token_slices(L: ParallelLayout, seq_length: int | None) -> None:
+    """Token-level pipelining (pipeline/schedules.py): slices of equal length through gpipe or 1f1b."""
+    k = L.pp_token_slices
+    if k == 1:
+        return
+    if L.pp == 1:
+        raise ConfigError(f"parallel.pp_token_slices={k} pipelines slices of a sequence between stages and needs "
+                          "parallel.pp > 1; valid at pp=1: pp_token_slices=1")
+    if L.schedule not in SLICED_SCHEDULES:
+        ok = " or ".join(SLICED_SCHEDULES)
+        raise ConfigError(f"parallel.pp_token_slices={k} runs under schedule {ok}, not {L.schedule}; valid: "
+                          f"parallel.schedule={ok}, or pp_token_slices=1")
+    if L.cp > 1:
+        raise ConfigError(f"parallel.pp_token_slices={k} with parallel.cp={L.cp}: a slice's context-parallel split is "
+                          "not implemented; valid: cp=1, or pp_token_slices=1")
+    if seq_length is not None:
+        step = k * (L.tp if L.sequence_parallel else 1)
+        if seq_length % step:
+            ok = [d for d in divisors(seq_length // (L.tp if L.sequence_parallel else 1) or 1)
+                  if seq_length % (d * (L.tp if L.sequence_parallel else 1)) == 0]
+            sp = " * tp (sequence parallelism splits each slice again)" if L.sequence_parallel else ""
+            raise ConfigError(f"parallel.pp_token_slices={k} does not divide train.seq_length={seq_length}{sp} into "
+                              f"equal slices; valid pp_token_slices: {format_choices(ok)}")
+
+
 def _check_zero(L: ParallelLayout) -> None:
     if L.zero >= 2 and L.pp > 1:
         # Stage 2 frees full gradients after each micro-batch's reduction; under a pipeline every
@@ -267,7 +302,7 @@ def _check_batch(L: ParallelLayout, global_batch_size: int, micro_batch_size: in
 
 def _check_schedule(L: ParallelLayout, microbatches: int) -> None:
     try:
-        check_args(L.schedule, L.pp, microbatches, L.vpp)
+        check_args(L.schedule, L.pp, microbatches, L.vpp, L.pp_token_slices)
     except ConfigError as e:
         raise ConfigError(f"parallel.schedule={L.schedule} with {microbatches} micro-batches per step "
                           f"(global_batch_size / (micro_batch_size * dp)): {e}") from None

@@ -93,10 +93,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tens
 def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, *,
                    dropout_p: float, sliding_window: int | None, docs_bs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA; kv heads are shared by groups of n/k query heads (enable_gqa, no copies). With
-    ``docs_bs`` (the document id of every position) a query sees only keys of its own document."""
+    ``docs_bs`` (the document id of every position) a query sees only keys of its own document. With
+    fewer queries than keys the queries are the last positions (a token slice after its past keys):
+    an explicit mask, since SDPA's is_causal aligns them with the first."""
     s_q, s_k = q_bnsd.shape[2], k_bksd.shape[2]
     gqa = q_bnsd.shape[1] != k_bksd.shape[1]
-    if docs_bs is None and (sliding_window is None or s_k <= sliding_window):
+    if docs_bs is None and s_q == s_k and (sliding_window is None or s_k <= sliding_window):
         return _sdpa(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     i = torch.arange(s_q, device=q_bnsd.device)[:, None] + (s_k - s_q)
     j = torch.arange(s_k, device=q_bnsd.device)[None, :]
@@ -145,6 +147,8 @@ class Attention(nn.Module):
             assert seq.rope is not None
             q_bnsd = apply_rope(q_bnsd, *seq.rope)
             k_bksd = apply_rope(k_bksd, *seq.rope)
+        if seq.past is not None:  # token slices: attend over the earlier slices' keys too (token_slices.py)
+            k_bksd, v_bksd = seq.past.extend(self, k_bksd, v_bksd)
         p = self.dropout_p if self.training else 0.0
         core = functools.partial(self._core, seq=seq, dropout_p=p)
         # Heads differ per tp rank, so their dropout masks come from the tp-rank stream.
@@ -169,10 +173,11 @@ class Attention(nn.Module):
         if seq.docs is not None and dropout_p == 0:
             # Document masks over blocks of keys (no [b, s, s] mask: O(s) memory, as under cp). With
             # dropout, SDPA and a dense mask.
-            return local_attention(q_bnsd, k_bksd, v_bksd, seq.segments, seq.segments, seq.docs,
+            return local_attention(q_bnsd, k_bksd, v_bksd, seq.segments, seq.key_segments, seq.docs,
                                    self.sliding_window, self.d ** -0.5)
+        docs = seq.docs if seq.docs is None or seq.past is None else seq.docs[:, :k_bksd.shape[2]]
         return attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, sliding_window=self.sliding_window,
-                              docs_bs=seq.docs)
+                              docs_bs=docs)
 
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         """q, k, v and o under ``prefix`` as separate tensors (row slices of the fused qkv: views)."""

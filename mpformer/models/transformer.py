@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mpformer.context_parallel.blockwise import segment_index
 from mpformer.context_parallel.context import CPContext, SeqShard, document_ids
+from mpformer.context_parallel.token_slices import KVSlices
 from mpformer.core.layout import RECOMPUTE
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.sequence import Segment
@@ -164,17 +165,24 @@ class Transformer(nn.Module):
             layer.forward = torch.compile(layer.forward, **options)
 
     # ---- forward ---------------------------------------------------------------------------
-    def sequence(self, tokens_bs: torch.Tensor) -> SeqShard:
+    def sequence(self, tokens_bs: torch.Tensor, past: KVSlices | None = None, part: int = 0) -> SeqShard:
         """What this rank holds of the micro-batch's sequence: its context-parallel positions (all of
-        them without cp), the document ids (document masks) and the rotary tables at its positions."""
+        them without cp), the document ids (document masks) and the rotary tables at its positions.
+        ``past``: token slices (context_parallel/token_slices.py), this is slice ``part`` of
+        ``past.slices`` equal ones; as under cp, its positions are ``index`` and its loss is its share."""
         s = tokens_bs.shape[1]
-        segments = self.cp.segments(s) if self.cp is not None else (Segment(0, s),)
-        index = segment_index(segments, tokens_bs.device) if self.cp is not None else None
+        if past is not None:
+            assert self.cp is None, "token slices under context parallelism (layout.validate rejects it)"
+            n = s // past.slices
+            segments: tuple[Segment, ...] = (Segment(part * n, n),)
+        else:
+            segments = self.cp.segments(s) if self.cp is not None else (Segment(0, s),)
+        index = segment_index(segments, tokens_bs.device) if self.cp is not None or past is not None else None
         docs = document_ids(tokens_bs, self.document_eos) if self.document_eos is not None else None
         rope = None
         if self.rotary is not None:
             rope = self.rotary(s) if index is None else self.rotary.at(index)
-        return SeqShard(s, segments, index, docs, rope)
+        return SeqShard(s, segments, index, docs, rope, past)
 
     def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:
         """Final-norm output ``[s, b, h]`` (the whole model on one pipeline stage; cp: this rank's positions)."""

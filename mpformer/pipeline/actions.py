@@ -50,6 +50,13 @@ post a group's sends before its receives, but keeps list order among the sends a
 receives. Generators put each send right after the compute that produces it (except where a later
 gap is the first one the receiver shares, see schedules.py) and each receive before its consumer.
 
+Token-level pipelining (TeraPipe, ``slices`` = k > 1): each microbatch is cut into k slices of its
+sequence and every slice is a unit of the IR: ``microbatches`` counts units, unit ``u`` is slice
+``u % k`` of microbatch ``u // k``. A slice attends to the keys and values the earlier slices of its
+microbatch left on the same stage, so on every stage F of slice s comes after F of slice s-1, and
+the backward of slice s (B or BI) after that of slice s+1, which adds to slice s's key and value
+gradients. The header says ``slices=k``.
+
 CSV form: an optional ``# mpformer-schedule ...`` header line, then ``rank,op,microbatch,chunk``
 rows (op spelled as the Op value, e.g. SEND_F) in execution order per rank.
 """
@@ -171,6 +178,7 @@ class Schedule:
     name: str
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
     placement: str = "interleaved"  # which chunk is which stage (module docstring)
+    slices: int = 1  # token-level pipelining: each microbatch is ``slices`` units (module docstring)
 
     def __post_init__(self) -> None:
         if len(self.actions) != self.pp:
@@ -179,6 +187,9 @@ class Schedule:
             raise ScheduleError(f"placement {self.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
         if self.placement == "v" and (self.vpp != 2 or self.pp < 2):
             raise ScheduleError(f"placement v needs vpp=2 and pp >= 2, got vpp={self.vpp} pp={self.pp}")
+        if self.slices < 1 or self.microbatches % self.slices:
+            raise ScheduleError(f"slices={self.slices} must be >= 1 and divide the {self.microbatches} units "
+                                f"(microbatches x slices); valid: {', '.join(map(str, _divisors(self.microbatches)))}")
 
     @property
     def v(self) -> bool:
@@ -205,7 +216,8 @@ class Schedule:
     # -- text ---------------------------------------------------------------------------------
     def header(self) -> str:
         place = " placement=v" if self.v else ""
-        return f"{_HEADER} name={self.name} pp={self.pp} vpp={self.vpp} microbatches={self.microbatches}{place}"
+        sliced = f" slices={self.slices}" if self.slices > 1 else ""
+        return f"{_HEADER} name={self.name} pp={self.pp} vpp={self.vpp} microbatches={self.microbatches}{place}{sliced}"
 
     def to_text(self) -> str:
         chunked = self.vpp > 1
@@ -285,6 +297,7 @@ def _assemble(rows: dict[int, list[Action]], meta: dict[str, str]) -> Schedule:
         acts = [a for lst in rows.values() for a in lst]
         vpp = int(meta.get("vpp", max((a.chunk for a in acts), default=0) + 1))
         mbs = int(meta.get("microbatches", max((a.microbatch for a in acts), default=-1) + 1))
+        slices = int(meta.get("slices", 1))
     except ValueError:
         raise ScheduleError(f"header values must be integers: {meta}") from None
     if pp < 1 or vpp < 1 or mbs < 1:
@@ -294,7 +307,11 @@ def _assemble(rows: dict[int, list[Action]], meta: dict[str, str]) -> Schedule:
     if missing or extra:
         raise ScheduleError(f"a schedule for pp={pp} lists ranks 0..{pp - 1}; missing {missing}, extra {extra}")
     return Schedule(pp, vpp, mbs, meta.get("name", "custom"), tuple(tuple(rows[r]) for r in range(pp)),
-                    meta.get("placement", "interleaved"))
+                    meta.get("placement", "interleaved"), slices)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def load_schedule(path: str | Path) -> Schedule:
@@ -308,9 +325,9 @@ def load_schedule(path: str | Path) -> Schedule:
 
 
 def make_schedule(name: str, pp: int, vpp: int, microbatches: int,
-                  lists: Sequence[Iterable[Action]], placement: str = "interleaved") -> Schedule:
+                  lists: Sequence[Iterable[Action]], placement: str = "interleaved", slices: int = 1) -> Schedule:
     """Freeze per-rank lists into a Schedule (generators build plain lists, then call this)."""
-    return Schedule(pp, vpp, microbatches, name, tuple(tuple(x) for x in lists), placement)
+    return Schedule(pp, vpp, microbatches, name, tuple(tuple(x) for x in lists), placement, slices)
 
 
 def repeat(schedule: Schedule, times: int) -> Schedule:
@@ -325,4 +342,5 @@ def repeat(schedule: Schedule, times: int) -> Schedule:
     # Ranks iterate k outermost: a rank finishes its list for step k before starting step k+1.
     lists = [[Action(a.rank, a.op, a.microbatch + k * m, a.chunk, a.overlap) for k in range(times) for a in acts]
              for acts in schedule.actions]
-    return make_schedule(f"{schedule.name}x{times}", schedule.pp, schedule.vpp, m * times, lists, schedule.placement)
+    return make_schedule(f"{schedule.name}x{times}", schedule.pp, schedule.vpp, m * times, lists, schedule.placement,
+                         schedule.slices)

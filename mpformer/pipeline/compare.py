@@ -12,10 +12,13 @@ and the sources named):
     zb-h1         (p-1)(T_F+T_B-T_W)                      (Qi et al. 2024)
     zb-h2         (p-1)(T_F+T_B-2T_W), back to back       (Qi et al. 2024)
     dualpipev     (PP/2-1)(F&B+B-3W), PP = 2p V stages, per-chunk F, full B, W, F&B (deepseek-ai/DualPipe)
+    1f1b, k token slices   (p-1)(T_F+T_B+T_W) / k: TeraPipe's (K + p - 1) max t_i step over K = m k
+                  equal slices (Li et al. 2021, eq. 1; slices of equal cost: attention's growth left out)
 
 Peak activations are in whole-stage micro-batches (in-flight chunks / v): published 1F1B and ZB-H1 p,
 GPipe m, ZB-H2 2p-1, ZB-V p (1F1B's: Qi et al.), DualPipeV PP+1 chunks = p + 1/2. ZB-V's bubble and
-interleaving's memory have no closed form here (shown as "-").
+interleaving's memory have no closed form here (shown as "-"); nor has 1F1B over token slices
+(p - 1 + k slices on rank 0: (p - 1 + k) / k micro-batches, from the generator).
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ from mpformer.pipeline.schedules import SCHEDULES, build_schedule
 from mpformer.pipeline.simulate import Costs, simulate, steady_state_bubble
 
 VPP = {"interleaved": 2, **{name: 2 for name in V_SCHEDULES}}  # chunks per rank in the table
+SLICED = (2, 4)  # 1f1b's rows with token slices
 
 
-def _published(name: str, p: int, m: int, v: int, f: float, b: float, w: float, fb: float | None
+def _published(name: str, p: int, m: int, v: int, f: float, b: float, w: float, fb: float | None, k: int = 1
                ) -> tuple[float | None, float | None]:
     """(idle time per rank, peak activations in stages) as published, None where there is none."""
+    if k > 1:
+        return (p - 1) * (f + b + w) / k, None
     if name in ("gpipe", "1f1b"):
         return (p - 1) * (f + b + w), float(m if name == "gpipe" else min(p, m))
     if name == "interleaved":
@@ -52,21 +58,21 @@ def schedule_table(pp: int, microbatches: int, f: float = 1.0, b: float = 1.0, w
                    fb: float | None = None) -> list[dict]:
     """One row per schedule the arguments allow (those whose minimum micro-batches they meet)."""
     rows = []
-    for name in SCHEDULES:
+    for name, k in [(n, 1) for n in SCHEDULES] + [("1f1b", k) for k in SLICED]:
         v = VPP.get(name, 1)
         try:
             check_args(name, pp, microbatches, v)
         except ConfigError:
             continue
-        s = build_schedule(name, pp, microbatches, v)
-        costs = Costs(f=f / v, b=b / v, w=w / v, fb=fb)
+        s = build_schedule(name, pp, microbatches, v, slices=k)
+        costs = Costs(f=f / v / k, b=b / v / k, w=w / v / k, fb=fb)  # a slice: 1/k of the micro-batch's work
         res = simulate(s, costs)
         busy = microbatches * (f + b + w)
-        idle, peak = _published(name, pp, microbatches, v, f, b, w, fb)
-        rows.append({"schedule": name, "vpp": v, "bubble": res.bubble_fraction,
-                     "bubble_back_to_back": sum(steady_state_bubble(s, costs)) / pp,
+        idle, peak = _published(name, pp, microbatches, v, f, b, w, fb, k)
+        rows.append({"schedule": name if k == 1 else f"{name}, {k} token slices", "vpp": v, "slices": k,
+                     "bubble": res.bubble_fraction, "bubble_back_to_back": sum(steady_state_bubble(s, costs)) / pp,
                      "bubble_published": None if idle is None else idle / (idle + busy),
-                     "peak_stages": max(res.peak_inflight) / v, "peak_published": peak, "params": 1.0})
+                     "peak_stages": max(res.peak_inflight) / v / k, "peak_published": peak, "params": 1.0})
     return rows
 
 

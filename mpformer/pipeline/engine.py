@@ -12,6 +12,11 @@
     after my last B/BW: ``on_grads_done`` (the trainer starts this stage's data-parallel reduction)
     at the end: wait for every send (their tensors stay alive until then)
 
+Token slices (``schedule.slices`` = k > 1, TeraPipe): action microbatch ``u`` is slice ``u % k`` of
+batch ``u // k``; each (batch, chunk) keeps a KVSlices (context_parallel/token_slices.py) from its
+first slice's forward to its first slice's backward, and a slice's backward also starts from the key
+and value gradients its later slices left. A slice's loss is its share of its batch's mean.
+
 Waiting for a receive only where it is consumed, and for sends only at the end, is what
 simulate()'s default timing assumes; it waits for a subset of what the verifier's blocking
 group semantics wait for, in the same posting order, so the verifier's deadlock proof covers it.
@@ -28,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from mpformer.context_parallel.token_slices import KVSlices
 from mpformer.core.pipeline_plan import StagePlan
 from mpformer.layers.linear import WeightGradStore
 from mpformer.parallel.device import Device, Stopwatch
@@ -76,7 +82,8 @@ class PipelineEngine:
             loss_scale: float = 1.0) -> list[float]:
         """One step over ``batches`` (one (tokens, labels) per microbatch); returns the microbatch
         losses on the rank that holds the last stage, [] elsewhere. ``loss_scale``: fp16's."""
-        assert len(batches) == self.schedule.microbatches
+        k = self.schedule.slices
+        assert len(batches) * k == self.schedule.microbatches, (len(batches), k, self.schedule.microbatches)
         self.batches, self.forward_only, self.loss_scale = batches, forward_only, loss_scale
         self.inputs: dict[Key, torch.Tensor] = {}
         self.outputs: dict[Key, torch.Tensor] = {}
@@ -84,7 +91,8 @@ class PipelineEngine:
         self.recv_b: dict[Key, Received] = {}
         self.sends: list[Pending] = []
         self.input_grads: dict[Key, torch.Tensor] = {}
-        self.losses: list[float] = []
+        self.losses: list[torch.Tensor] = []
+        self.kv: dict[Key, KVSlices] = {}  # token slices: (batch, chunk) -> its earlier slices' keys and values
         actions = self.schedule.actions[self.plan.rank]
         if forward_only:
             actions = tuple(a for a in actions if a.op in (Op.F, Op.SEND_F, Op.RECV_F))
@@ -115,8 +123,12 @@ class PipelineEngine:
             if self.store is not None:
                 self.store.clear()
         assert not self.outputs or forward_only, f"activations left without backward: {sorted(self.outputs)}"
+        assert not self.kv, f"token slices left without backward: {sorted(self.kv)}"
         self.outputs.clear()  # forward-only: the last outputs were sent, nothing needs them
-        return [float(x) for x in torch.stack(self.losses).tolist()] if self.losses else []
+        if not self.losses:
+            return []
+        # In unit order; a batch's slices' shares sum to its mean (tensors summed in order: exact).
+        return [float(x) for x in torch.stack(self.losses).view(-1, k).sum(1).tolist()]
 
     def _timed(self, a: Action, received: torch.Tensor | None) -> None:
         # A named range per action: torch.profiler (and its CUDA timeline) shows the schedule as run.
@@ -140,20 +152,32 @@ class PipelineEngine:
         return None
 
     # ---- compute -----------------------------------------------------------------------------
+    def _slice(self, a: Action) -> KVSlices | None:
+        """Token slices: the KVSlices of ``a``'s batch and chunk, set to ``a``'s slice (None without)."""
+        k = self.schedule.slices
+        if k == 1:
+            return None
+        past = self.kv.setdefault((a.microbatch // k, a.chunk), KVSlices(k))
+        past.current = a.microbatch % k
+        return past
+
     def _forward(self, a: Action, x: torch.Tensor | None) -> None:
-        key = (a.microbatch, a.chunk)
-        tokens, labels = self.batches[a.microbatch]
+        key, k = (a.microbatch, a.chunk), self.schedule.slices
+        tokens, labels = self.batches[a.microbatch // k]
         if x is not None:
             if not self.forward_only:
                 x.requires_grad_()
                 self.inputs[key] = x
+        past = self._slice(a)
         with self.autocast():
-            out = chunk_forward(self.model, self.plan, a.chunk, x, tokens, labels)
+            out = chunk_forward(self.model, self.plan, a.chunk, x, tokens, labels, past)
+        if past is not None and self.forward_only and past.current == k - 1:
+            del self.kv[a.microbatch // k, a.chunk]  # no backward comes: the batch's keys are done with
         if self.plan.is_last(a.chunk):
             self.losses.append(out.detach())  # read once at the end: no device sync per micro-batch
             if self.forward_only:
                 return
-            m = self.schedule.microbatches
+            m = self.schedule.microbatches // k
             out = out / m if self.loss_scale == 1.0 else out * (self.loss_scale / m)  # fp16: loss scaling
         self.outputs[key] = out
 
@@ -161,8 +185,14 @@ class PipelineEngine:
         key = (a.microbatch, a.chunk)
         out = self.outputs.pop(key)
         split = a.op is Op.BI and self.store is not None
+        past = self._slice(a)
+        roots, grads = past.roots() if past is not None else ([], [])  # key/value gradients of later slices
         with self.store.capture(key) if split else contextlib.nullcontext():
-            torch.autograd.backward(out, grad_tensors=grad)
+            torch.autograd.backward([out, *roots], grad_tensors=[grad, *grads])
+        if past is not None:
+            past.release()
+            if past.current == 0:
+                del self.kv[a.microbatch // self.schedule.slices, a.chunk]
         x = self.inputs.pop(key, None)
         if x is not None:
             self.input_grads[key] = x.grad

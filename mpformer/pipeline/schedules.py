@@ -22,6 +22,11 @@ compute orders, for rank r of p, m microbatches (``F i`` = forward of microbatch
     dualpipev    the same V, DeepSeek's eight phases per rank (v_orders.py): 2p + 1
                  chunk activations; its F&B pairs run one after the other (not overlapped)
 
+Token slices (``slices`` = k > 1, TeraPipe; gpipe and 1f1b): the m k units (actions.py) go forward
+in order and come back slice k-1 first within each microbatch; 1f1b warms up with k-1 more forwards
+(p-r-1+k-1), which the last stage needs to reach a microbatch's last slice before its first backward:
+p-1+k units in flight on rank 0, (p-1)/k + 1 microbatches' worth.
+
 Communication (``_aligned_comm``): replay the compute orders on an ideal clock (T_F = T_BI = T_W
 = 1, T_B = 2, a message usable the moment it is produced) and post both sides of each message at
 the earliest tick, between producer and consumer, at which both ranks are between two computes.
@@ -49,6 +54,22 @@ TICKS = {Op.F: 1, Op.B: 2, Op.BI: 1, Op.BW: 1}  # the clock that places messages
 
 
 Orders = list[list[Compute]]
+
+
+def _sliced_orders(pp: int, microbatches: int, slices: int, warmup: Callable[[int], int]) -> Orders:
+    """Forwards in unit order, backwards last slice first within each microbatch; rank r runs
+    ``warmup(r)`` forwards, then (forward, backward) pairs, then the remaining backwards."""
+    k, total = slices, microbatches * slices
+    fwd = [(Op.F, u, 0) for u in range(total)]
+    bwd = [(Op.B, (j // k) * k + k - 1 - j % k, 0) for j in range(total)]
+    orders = []
+    for r in range(pp):
+        w = min(total, warmup(r))
+        order = fwd[:w]
+        for i in range(total - w):
+            order += [fwd[w + i], bwd[i]]
+        orders.append(order + bwd[total - w:])
+    return orders
 
 
 def _gpipe_orders(pp: int, microbatches: int, vpp: int = 1) -> tuple[int, Orders]:
@@ -275,10 +296,20 @@ ORDERS: dict[str, Callable[[int, int, int], tuple[int, Orders]]] = {
 }
 
 
-def _make(name: str, pp: int, microbatches: int, vpp: int) -> Schedule:
-    chunks, orders = ORDERS[name](pp, microbatches, vpp)
+def compute_orders(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1) -> tuple[int, Orders]:
+    """(chunks per rank, every rank's compute order) of a schedule; with token slices (gpipe, 1f1b:
+    check_args) over the microbatches x slices units."""
+    if slices == 1:
+        return ORDERS[name](pp, microbatches, vpp)
+    warm = (lambda r: microbatches * slices) if name == "gpipe" else (lambda r: pp - r - 1 + slices - 1)
+    return 1, _sliced_orders(pp, microbatches, slices, warm)
+
+
+def _make(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1) -> Schedule:
+    chunks, orders = compute_orders(name, pp, microbatches, vpp, slices)
     place = "v" if name in V_SCHEDULES else "interleaved"  # a V schedule's chunks sit in a V (actions.py)
-    return make_schedule(name, pp, chunks, microbatches, _aligned_comm(pp, chunks, orders, place == "v"), place)
+    return make_schedule(name, pp, chunks, microbatches * slices, _aligned_comm(pp, chunks, orders, place == "v"),
+                         place, slices)
 
 
 Generator = Callable[[int, int, int], Schedule]
@@ -293,12 +324,14 @@ SCHEDULES: dict[str, Generator] = {
 }
 
 
-def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *, check: bool = True) -> Schedule:
+def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, *, slices: int = 1,
+                   check: bool = True) -> Schedule:
     """Validate, generate and verify (ScheduleError if a generator were ever wrong). ``check=False``
     skips the verification: the cost model's timelines (pipeline/timeline.py) fail on a schedule that
-    cannot run, and the generators are verified by the tests; the engine always checks."""
-    check_args(name, pp, microbatches, vpp)
-    schedule = SCHEDULES[name](pp, microbatches, vpp)
+    cannot run, and the generators are verified by the tests; the engine always checks. ``slices``:
+    token-level pipelining, each of the ``microbatches`` cut into that many units (actions.py)."""
+    check_args(name, pp, microbatches, vpp, slices)
+    schedule = _make(name, pp, microbatches, vpp, slices)
     if check:
         verify(schedule)
     return schedule

@@ -139,7 +139,7 @@ def compile_timeline(s: Schedule) -> CompiledTimeline:
                             tuple(ops), tuple(stages), tuple(partner) if any(p >= 0 for p in partner) else ())
 
 
-def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> CompiledTimeline:
+def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, slices: int = 1) -> CompiledTimeline:
     """``compile_timeline(build_schedule(...))`` without building the action lists: from the
     generator's compute orders and its message placements (schedules._placements, which the lists are
     made of), in the start order of its ideal clock, which every dependency respects. Equal to the
@@ -147,10 +147,10 @@ def compile_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Com
     model compiles schedules of 64 stages and hundreds of micro-batches with it."""
     from mpformer.core.layout import V_SCHEDULES, check_args
     from mpformer.pipeline.actions import stage_of
-    from mpformer.pipeline.schedules import ORDERS, _paired, _placements
+    from mpformer.pipeline.schedules import _paired, _placements, compute_orders
 
-    check_args(name, pp, microbatches, vpp)
-    chunks, orders = ORDERS[name](pp, microbatches, vpp)
+    check_args(name, pp, microbatches, vpp, slices)
+    chunks, orders = compute_orders(name, pp, microbatches, vpp, slices)
     v = name in V_SCHEDULES
     starts, placements = _placements(pp, chunks, orders, v)
     order = sorted((t, r, i) for r, st in enumerate(starts) for i, t in enumerate(st))

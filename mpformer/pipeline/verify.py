@@ -5,7 +5,8 @@
 1. Per rank, in list order (static): every action is in range and points at a real neighbour;
    each (microbatch, chunk) gets exactly one F and one full backward (B, or BI then BW); F comes
    after its RECV_F (stages > 0), B/BI after its F and, below the last stage, after its RECV_B;
-   BW after its BI; SEND_F after the F it sends, SEND_B after the B/BI it sends. With these, every
+   BW after its BI; SEND_F after the F it sends, SEND_B after the B/BI it sends; with token slices,
+   a slice's F after the previous slice's and its backward after the next slice's. With these, every
    message (kind, microbatch, stage boundary) has exactly one send and one receive, on the stages
    at its two ends, so the shapes agree by construction.
 2. ``execute``: every rank runs its list under blocking semantics. Compute is local (its inputs
@@ -91,6 +92,8 @@ def _check_rank(s: Schedule, r: int) -> int:
         key = (op, mb, c)
         if key in seen:
             fail(a, f"is a duplicate: stage {stage} already has it for this microbatch")
+        if s.slices > 1 and op is not Op.BW and not op.is_comm:
+            _check_slice(s, a, seen, fail)
         if op is Op.F:
             if stage > 0 and v and s.local(stage, stage - 1):
                 need_local(Op.F, a, 1 - c, "the previous stage's forward")
@@ -123,6 +126,18 @@ def _check_rank(s: Schedule, r: int) -> int:
         seen.add(key)
     _check_complete(s, r, seen)
     return peak
+
+
+def _check_slice(s: Schedule, a: Action, seen: set[tuple[Op, int, int]], fail: Callable[[Action, str], None]
+                 ) -> None:
+    """Token slices (actions.py): a slice's forward reads the keys and values of the slice before it on
+    this stage; its backward needs the key/value gradients the slice after it adds."""
+    k, mb, c = s.slices, a.microbatch, a.chunk
+    if a.op is Op.F and mb % k and (Op.F, mb - 1, c) not in seen:
+        fail(a, f"needs F{mb - 1} before it (the previous slice's keys and values, slice {mb % k} of {k})")
+    if a.op in (Op.B, Op.BI) and (mb + 1) % k and (Op.B, mb + 1, c) not in seen and (Op.BI, mb + 1, c) not in seen:
+        fail(a, f"needs the backward of {mb + 1} before it (the next slice adds to this slice's key and value "
+                f"gradients, slice {mb % k} of {k})")
 
 
 def _check_pair(s: Schedule, a: Action, b: Action | None, fail: Callable[[Action, str], None]) -> None:

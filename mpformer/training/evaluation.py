@@ -123,10 +123,13 @@ def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: Para
         batches.append((b[:, :-1], b[:, 1:]))
     seq = tokens.shape[1] - 1
     dtype = next(model.parameters()).dtype  # the residual stream's: 16-bit under bf16/fp16 parameters
-    p2p = P2P(groups.pp, groups.ledger, (layout.local_positions(seq), micro_batch, model.cfg.hidden_size), dtype,
-              device)
-    engine = PipelineEngine(model, plan, build_schedule(layout.schedule, layout.pp, len(batches), layout.vpp), p2p,
-                            autocast=autocast)
+    # Token slices as in training; an evaluation sequence they do not divide runs whole (forward only:
+    # slicing changes the pipeline's fill, not the result).
+    slices = layout.pp_token_slices if layout.local_positions(seq) % layout.pp_token_slices == 0 else 1
+    p2p = P2P(groups.pp, groups.ledger, (layout.local_positions(seq) // slices, micro_batch, model.cfg.hidden_size),
+              dtype, device)
+    schedule = build_schedule(layout.schedule, layout.pp, len(batches), layout.vpp, slices=slices)
+    engine = PipelineEngine(model, plan, schedule, p2p, autocast=autocast)
     with torch.no_grad():
         means = engine.run(batches, forward_only=True)
     total = torch.tensor(sum(means) * micro_batch * seq, dtype=torch.float64, device=device)

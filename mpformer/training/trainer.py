@@ -163,9 +163,9 @@ class Trainer:
 
     def _build_pipeline(self) -> PipelineEngine:
         t, L = self.cfg.train, self.layout
-        schedule = build_schedule(L.schedule, L.pp, self.micro_steps, L.vpp)
+        schedule = build_schedule(L.schedule, L.pp, self.micro_steps, L.vpp, slices=L.pp_token_slices)
         p2p = P2P(self.groups.pp, self.groups.ledger,
-                  (L.local_positions(t.seq_length), t.micro_batch_size, self.cfg.model.hidden_size),
+                  (L.boundary_positions(t.seq_length), t.micro_batch_size, self.cfg.model.hidden_size),
                   self.param_dtype, self.device.torch_device)
         # A stage's data-parallel reduction starts right after its last backward (engine.start).
         return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,

@@ -34,6 +34,9 @@ def _schedules():
                     yield build_schedule(name, pp, m, vpp)
                 except ConfigError:
                     continue  # fewer micro-batches than the schedule needs
+    for name in ("gpipe", "1f1b"):  # token slices
+        for pp, m, k in ((2, 1, 2), (2, 3, 4), (4, 4, 2), (6, 2, 3)):
+            yield build_schedule(name, pp, m, slices=k)
 
 
 def test_compiled_timeline_equals_simulate():
@@ -70,7 +73,8 @@ def test_compiled_from_the_orders_equals_compiled_from_the_lists():
 
     rng = random.Random(2)
     for s in _schedules():
-        direct, lists = compile_schedule(s.name, s.pp, s.microbatches, s.vpp), compile_timeline(s)
+        m = s.microbatches // s.slices
+        direct, lists = compile_schedule(s.name, s.pp, m, s.vpp, s.slices), compile_timeline(s)
         c = _costs(rng, s.num_stages, s.name.startswith("zb"))
         assert direct.step_time(c) == pytest.approx(lists.step_time(c), rel=1e-12, abs=1e-12), s.name
     big = build_schedule("interleaved", 16, 32, 3)
