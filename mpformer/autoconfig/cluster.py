@@ -42,6 +42,10 @@ class Cluster:
     # SMs a running NCCL collective holds (one CTA per channel): compute beside an overlapped collective
     # runs on the others (dp_cost.contention). 0: not modelled (CPU hosts: nothing overlaps there).
     comm_sms: int = 0
+    # Bytes/s one device copies to pinned host memory or back (activation offload, pipeline/offload.py);
+    # 0: no host link (a CPU host: its memory is the device's).
+    host_bandwidth: float = 0.0
+    host_memory_gb: float = 0.0  # a node's host memory, which offloaded activations share; 0: not checked
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -72,7 +76,7 @@ class Cluster:
 
 
 OPTIONAL = ("cores", "profile", "sm_count", "gemm_fraction", "gemm_measured", "stream_fraction", "attention_fraction",
-            "launch_s", "bus_fraction", "comm_sms")
+            "launch_s", "bus_fraction", "comm_sms", "host_bandwidth", "host_memory_gb")
 
 
 def cluster_dir() -> Path:

@@ -196,6 +196,8 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     compute_per_micro = sum(fc) + sum(bc) + sum(wc)
     fs = [x + t / 2 for x, t in zip(fc, tps)]
     bs = [x + t / 2 for x, t in zip(bc, tps)]
+    if L.offload != "none" and L.pp > 1 and c.host_bandwidth > 0:
+        fs, bs = offload_exposed(m, L, w, c, counts, fs, bs)
     slow = slowdowns(c)
     dilation = None
     if slow is not None:
@@ -243,6 +245,28 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
                      pp_bubble_s=max(pipe - compute - tp_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
                      dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
                      extra={"microbatches": micro_batches, "params": params_per_rank})
+
+
+def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, counts: list[int],
+                    fs: list[float], bs: list[float]) -> tuple[list[float], list[float]]:
+    """Activation offload (pipeline/offload.py): a moved unit's saved activations go out during its own
+    forward and come back during the compute before its backward (about a forward), each over the host
+    link beside the compute; the part of a copy longer than the compute it hides behind is added to
+    that compute. Every stage's units move but the last stage's (its backward follows its forward);
+    under offload=auto fewer move, which this does not discount (an upper bound)."""
+    from mpformer.autoconfig.layer_memory import layer_bytes
+
+    k = L.pp_token_slices
+    per_layer = layer_bytes(m, L, w.seq_length // k, w.micro_batch_size, w.precision).saved
+    last = L.pp * L.vpp - 1
+    fs, bs = list(fs), list(bs)
+    for s_ in range(last):
+        if L.recompute == "full":  # checkpoint keeps the layers' inputs itself: nothing moves
+            break
+        copy, hide = counts[s_] * per_layer / c.host_bandwidth, fs[s_]
+        fs[s_] += max(0.0, copy - hide)
+        bs[s_] += max(0.0, copy - hide)
+    return fs, bs
 
 
 def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,

@@ -42,7 +42,7 @@ NAMES = {"compute_s": "compute", "tp_comm_s": "tensor-parallel communication",
 DRIVERS = {"compute_s": ("recompute", "micro_batch_size", "tp"),
            "tp_comm_s": ("tp", "sequence_parallel", "recompute"),
            "cp_comm_s": ("cp", "cp_kind", "cp_ulysses"),
-           "pp_bubble_s": ("pp", "vpp", "schedule", "microbatches"),
+           "pp_bubble_s": ("pp", "vpp", "schedule", "microbatches", "offload"),  # offload: its exposed copies
            "p2p_s": ("pp", "sequence_parallel"),
            "dp_comm_exposed_s": ("dp", "zero"),
            "optimizer_s": ("zero", "dp")}

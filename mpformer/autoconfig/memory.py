@@ -90,6 +90,7 @@ class StageMemory:
     transients: float
     overhead: float
     phase: str = ""  # where the peak falls: "head forward", "layer backward", ... (step_memory.py)
+    host: float = 0.0  # activations offloaded to host memory at the peak (parallel.offload)
 
     @property
     def total(self) -> float:
@@ -188,6 +189,17 @@ def inflight(schedule: str, pp: int, microbatches: int, vpp: int, slices: int = 
     if closed is not None:
         return closed
     return tuple(verify(build_schedule(schedule, pp, microbatches, vpp, slices=slices)).peak_inflight)
+
+
+def offloaded(L: ParallelLayout, peak: int, device: str = "cuda") -> tuple[int, bool]:
+    """Activation offload (pipeline/offload.py): the units a rank with ``peak`` in flight keeps on the
+    device, and whether some are copied out. ``all`` keeps the one brought back for the next backward,
+    ``auto`` that one and ``offload_keep`` more. Full recompute's kept inputs stay (checkpoint holds
+    them), and on a CPU host memory is the device's: no saving there."""
+    if L.offload == "none" or L.recompute == "full" or device == "cpu":
+        return peak, False
+    keep = 0 if L.offload == "all" else L.offload_keep
+    return (keep + 1, True) if peak > keep + 1 else (peak, False)
 
 
 def slice_kv_bytes(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str) -> float:
@@ -382,7 +394,12 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         if key not in shapes:
             shapes[key] = build(r, first, last, chunks)
         n, state, units, per_chunk, io, head_forward = shapes[key]
-        peak = walk(units, red, state=state, kept=(peaks[r] - 1) * per_chunk + io, head_forward=head_forward,
+        held, copying = offloaded(L, peaks[r], device)
+        host = (peaks[r] - held) * per_chunk
+        # A unit being copied out still holds its last layer's activations on the device (the copy trails
+        # the forward by about a layer).
+        pending = (recomputed if L.recompute != "none" else plain)[0] if copying else 0.0
+        peak = walk(units, red, state=state, kept=(held - 1) * per_chunk + io + pending, head_forward=head_forward,
                     micro=micro)
         if runtime.post_validation:  # the step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
             copy = state + 12.0 * n / (n_d if L.zero >= 1 else 1)
@@ -390,5 +407,5 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
                 peak = Peak(copy, 0.0, "optimizer step (post-validation copy)")
         transients = peak.live - state - peak.activations
         overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0) + RUNTIME_BYTES[device]
-        out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where))
+        out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where, host))
     return out

@@ -47,8 +47,9 @@ from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
 # pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
-# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched.
-NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices")
+# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched, nor is
+# offload=auto's budget (offload_keep: offload none or all is searched).
+NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices", "offload_keep")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
 assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"
@@ -287,25 +288,33 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
     each, the layout's cp kinds (``bases``: valid, alike but for cp_kind / cp_ulysses) fastest first."""
     ww, valid = _with_mbs(w, mbs), bases
     search_k = "recompute" not in options and "recompute_layers" not in options
+    # Activation offload is the other way to fit: tried where recompute none or selective does not fit
+    # (full recompute keeps only what checkpoint holds, which does not move), on a host link.
+    offloads = options("offload", ["none", "all"] if bases[0].pp > 1 and cluster.host_bandwidth > 0 else ["none"])
     found: list[Candidate] = []
     for rec in options("recompute", ["none", "selective", "full"]):
-        layouts = [replace(L, recompute=rec) for L in valid]
-        if rec != "none" and "recompute_layers" in options:
-            layouts = [replace(L, recompute_layers=options("recompute_layers", [None])[0]) for L in layouts]
-        if len(layouts) > 1:  # the kinds differ only in the attention's exposed traffic
-            layouts.sort(key=lambda L: sum(cp_layer_times(model, L, ww, cluster)))
-        for L in layouts:
-            fit = _fits(model, cluster, ww, result, L, mbs, device)
-            if fit is None:
-                continue
-            if search_k and rec != "none":
-                L, fit = _fewest_recomputed(model, cluster, ww, result, L, mbs, device, fit)
-            b = iteration_time(model, L, ww, cluster, params_per_rank=fit[1], simulate_pipeline=False)
-            b.extra["estimate"] = "bound"
-            found.append(Candidate(L, mbs, fit[0], b))
-            break
-        if found and rec == "none":
-            break  # nothing recomputed fits: no recompute can be faster
+        for off in offloads if rec != "full" or "offload" in options else ["none"]:
+            layouts = [replace(L, recompute=rec, offload=off) for L in valid]
+            if rec != "none" and "recompute_layers" in options:
+                layouts = [replace(L, recompute_layers=options("recompute_layers", [None])[0]) for L in layouts]
+            if len(layouts) > 1:  # the kinds differ only in the attention's exposed traffic
+                layouts.sort(key=lambda L: sum(cp_layer_times(model, L, ww, cluster)))
+            fitted = False
+            for L in layouts:
+                fit = _fits(model, cluster, ww, result, L, mbs, device)
+                if fit is None:
+                    continue
+                if search_k and rec != "none":
+                    L, fit = _fewest_recomputed(model, cluster, ww, result, L, mbs, device, fit)
+                b = iteration_time(model, L, ww, cluster, params_per_rank=fit[1], simulate_pipeline=False)
+                b.extra["estimate"] = "bound"
+                found.append(Candidate(L, mbs, fit[0], b))
+                fitted = True
+                break
+            if fitted and off == "none":
+                break  # fits without moving anything: offloading cannot be faster
+        if any(c.layout.recompute == "none" and c.layout.offload == "none" for c in found):
+            break  # nothing recomputed or moved fits: neither can be faster
     if found:
         result.add(min(found, key=lambda c: c.time.iteration_s))
 
@@ -340,6 +349,11 @@ def _fits(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResul
     if need > cluster.memory_bytes:
         result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
         result.reject("out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
+        return None
+    host = max(s.host for s in stages) * cluster.devices_per_node  # every device of a node offloads alike
+    if cluster.host_memory_gb and host > cluster.host_memory_gb * 1e9:
+        result.reject("out of host memory", f"{_short(L, mbs)} offloads {host / 1e9:.0f} GB per node, more than its "
+                                            f"{cluster.host_memory_gb:g} GB")
         return None
     return need, params
 
@@ -389,4 +403,5 @@ def evaluate_plan(model: ModelConfig, layout: ParallelLayout, w: Workload, clust
 def _short(L: ParallelLayout, mbs: int) -> str:
     kind = "" if L.cp == 1 else f" {L.cp_kind}" + (f" cp_ulysses={L.cp_ulysses}" if L.cp_kind == "hybrid" else "")
     return (f"dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp}{kind} vpp={L.vpp} {L.schedule} mbs={mbs} zero={L.zero} "
-            f"recompute={L.recompute}" + (" sp" if L.sequence_parallel else ""))
+            f"recompute={L.recompute}" + (" sp" if L.sequence_parallel else "")
+            + (f" offload={L.offload}" if L.offload != "none" else ""))

@@ -174,6 +174,7 @@ class FixedPlan:
     recompute_layers: int | None = None  # pinned with recompute: the first K layers of each chunk recompute
     schedule: str | None = None
     sequence_parallel: bool | None = None
+    offload: str | None = None
 
     def pinned(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

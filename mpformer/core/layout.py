@@ -25,6 +25,7 @@ SLICED_SCHEDULES = ("gpipe", "1f1b")  # token-level pipelining (pipeline/schedul
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_PARTITIONS = ("uniform", "balanced")
+OFFLOAD_MODES = ("none", "auto", "all")  # pipeline/offload.py
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the dtype gradients travel in (Megatron's --grad-reduce-in-bf16)
 
 
@@ -48,6 +49,8 @@ class ParallelLayout:
     pp_partition: str = "uniform"  # without pp_split: equal layer counts, or balanced by compute cost
     grad_reduce_dtype: str = "fp32"  # data-parallel gradient reductions in fp32 or bf16 (accumulation: fp32)
     pp_token_slices: int = 1  # token-level pipelining (TeraPipe): each micro-batch in this many sequence slices
+    offload: str = "none"  # activations of units waiting for their backward to host memory (pipeline/offload.py)
+    offload_keep: int = 1  # offload=auto: units a rank keeps in flight on the device before it offloads
 
     @property
     def topology(self) -> Topology:
@@ -128,14 +131,14 @@ def check_args(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1)
 
 
 def _check_values(L: ParallelLayout) -> None:
-    for key in ("tp", "pp", "cp", "vpp", "cp_ulysses", "pp_token_slices"):
+    for key in ("tp", "pp", "cp", "vpp", "cp_ulysses", "pp_token_slices", "offload_keep"):
         v = getattr(L, key)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"parallel.{key}={v} must be an integer >= 1")
     if not isinstance(L.dp, int) or (L.dp < 1 and L.dp != -1):
         raise ConfigError(f"parallel.dp={L.dp} must be an integer >= 1, or -1 to use what the world size leaves")
     for key, choices in (("cp_kind", CP_KINDS), ("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-                         ("zero", ZERO_STAGES), ("pp_partition", PP_PARTITIONS),
+                         ("zero", ZERO_STAGES), ("pp_partition", PP_PARTITIONS), ("offload", OFFLOAD_MODES),
                          ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
         if getattr(L, key) not in choices:
             raise ConfigError(f"parallel.{key}={getattr(L, key)!r} is unknown; valid: {format_choices(choices)}")
@@ -176,6 +179,7 @@ def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) 
                           f"parallelism (each rank keeps seq_length/tp positions); valid: multiples of {L.tp}")
     _check_pipeline(L, model)
     _check_token_slices(L, seq_length)
+    _check_offload(L)
     if L.cp > 1:
         _check_context_parallel(L, model, seq_length)
 
@@ -260,6 +264,17 @@ def _check_token_slices(L: ParallelLayout, seq_length: int | None) -> None:
             sp = " * tp (sequence parallelism splits each slice again)" if L.sequence_parallel else ""
             raise ConfigError(f"parallel.pp_token_slices={k} does not divide train.seq_length={seq_length}{sp} into "
                               f"equal slices; valid pp_token_slices: {format_choices(ok)}")
+
+
+def _check_offload(L: ParallelLayout) -> None:
+    """Activation offload moves what a unit saves while it waits for its backward: a pipeline's."""
+    if L.offload != "none" and L.pp == 1:
+        raise ConfigError(f"parallel.offload={L.offload} moves the activations of micro-batches waiting for their "
+                          "backward, and at pp=1 none waits (each backward follows its forward); valid at pp=1: "
+                          "offload=none")
+    if L.offload_keep != 1 and L.offload != "auto":
+        raise ConfigError(f"parallel.offload_keep={L.offload_keep} is the budget of offload=auto, but parallel.offload="
+                          f"{L.offload}; valid: offload=auto, or offload_keep=1")
 
 
 def _check_zero(L: ParallelLayout) -> None:

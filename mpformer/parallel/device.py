@@ -110,6 +110,63 @@ class Stopwatch:
         return self.origin_s + self.origin.elapsed_time(mark) / 1e3
 
 
+class HostCopies:
+    """Copies of tensors to host memory and back beside the compute (pipeline/offload.py).
+
+    CUDA: each direction on a side stream of its own, host buffers pinned, ordered by events: a copy
+    out starts once the compute stream has produced the tensor, and the device memory goes back to the
+    caching allocator once it is done (``record_stream``: the caller may drop the tensor at once); a
+    copy back waits for its copy out and is waited for by the compute stream where it is used.
+    CPU: host memory is the device's; a copy runs on a background thread (the same values, the same
+    ordering, nothing saved: what runs the offload's logic in tests on a machine without a GPU)."""
+
+    def __init__(self, device: Device) -> None:
+        self.cuda = device.kind == "cuda"
+        self.device = device.torch_device
+        if self.cuda:
+            self.out_stream, self.in_stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="mpformer-offload")
+
+    def to_host(self, t: torch.Tensor) -> dict:
+        """Start copying ``t`` out; returns the copy's record for ``to_device`` and ``result``."""
+        if not self.cuda:
+            return {"host": self.pool.submit(torch.Tensor.clone, t)}
+        stream = self.out_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return {"host": host, "out": done}
+
+    def to_device(self, copy: dict) -> None:
+        """Start bringing a copy back (prefetch); ``result`` waits for it."""
+        if not self.cuda or "back" in copy:
+            return
+        stream = self.in_stream
+        stream.wait_event(copy["out"])
+        with torch.cuda.stream(stream):
+            copy["back"] = copy["host"].to(self.device, non_blocking=True)
+            copy["in"] = torch.cuda.Event()
+            copy["in"].record(stream)
+
+    def result(self, copy: dict) -> torch.Tensor:
+        """The tensor again on the device, usable on the current stream."""
+        if not self.cuda:
+            return copy["host"].result()
+        self.to_device(copy)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(copy["in"])
+        t = copy["back"]
+        t.record_stream(current)
+        return t
+
+
 def gpu_index(local_rank: int, local_world: int, visible: int) -> int:
     """The visible GPU a process drives. Two launch styles are normal: every process of a node sees
     all its GPUs (torchrun's default: GPU = LOCAL_RANK), or each sees only its own (SLURM's

@@ -12,6 +12,9 @@
     after my last B/BW: ``on_grads_done`` (the trainer starts this stage's data-parallel reduction)
     at the end: wait for every send (their tensors stay alive until then)
 
+Activation offload (``offload``, pipeline/offload.py): a moved unit's forward runs under saved-tensor
+hooks that copy what it saves to host memory; the compute before its backward starts the copy back.
+
 Token slices (``schedule.slices`` = k > 1, TeraPipe): action microbatch ``u`` is slice ``u % k`` of
 batch ``u // k``; each (batch, chunk) keeps a KVSlices (context_parallel/token_slices.py) from its
 first slice's forward to its first slice's backward, and a slice's backward also starts from the key
@@ -38,6 +41,7 @@ from mpformer.core.pipeline_plan import StagePlan
 from mpformer.layers.linear import WeightGradStore
 from mpformer.parallel.device import Device, Stopwatch
 from mpformer.pipeline.actions import Action, Op, Schedule
+from mpformer.pipeline.offload import ActivationOffload, prefetch_points
 from mpformer.pipeline.p2p import P2P, Pending
 from mpformer.pipeline.stage import chunk_forward
 
@@ -51,11 +55,12 @@ class PipelineEngine:
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  on_grads_done: Callable[[], None] | None = None,
                  on_weight_grad: Callable[[torch.Tensor], None] | None = None,
-                 store: WeightGradStore | None = None) -> None:
+                 store: WeightGradStore | None = None, offload: ActivationOffload | None = None) -> None:
         """``store``: the WeightGradStore the model's linear layers were built with, so that a schedule's
         BI/BW really split (models.parallelize.build_rank makes it for the zero-bubble schedules; an
         evaluation engine runs forwards only and needs none). ``on_weight_grad(p)`` runs after BW
-        accumulated into ``p.grad`` (what autograd's post-accumulate-grad hooks would have run)."""
+        accumulated into ``p.grad`` (what autograd's post-accumulate-grad hooks would have run).
+        ``offload``: this rank's activation offload (pipeline/offload.py), its units from this schedule."""
         assert schedule.pp == plan.pp and schedule.vpp == plan.vpp and schedule.v == plan.v
         self.model, self.plan, self.schedule, self.p2p, self.autocast = model, plan, schedule, p2p, autocast
         self.on_grads_done, self.on_weight_grad = on_grads_done, on_weight_grad
@@ -63,7 +68,7 @@ class PipelineEngine:
             Op.F: self._forward, Op.B: self._backward, Op.BI: self._backward, Op.BW: self._backward_weight}
         self.trace: list[tuple[Action, object, object]] | None = None  # this rank's actions (start_trace)
         self._watch: Stopwatch | None = None
-        self.store = store
+        self.store, self.offload = store, offload
         self.loss_scale = 1.0  # fp16's dynamic loss scale, for the step run() runs
         dev = p2p.device if p2p is not None else torch.device("cpu")
         self._device = Device(dev.type, dev.index or 0)
@@ -100,6 +105,10 @@ class PipelineEngine:
             raise ValueError(f"schedule {self.schedule.name} splits the backward (BW actions) but the model has "
                              "no WeightGradStore; build it with models.parallelize.build_rank (or pass store=)")
         last_grad = max((k for k, a in enumerate(actions) if a.op in (Op.B, Op.BW)), default=-1)
+        offload = self.offload if not forward_only else None
+        prefetch = prefetch_points(actions, offload.units) if offload is not None else {}
+        if offload is not None:
+            offload.start()
         try:
             i = 0
             while i < len(actions):
@@ -112,6 +121,8 @@ class PipelineEngine:
                     continue
                 a = actions[i]
                 received = self._input_of(a)  # waited for outside the compute's timing
+                if i in prefetch:  # an offloaded unit comes back while this compute runs
+                    offload.prefetch(prefetch[i])
                 self._timed(a, received)
                 if i == last_grad and self.on_grads_done is not None:
                     self.on_grads_done()
@@ -122,6 +133,8 @@ class PipelineEngine:
             self.sends = []
             if self.store is not None:
                 self.store.clear()
+            if self.offload is not None:
+                self.offload.clear()
         assert not self.outputs or forward_only, f"activations left without backward: {sorted(self.outputs)}"
         assert not self.kv, f"token slices left without backward: {sorted(self.kv)}"
         self.outputs.clear()  # forward-only: the last outputs were sent, nothing needs them
@@ -169,7 +182,9 @@ class PipelineEngine:
                 x.requires_grad_()
                 self.inputs[key] = x
         past = self._slice(a)
-        with self.autocast():
+        saving = self.offload.saving(key) if self.offload is not None and not self.forward_only else \
+            contextlib.nullcontext()
+        with self.autocast(), saving:
             out = chunk_forward(self.model, self.plan, a.chunk, x, tokens, labels, past)
         if past is not None and self.forward_only and past.current == k - 1:
             del self.kv[a.microbatch // k, a.chunk]  # no backward comes: the batch's keys are done with
@@ -189,6 +204,8 @@ class PipelineEngine:
         roots, grads = past.roots() if past is not None else ([], [])  # key/value gradients of later slices
         with self.store.capture(key) if split else contextlib.nullcontext():
             torch.autograd.backward([out, *roots], grad_tensors=[grad, *grads])
+        if self.offload is not None:
+            self.offload.done(key)
         if past is not None:
             past.release()
             if past.current == 0:

@@ -27,7 +27,8 @@ def train(args: list[str]) -> dict[str, list]:
             "comm_bytes": [m["comm_bytes"] for m in rows], "comm_by_kind": [m["comm_bytes_by_kind"] for m in rows],
             "grad_norms_clipped": [m["grad_norm_clipped"] for m in rows],
             "exposed_comm": [(m["exposed_comm_s"], m["exposed_comm_s_by_kind"], m["step_time_s"]) for m in rows],
-            "val_losses": [m["val_loss"] for m in rows if "val_loss" in m]}
+            "val_losses": [m["val_loss"] for m in rows if "val_loss" in m],
+            "offload_bytes": [m["offload_bytes"] for m in rows if "offload_bytes" in m]}
 
 
 def initial_weights(args: list[str]) -> list[tuple[str, tuple[int, ...], tuple[int, ...], Any]]:

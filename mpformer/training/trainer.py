@@ -38,9 +38,11 @@ from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
 from mpformer.optim.units import Zero3Settings
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.device import HostCopies
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.random import DropoutStreams
 from mpformer.pipeline.engine import PipelineEngine
+from mpformer.pipeline.offload import ActivationOffload, offload_units
 from mpformer.pipeline.p2p import P2P
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.training.evaluation import validation_loss
@@ -167,10 +169,14 @@ class Trainer:
         p2p = P2P(self.groups.pp, self.groups.ledger,
                   (L.boundary_positions(t.seq_length), t.micro_batch_size, self.cfg.model.hidden_size),
                   self.param_dtype, self.device.torch_device)
+        offload = None
+        if L.offload != "none":  # activations of units waiting for their backward to host memory
+            units = offload_units(schedule.actions[self.plan.rank], L.offload, L.offload_keep)
+            offload = ActivationOffload(HostCopies(self.device), self.model, units)
         # A stage's data-parallel reduction starts right after its last backward (engine.start).
         return PipelineEngine(self.model, self.plan, schedule, p2p, autocast=lambda: self.dtype_ctx,
                               on_grads_done=self.engine.start, on_weight_grad=self.engine.grad_ready,
-                              store=self.rank.store)
+                              store=self.rank.store, offload=offload)
 
     def train_step(self) -> dict[str, float] | None:
         """zero_grad -> forward/backward -> finish -> clip -> check -> step. None: the step was rolled
@@ -295,6 +301,8 @@ class Trainer:
                       "consumed_samples": self.progress.consumed_samples,
                       "elapsed_s": time.perf_counter() - self._fit_t0,  # with saves and validation
                       "eta_s": timer.eta(end - self.progress.step)})
+            if self.pipeline is not None and self.pipeline.offload is not None:  # this rank's, to host and back
+                m["offload_bytes"] = self.pipeline.offload.moved_bytes
             peak = self.device.max_memory_allocated()  # CUDA: the allocator's peak since start-up
             if peak is not None:
                 m["mem_peak_bytes"] = peak

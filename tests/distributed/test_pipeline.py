@@ -54,6 +54,16 @@ RUNS["pp2_dp2_k2"] = (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.pp_token
 RUNS["pp2_k2_full"] = (2, {"parallel.pp": 2, "parallel.pp_token_slices": 2, "parallel.recompute": "full"})
 RUNS["gpt2_pp2_k4"] = (2, {"model": "tiny-gpt2", "model.num_layers": 4, "parallel.pp": 2,
                            "parallel.pp_token_slices": 4})  # learned positions, tied head on the last stage
+# Activation offload (pipeline/offload.py): what waiting units save goes to host memory and back.
+RUNS["pp2_offload_all"] = (2, {"parallel.pp": 2, "parallel.offload": "all"})
+RUNS["pp4_zb-h2_offload_auto"] = (4, {"parallel.pp": 4, "parallel.schedule": "zb-h2", "parallel.offload": "auto",
+                                      "parallel.offload_keep": 2})
+RUNS["pp2_tp2_dualpipev_offload"] = (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                                         "parallel.schedule": "dualpipev", "parallel.vpp": 2,
+                                         "parallel.offload": "all"})
+RUNS["pp2_dp2_k2_offload_selective"] = (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.pp_token_slices": 2,
+                                            "parallel.offload": "all", "parallel.recompute": "selective"})
+OFFLOADED = [n for n in RUNS if "offload" in n]
 # GPT-2's key bias has a gradient of exactly 0 (softmax ignores a shift shared by every key), which
 # float rounding makes +-1e-9 noise; Adam's sign-like first steps turn that noise into +-lr updates, and
 # the sliced attention kernels (an explicit mask over the kept keys) round differently from the whole
@@ -148,6 +158,13 @@ def test_post_validation_takes_the_synchronous_steps_bit_for_bit(results, sync):
         assert all(n > clip for n in norms), norms  # every one undone and redone clipped
     mine, ref = _weights(results["root"] / PV[sync]), _weights(results["root"] / sync)
     assert sorted(mine) == sorted(ref) and all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("run", OFFLOADED)
+def test_offloaded_runs_moved_activations(results, run):
+    """Rank 0 (metrics) holds waiting units in every schedule here: it moved bytes every step."""
+    moved = results[run]["offload_bytes"]
+    assert len(moved) == 3 and all(b > 0 for b in moved), moved
 
 
 def test_validation_during_pipeline_training(results):

@@ -1,0 +1,118 @@
+"""Activation offload (as PipeOffload, Wan et al. 2025; Megatron-LM's activation offloading): the saved
+activations of a (micro-batch, chunk) that waits for its backward go to host memory after its forward
+and come back just before that backward, the copies beside the compute (parallel/device.py's
+HostCopies: side streams on CUDA, a thread on CPU).
+
+Which units move is decided from the rank's action list before the step (``offload_units``):
+
+    all   every unit whose backward is not the rank's next compute after its forward (one that is,
+          such as the last stage's under 1F1B, would only come straight back)
+    auto  only those the schedule keeps in flight beyond a budget of ``keep`` units on the device:
+          a unit moves when, at its forward, ``keep`` units are already held
+
+A moved unit is brought back while the compute before its backward runs (``prefetch_points``). What
+moves is what autograd saves for the backward (saved-tensor hooks around the unit's forward), except
+parameters (they stay on the device anyway) and tensors under ``min_bytes`` (a copy's fixed cost
+would outweigh them). Not moved: what a recomputed layer keeps (torch.utils.checkpoint holds its
+inputs itself), the keys and values token slices keep (context_parallel/token_slices.py) and the
+zero-bubble weight pass's stash between BI and BW (layers/linear.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from mpformer.parallel.device import HostCopies
+from mpformer.pipeline.actions import Action, Op
+
+Key = tuple[int, int]  # (microbatch, chunk)
+OFFLOAD_MODES = ("none", "auto", "all")
+
+
+def offload_units(actions: Sequence[Action], mode: str, keep: int = 1) -> set[Key]:
+    """The units of one rank's list whose saved activations go to host memory (module docstring)."""
+    if mode == "none":
+        return set()
+    computes = [a for a in actions if not a.op.is_comm]
+    out, held = set(), 0
+    for i, a in enumerate(computes):
+        key = (a.microbatch, a.chunk)
+        if a.op is Op.F:
+            follows = i + 1 < len(computes) and computes[i + 1].op in (Op.B, Op.BI) and \
+                (computes[i + 1].microbatch, computes[i + 1].chunk) == key
+            if not follows and (mode == "all" or held >= keep):
+                out.add(key)
+            held += key not in out
+        elif a.op in (Op.B, Op.BI) and key not in out:
+            held -= 1
+    return out
+
+
+def prefetch_points(actions: Sequence[Action], units: set[Key]) -> dict[int, Key]:
+    """Index in ``actions`` of the compute during which each moved unit comes back: the one before
+    its backward (at the list's start, its backward itself)."""
+    out: dict[int, Key] = {}
+    last = None
+    for i, a in enumerate(actions):
+        if a.op.is_comm:
+            continue
+        key = (a.microbatch, a.chunk)
+        if a.op in (Op.B, Op.BI) and key in units:
+            out[last if last is not None else i] = key
+        last = i
+    return out
+
+
+class ActivationOffload:
+    """The saved activations of the moved units of one rank: out after their forward, back before
+    their backward."""
+
+    def __init__(self, copies: HostCopies, model: nn.Module, units: set[Key], min_bytes: int = 0) -> None:
+        self.copies, self.units, self.min_bytes = copies, units, min_bytes
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._saved: dict[Key, list[dict]] = {}
+        self.moved_bytes = 0  # the last step's bytes sent out (each comes back once): metrics' offload_bytes
+
+    @contextlib.contextmanager
+    def saving(self, key: Key) -> Iterator[None]:
+        """Around the forward of ``key``: what autograd saves of it goes out (if it is a moved unit)."""
+        if key not in self.units:
+            yield
+            return
+        saved = self._saved.setdefault(key, [])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(saved, t), self._unpack):
+            yield
+
+    def _pack(self, saved: list[dict], t: torch.Tensor) -> object:
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.min_bytes or t.device != self.copies.device or \
+                t.untyped_storage().data_ptr() in self._params:
+            return t  # kept as autograd would keep it
+        copy = self.copies.to_host(t.detach())
+        saved.append(copy)
+        self.moved_bytes += nbytes
+        return copy
+
+    def _unpack(self, packed: object) -> torch.Tensor:
+        return packed if isinstance(packed, torch.Tensor) else self.copies.result(packed)
+
+    def prefetch(self, key: Key) -> None:
+        for copy in self._saved.get(key, ()):
+            self.copies.to_device(copy)
+
+    def done(self, key: Key) -> None:
+        """After the backward of ``key``: nothing of it is needed again."""
+        self._saved.pop(key, None)
+
+    def start(self) -> None:
+        """A new step: nothing saved yet, no bytes moved."""
+        self._saved.clear()
+        self.moved_bytes = 0
+
+    def clear(self) -> None:
+        """The step ended (or failed): drop what is left; ``moved_bytes`` stays readable."""
+        self._saved.clear()

@@ -1,0 +1,137 @@
+"""Activation offload (pipeline/offload.py): which units move, that the moved activations come back to
+the same bits (the backward equals the one without offload, torch.equal), the layout's errors, and
+how the memory and cost models price it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mpformer.core.errors import ConfigError
+from mpformer.core.layout import ParallelLayout, validate
+from mpformer.core.model_config import ModelConfig
+from mpformer.models import Transformer
+from mpformer.parallel.device import Device, HostCopies
+from mpformer.pipeline.actions import Op
+from mpformer.pipeline.offload import ActivationOffload, offload_units, prefetch_points
+from mpformer.pipeline.schedules import build_schedule
+
+LLAMA = ModelConfig(arch="llama", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=96, vocab_size=101)
+
+
+def test_which_units_move_and_when_they_come_back():
+    s = build_schedule("1f1b", 4, 8)
+    every = {(i, 0) for i in range(8)}
+    assert offload_units(s.actions[0], "all") == every
+    assert offload_units(s.actions[3], "all") == set()  # the last stage: each backward follows its forward
+    assert offload_units(s.actions[0], "none") == set()
+    # auto keeps one unit in flight: rank 0 of 1F1B keeps micro-batches 0 and 4 (each opens a window)
+    assert offload_units(s.actions[0], "auto", 1) == every - {(0, 0), (4, 0)}
+    assert offload_units(s.actions[0], "auto", 4) == set()  # 1F1B's rank 0 never holds more than p = 4
+    computes = [a for a in s.actions[0] if not a.op.is_comm]
+    points = prefetch_points(s.actions[0], every)
+    assert sorted(points.values()) == sorted(every)
+    for i, key in points.items():  # each comes back during the compute just before its backward
+        nxt = next(a for a in s.actions[0][i + 1:] if not a.op.is_comm)
+        assert nxt.op is Op.B and (nxt.microbatch, nxt.chunk) == key
+    assert computes[0].op is Op.F
+    # zero-bubble schedules: the input-gradient pass is the unit's backward
+    zb = build_schedule("zb-h2", 4, 8)
+    moved = offload_units(zb.actions[1], "all")
+    for i, key in prefetch_points(zb.actions[1], moved).items():
+        nxt = next(a for a in zb.actions[1][i + 1:] if not a.op.is_comm)
+        assert nxt.op is Op.BI and (nxt.microbatch, nxt.chunk) == key
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_moved_activations_come_back_bit_for_bit(recompute):
+    torch.manual_seed(0)
+    model = Transformer(LLAMA, recompute=recompute).train()
+    ref = copy.deepcopy(model)
+    tokens, labels = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
+    ref(tokens, labels).backward()
+    off = ActivationOffload(HostCopies(Device("cpu")), model, {(0, 0)})
+    off.start()
+    with off.saving((0, 0)):
+        loss = model(tokens, labels)
+    assert off.moved_bytes > 0 and len(off._saved[(0, 0)]) > 0
+    off.prefetch((0, 0))
+    loss.backward()
+    off.done((0, 0))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    # Parameters stay where they are: nothing of a parameter's storage is among the moved bytes.
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert off.moved_bytes < 50 * params
+
+
+def test_bad_offload_fails_with_the_valid_values():
+    with pytest.raises(ConfigError, match=r"at pp=1 none waits .*valid at pp=1: offload=none"):
+        validate(ParallelLayout(offload="all"), LLAMA, 1, seq_length=16)
+    with pytest.raises(ConfigError, match=r"parallel.offload='sometimes' is unknown; valid: none, auto, all"):
+        validate(ParallelLayout(pp=2, offload="sometimes"), LLAMA, 2, seq_length=16)
+    with pytest.raises(ConfigError, match=r"offload_keep=2 is the budget of offload=auto.*valid: offload=auto"):
+        validate(ParallelLayout(pp=2, offload="all", offload_keep=2), LLAMA, 2, seq_length=16)
+    with pytest.raises(ConfigError, match=r"parallel\.offload_keep=0 must be an integer >= 1"):
+        validate(ParallelLayout(pp=2, offload="auto", offload_keep=0), LLAMA, 2, seq_length=16)
+    validate(ParallelLayout(pp=2, offload="auto", offload_keep=2), LLAMA, 2, seq_length=16)
+
+
+def test_the_models_price_offload():
+    """Memory: 1F1B's rank 0 at p=4 keeps the unit brought back for its next backward and the last
+    layer of the one being copied out, at most 1.5 micro-batches; nothing moves on a CPU host or under
+    full recompute. Cost: a copy longer than the forward it hides behind adds its excess."""
+    from mpformer.autoconfig.cluster import load_cluster
+    from mpformer.autoconfig.cost import iteration_time
+    from mpformer.autoconfig.memory import Workload, plan_memory
+
+    m = ModelConfig(arch="llama", num_layers=16, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=32000)
+    w = Workload(global_batch_size=16, micro_batch_size=1, seq_length=4096, precision="bf16")
+
+    def acts(**kw):
+        return [s.activations for s in plan_memory(m, ParallelLayout(dp=1, pp=4, **kw), w)]
+
+    none, every, auto = acts(), acts(offload="all"), acts(offload="auto", offload_keep=1)
+    per_micro = none[0] / 4  # rank 0 of 1F1B at p=4 holds 4 micro-batches
+    assert every[0] <= 1.5 * per_micro and auto[0] <= 2.5 * per_micro < none[0]
+    assert every[3] == none[3]  # the last stage moves nothing
+    assert [s.activations for s in plan_memory(m, ParallelLayout(dp=1, pp=4, offload="all"), w, device="cpu")] == none
+    full = [s.activations for s in plan_memory(m, ParallelLayout(dp=1, pp=4, recompute="full"), w)]
+    assert [s.activations for s in plan_memory(m, ParallelLayout(dp=1, pp=4, recompute="full", offload="all"),
+                                               w)] == full
+    c = load_cluster("dgx-h100")
+    n = m.num_params() // 4
+    t0 = iteration_time(m, ParallelLayout(dp=1, pp=4), w, c, params_per_rank=n).iteration_s
+    t1 = iteration_time(m, ParallelLayout(dp=1, pp=4, offload="all"), w, c, params_per_rank=n).iteration_s
+    fast = c.__class__(**{**c.__dict__, "host_bandwidth": 1e15})  # a link the copies always hide behind
+    t2 = iteration_time(m, ParallelLayout(dp=1, pp=4, offload="all"), w, fast, params_per_rank=n).iteration_s
+    assert t1 > t0 and t2 == pytest.approx(t0, rel=1e-12)
+
+
+def test_the_search_offloads_where_it_wins_and_host_memory_allows():
+    """The 1T GPT on 3,072 A100s: offloading lets recompute=none fit, the copies hide behind its
+    2-layer chunks' forwards, and the plan is faster than the best one without offload; a node whose
+    host memory cannot take the offloaded activations rules those plans out."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cluster import load_cluster
+    from mpformer.autoconfig.memory import Workload, plan_memory
+    from mpformer.autoconfig.search import search
+
+    gpt = ModelConfig(arch="gpt2", num_layers=128, hidden_size=25600, num_attention_heads=160, vocab_size=51200,
+                      max_position_embeddings=2048, activation="gelu_tanh", attention_bias=True, mlp_bias=True)
+    c, w = load_cluster("dgx-a100-80gb", nodes=384), Workload(3072, 1, 2048, "bf16")
+    best = search(gpt, c, w).top[0]
+    without = search(gpt, c, w, fixed={"offload": "none"}).top[0]
+    assert best.layout.offload == "all" and best.time.iteration_s < without.time.iteration_s
+    host = max(s.host for s in plan_memory(gpt, best.layout, replace(w, micro_batch_size=best.micro_batch_size)))
+    assert 0 < host * c.devices_per_node <= c.host_memory_gb * 1e9
+    small = replace(c, host_memory_gb=host * c.devices_per_node / 1e9 / 2)
+    res = search(gpt, small, w, fixed={"offload": "all", **{k: getattr(best.layout, k) for k in
+                                                           ("dp", "tp", "pp", "vpp", "schedule")},
+                                       "micro_batch_size": best.micro_batch_size})
+    assert "out of host memory" in res.rejected
