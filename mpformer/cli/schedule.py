@@ -1,12 +1,15 @@
 """``mpformer-schedule`` / ``tools/schedule.py``: build, verify and simulate a pipeline schedule.
 
     tools/schedule.py --schedule 1f1b --pp 4 --microbatches 8 [--vpp V] [--slices K] [--f 1 --b 1 --w 1 --p2p 0]
+                      [--offload all|auto --offload-keep N --copy T]
                       [--json F] [--plot F.png] [--trace F.json] [--print] [--blocking]
     tools/schedule.py --file my_schedule.txt ...      (a hand-written schedule, text or .csv)
 
 Costs are for one microbatch through one rank's share of the layers (a whole pipeline stage):
 with --vpp V each chunk costs 1/V of them, and with --slices K (token-level pipelining) each slice
-1/K, so step times compare across schedules. A schedule that
+1/K, so step times compare across schedules. --offload draws activation offload's copies (each
+--copy long, out beside the unit's forward, back beside the compute before its backward; a compute
+lasts at least as long as a copy beside it) on a lane under each rank. A schedule that
 does not split the backward pays b + w for its B. p2p is the time of one send/receive pair.
 """
 
@@ -22,6 +25,7 @@ from mpformer.pipeline.schedules import SCHEDULES, build_schedule
 from mpformer.pipeline.simulate import Costs, SimResult, simulate, steady_state_bubble, write_chrome_trace
 
 COLORS = {Op.F: "#4c72b0", Op.B: "#55a868", Op.BI: "#55a868", Op.BW: "#dd8452"}
+COPY_COLORS = {"out": "#8172b2", "back": "#c44e52"}
 
 
 def build_parser() -> ArgumentParser:
@@ -42,6 +46,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--p2p", type=float, default=0.0, help="time of one send/receive (default 0)")
     p.add_argument("--fb", type=float, default=None, help="time of one overlapped forward-and-backward pair "
                    "(dualpipev's F&B, per chunk pair; default: the two in turn)")
+    p.add_argument("--offload", default="none", metavar="MODE", help="activation offload: none (default), auto, all")
+    p.add_argument("--offload-keep", type=int, default=1, help="offload=auto: units kept on the device (default 1)")
+    p.add_argument("--copy", type=float, default=1.0, help="time of one unit's copy to host memory or back, in "
+                   "the units of --f (default 1)")
     p.add_argument("--blocking", action="store_true",
                    help="model an engine that waits for each p2p group as a whole (default: a receive is "
                         "waited for at its consumer, a send never blocks)")
@@ -89,14 +97,20 @@ def plot_timeline(res: SimResult, path: str | Path) -> None:
             if s.slices > 1:  # micro-batch / slice
                 label = f"{a.microbatch // s.slices}/{a.microbatch % s.slices}"
             ax.text((t.start + t.end) / 2, r, label, ha="center", va="center", fontsize=7)
-    ax.set_ylim(s.pp - 0.5, -0.5)
+    for r, kind, _mb, _c, start, end in res.copies:  # offload's copies on a thin lane under the rank
+        y = r + (0.42 if kind == "out" else 0.5)
+        ax.broken_barh([(start, end - start)], (y - 0.04, 0.08), facecolors=COPY_COLORS[kind], edgecolors="none")
+    ax.set_ylim(s.pp - 0.5 + (0.1 if res.copies else 0), -0.5)
     ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
     ax.set_xlim(0, res.step_time)
     ax.set_xlabel("time (cost units)")
     ax.set_title(f"{s.name}: pp={s.pp} m={s.microbatches} vpp={s.vpp}, step {res.step_time:g}, "
                  f"bubble {res.bubble_fraction:.3f}")
-    ax.legend(handles=[Patch(color=COLORS[Op.F], label="F"), Patch(color=COLORS[Op.B], label="B / BI"),
-                       Patch(color=COLORS[Op.BW], label="BW")], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    handles = [Patch(color=COLORS[Op.F], label="F"), Patch(color=COLORS[Op.B], label="B / BI"),
+               Patch(color=COLORS[Op.BW], label="BW")]
+    if res.copies:
+        handles += [Patch(color=COPY_COLORS[k], label=f"copy {k}") for k in ("out", "back")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -129,8 +143,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp, slices=args.slices)
     v = schedule.vpp * schedule.slices  # a chunk's, or a slice's, share of a stage's micro-batch
-    costs = Costs(f=args.f / v, b=args.b / v, w=args.w / v, p2p=args.p2p, fb=args.fb)
-    res = simulate(schedule, costs, blocking=args.blocking)
+    offload = None
+    if args.offload != "none":
+        from mpformer.pipeline.offload import OFFLOAD_MODES, offload_units
+
+        if args.offload not in OFFLOAD_MODES or args.offload_keep < 1 or args.copy < 0:
+            raise ConfigError(f"--offload {args.offload} --offload-keep {args.offload_keep} --copy {args.copy}: valid "
+                              f"modes {', '.join(OFFLOAD_MODES)}, a keep >= 1 and a copy time >= 0")
+        offload = [offload_units(acts, args.offload, args.offload_keep) for acts in schedule.actions]
+        if not any(offload):
+            raise ConfigError(f"--offload {args.offload}: no unit of this schedule waits for its backward (pp="
+                              f"{schedule.pp}); valid: a pipeline of pp > 1, or --offload none")
+    costs = Costs(f=args.f / v, b=args.b / v, w=args.w / v, p2p=args.p2p, fb=args.fb,
+                  copy=args.copy / v if offload else 0.0)
+    res = simulate(schedule, costs, blocking=args.blocking, offload=offload)
     print(summary(res, steady_state_bubble(schedule, costs, blocking=args.blocking)), flush=True)
     if args.print:
         print(schedule.to_text(), end="")
@@ -141,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_timeline(res, args.plot)
     if args.trace:
         write_chrome_trace(args.trace, (t for row in res.timeline for t in row), us_per_unit=1000.0,
-                           vpp=schedule.vpp)
+                           vpp=schedule.vpp, copies=res.copies)
     return 0
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpformer.core.errors import ConfigError
@@ -50,6 +50,7 @@ class Costs:
     w: PerStage = 1.0
     p2p: float = 0.0
     fb: float | None = None  # an overlapped F&B pair (DualPipe's F&B); None: the two run in turn
+    copy: float = 0.0  # activation offload: one unit's saved activations to host memory, or back
 
     def check(self, num_stages: int) -> None:
         for key in ("f", "b", "w"):
@@ -98,6 +99,8 @@ class SimResult:
     bubble_fraction_per_rank: list[float]
     bubble_fraction: float
     peak_inflight: list[int]
+    copies: list[tuple[int, str, int, int, float, float]] = field(default_factory=list)  # offload lanes
+
 
     def to_json(self) -> dict:
         """The ``tools/schedule.py --json`` object (a stable interface: exactly these keys)."""
@@ -115,25 +118,52 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool = False,
-             verified: bool = False) -> SimResult:
+             verified: bool = False, offload: Sequence[set[tuple[int, int]]] | None = None) -> SimResult:
     """Verify, then run the schedule's lists on a clock (ScheduleError if it cannot run).
 
     ``blocking`` picks the engine semantics of ``verify.execute``: False (default) waits for a
     receive only at its consumer and never for a send; True waits for every group as a whole.
     ``verified``: the schedule comes from build_schedule, which verified it (peak_inflight is then
-    left empty; verify() gives it).
+    left empty; verify() gives it). ``offload``: per rank, the units whose saved activations go to
+    host memory (pipeline/offload.py); each copy takes ``costs.copy``, out during the unit's forward
+    and back during the compute before its backward, and a compute lasts at least as long as the copies
+    beside it (the cost model's rule); ``SimResult.copies`` holds them for drawing.
     """
     costs = costs or Costs()
     costs.check(schedule.num_stages)
     peaks = [] if verified else verify(schedule).peak_inflight
     pp, v = schedule.pp, schedule.v
-    timeline = execute(schedule, lambda a: costs.duration(a, pp, v), costs.p2p, blocking=blocking,
-                       pair=lambda a, b: costs.pair(a, b, pp, v))
+    longer, lanes = _copy_lanes(schedule, offload) if offload else ({}, [])
+    timeline = execute(schedule, lambda a: max(costs.duration(a, pp, v), costs.copy if a in longer else 0.0),
+                       costs.p2p, blocking=blocking, pair=lambda a, b: costs.pair(a, b, pp, v))
+    starts = {t.action: t.start for row in timeline for t in row}
+    copies = [(r, kind, mb, c, starts[a], starts[a] + costs.copy) for r, kind, mb, c, a in lanes]
     step = max((t.end for row in timeline for t in row), default=0.0)
     busy = [sum(t.end - t.start for t in row if not t.action.op.is_comm) for row in timeline]
     idle = [step - b for b in busy]
     per_rank = [i / step if step > 0 else 0.0 for i in idle]
-    return SimResult(schedule, costs, timeline, step, busy, idle, per_rank, sum(per_rank) / len(per_rank), peaks)
+    return SimResult(schedule, costs, timeline, step, busy, idle, per_rank, sum(per_rank) / len(per_rank), peaks,
+                     copies)
+
+
+def _copy_lanes(schedule: Schedule, offload: Sequence[set[tuple[int, int]]]
+                ) -> tuple[set[Action], list[tuple[int, str, int, int, Action]]]:
+    """The computes a copy runs beside, and each copy: (rank, "out" | "back", microbatch, chunk, the compute)."""
+    from mpformer.pipeline.offload import prefetch_points
+
+    beside: set[Action] = set()
+    lanes: list[tuple[int, str, int, int, Action]] = []
+    for r, units in enumerate(offload):
+        acts = schedule.actions[r]
+        points = prefetch_points(acts, units)
+        for i, a in enumerate(acts):
+            if a.op is Op.F and (a.microbatch, a.chunk) in units:
+                beside.add(a)
+                lanes.append((r, "out", a.microbatch, a.chunk, a))
+            if i in points:
+                beside.add(a)
+                lanes.append((r, "back", *points[i], a))
+    return beside, lanes
 
 
 def steady_state_bubble(schedule: Schedule, costs: Costs | None = None, *, blocking: bool = False) -> list[float]:
@@ -151,8 +181,10 @@ def steady_state_bubble(schedule: Schedule, costs: Costs | None = None, *, block
 Event = TimedAction | tuple[Action, float, float]
 
 
-def chrome_trace(events: Iterable[Event], us_per_unit: float = 1e6, vpp: int = 1, comm: bool = True) -> dict:
-    """A chrome://tracing / Perfetto object: one process per rank, compute on thread 0, p2p on 1.
+def chrome_trace(events: Iterable[Event], us_per_unit: float = 1e6, vpp: int = 1, comm: bool = True,
+                 copies: Sequence[tuple[int, str, int, int, float, float]] = ()) -> dict:
+    """A chrome://tracing / Perfetto object: one process per rank, compute on thread 0, p2p on 1,
+    activation offload's copies (``SimResult.copies``) on 2.
 
     ``events`` are TimedActions or (action, start, end) tuples: from ``simulate`` (times in cost
     units) or from the trainer timing the real run (seconds, the default ``us_per_unit``; any common
@@ -168,17 +200,23 @@ def chrome_trace(events: Iterable[Event], us_per_unit: float = 1e6, vpp: int = 1
         out.append({"name": a.token(vpp > 1), "cat": a.op.value, "ph": "X", "pid": a.rank,
                     "tid": 1 if a.op.is_comm else 0, "ts": start * us_per_unit, "dur": (end - start) * us_per_unit,
                     "args": {"microbatch": a.microbatch, "chunk": a.chunk}})
+    for r, kind, mb, c, start, end in copies:
+        out.append({"name": f"{kind} {mb}" + (f".{c}" if vpp > 1 else ""), "cat": f"offload {kind}", "ph": "X",
+                    "pid": r, "tid": 2, "ts": start * us_per_unit, "dur": (end - start) * us_per_unit,
+                    "args": {"microbatch": mb, "chunk": c}})
     for r in sorted(ranks):
         out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
         out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "compute"}})
         out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1, "args": {"name": "p2p"}})
+        if copies:
+            out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 2, "args": {"name": "offload copies"}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
 def write_chrome_trace(path: str | Path, events: Iterable[Event], us_per_unit: float = 1e6,
-                       vpp: int = 1) -> Path:
+                       vpp: int = 1, copies: Sequence[tuple[int, str, int, int, float, float]] = ()) -> Path:
     """Write ``chrome_trace(events)`` as JSON to ``path``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(events, us_per_unit, vpp)))
+    path.write_text(json.dumps(chrome_trace(events, us_per_unit, vpp, copies=copies)))
     return path

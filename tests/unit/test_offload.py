@@ -135,3 +135,33 @@ def test_the_search_offloads_where_it_wins_and_host_memory_allows():
                                                            ("dp", "tp", "pp", "vpp", "schedule")},
                                        "micro_batch_size": best.micro_batch_size})
     assert "out of host memory" in res.rejected
+
+
+def test_the_simulator_and_tools_schedule_draw_the_copies(tmp_path, capsys):
+    """Copies that fit beside their computes leave the timeline as it was; longer ones stretch them;
+    the Chrome trace and the picture carry a copy lane; a schedule with nothing to move is an error."""
+    import json
+
+    from mpformer.cli.schedule import main
+    from mpformer.pipeline.simulate import Costs, simulate
+
+    s = build_schedule("1f1b", 4, 8)
+    units = [offload_units(a, "all") for a in s.actions]
+    plain = simulate(s, Costs())
+    hidden = simulate(s, Costs(copy=1.0), offload=units)
+    assert hidden.step_time == plain.step_time and len(hidden.copies) == 2 * sum(len(u) for u in units)
+    assert simulate(s, Costs(copy=2.0), offload=units).step_time > plain.step_time
+    for r, kind, mb, _c, start, end in hidden.copies:  # out beside the unit's forward, back before its backward
+        f = next(t for t in hidden.timeline[r] if t.action.op is Op.F and t.action.microbatch == mb)
+        b = next(t for t in hidden.timeline[r] if t.action.op is Op.B and t.action.microbatch == mb)
+        assert (start == f.start) if kind == "out" else (start < b.start and end <= b.start)
+    trace = tmp_path / "t.json"
+    assert main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--offload", "all", "--copy", "0.5",
+                 "--trace", str(trace), "--plot", str(tmp_path / "t.png")]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("tid") == 2 and e["ph"] == "X" for e in events) == len(hidden.copies)
+    assert (tmp_path / "t.png").stat().st_size > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--schedule", "1f1b", "--pp", "1", "--microbatches", "4", "--offload", "all"])
+    assert "no unit of this schedule waits for its backward" in capsys.readouterr().err
