@@ -45,7 +45,7 @@ from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
 from mpformer.autoconfig.kernels import dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  # noqa: F401  (RING_FACTOR: re-exported)
 from mpformer.autoconfig.memory import BYTES, Workload
-from mpformer.autoconfig.pipeline_cost import pipeline_bound, pipeline_time
+from mpformer.autoconfig.pipeline_cost import offload_exposed, pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -245,28 +245,6 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
                      pp_bubble_s=max(pipe - compute - tp_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
                      dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
                      extra={"microbatches": micro_batches, "params": params_per_rank})
-
-
-def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, counts: list[int],
-                    fs: list[float], bs: list[float]) -> tuple[list[float], list[float]]:
-    """Activation offload (pipeline/offload.py): a moved unit's saved activations go out during its own
-    forward and come back during the compute before its backward (about a forward), each over the host
-    link beside the compute; the part of a copy longer than the compute it hides behind is added to
-    that compute. Every stage's units move but the last stage's (its backward follows its forward);
-    under offload=auto fewer move, which this does not discount (an upper bound)."""
-    from mpformer.autoconfig.layer_memory import layer_bytes
-
-    k = L.pp_token_slices
-    per_layer = layer_bytes(m, L, w.seq_length // k, w.micro_batch_size, w.precision).saved
-    last = L.pp * L.vpp - 1
-    fs, bs = list(fs), list(bs)
-    for s_ in range(last):
-        if L.recompute == "full":  # checkpoint keeps the layers' inputs itself: nothing moves
-            break
-        copy, hide = counts[s_] * per_layer / c.host_bandwidth, fs[s_]
-        fs[s_] += max(0.0, copy - hide)
-        bs[s_] += max(0.0, copy - hide)
-    return fs, bs
 
 
 def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
+from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.sharing import shared_step_time
-from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES
+from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES, ParallelLayout
+from mpformer.core.model_config import ModelConfig
 from mpformer.pipeline.actions import Schedule
 from mpformer.pipeline.simulate import Costs
 from mpformer.pipeline.timeline import CompiledTimeline, compile_schedule
+
+if TYPE_CHECKING:
+    from mpformer.autoconfig.memory import Workload
 
 
 @lru_cache(maxsize=64)
@@ -100,3 +106,25 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
         tail = 0.0 if schedule in SPLIT_BACKWARD else sum(b[:r]) + r * hop
         best = max(best, fill + work + tail)
     return best
+
+
+def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, counts: list[int],
+                    fs: list[float], bs: list[float]) -> tuple[list[float], list[float]]:
+    """Activation offload (pipeline/offload.py): a moved unit's saved activations go out during its own
+    forward and come back during the compute before its backward (about a forward), each over the host
+    link beside the compute; the part of a copy longer than the compute it hides behind is added to
+    that compute. Every stage's units move but the last stage's (its backward follows its forward);
+    under offload=auto fewer move, which this does not discount (an upper bound)."""
+    from mpformer.autoconfig.layer_memory import layer_bytes
+
+    k = L.pp_token_slices
+    per_layer = layer_bytes(m, L, w.seq_length // k, w.micro_batch_size, w.precision).saved
+    last = L.pp * L.vpp - 1
+    fs, bs = list(fs), list(bs)
+    for s_ in range(last):
+        if L.recompute == "full":  # checkpoint keeps the layers' inputs itself: nothing moves
+            break
+        copy, hide = counts[s_] * per_layer / c.host_bandwidth, fs[s_]
+        fs[s_] += max(0.0, copy - hide)
+        bs[s_] += max(0.0, copy - hide)
+    return fs, bs

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from mpformer.autoconfig.cluster import cluster_names, load_cluster
-from mpformer.autoconfig.memory import Workload, activation_bytes_per_layer, inflight, plan_memory, stage_params
+from mpformer.autoconfig.inflight import inflight
+from mpformer.autoconfig.memory import Workload, activation_bytes_per_layer, plan_memory, stage_params
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -80,7 +81,7 @@ def test_megatron_block_count_is_korthikantis_and_generalises():
 
 
 def test_inflight_closed_forms_equal_the_verifier():
-    from mpformer.autoconfig.memory import inflight_closed_form
+    from mpformer.autoconfig.inflight import inflight_closed_form
     from mpformer.core.layout import min_microbatches
     from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.verify import verify

@@ -138,7 +138,8 @@ def test_the_models_price_slices_as_the_schedule_runs_them():
     and the memory model's in-flight count is the verifier's."""
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.cost import iteration_time, stage_costs
-    from mpformer.autoconfig.memory import Workload, inflight_closed_form, plan_memory
+    from mpformer.autoconfig.inflight import inflight_closed_form
+    from mpformer.autoconfig.memory import Workload, plan_memory
     from mpformer.autoconfig.pipeline_cost import pipeline_time
 
     for name in ("gpipe", "1f1b"):

@@ -1,0 +1,48 @@
+"""What a pipeline rank holds in flight: the peak count of (micro-batch, chunk) units a schedule keeps
+(or token slices of them), and how many of them activation offload leaves on the device. Pure
+arithmetic on the schedules, shared by the memory model (memory.py) and the search."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from mpformer.core.layout import ParallelLayout
+
+
+def inflight_closed_form(schedule: str, pp: int, microbatches: int, vpp: int, slices: int = 1
+                         ) -> tuple[int, ...] | None:
+    """Peak in-flight (micro-batch, chunk) units per rank of each generated schedule; equal to verify()
+    on the schedules' own action lists for every valid micro-batch count (checked by the unit tests).
+    With token slices a unit is a slice: 1F1B warms up with k - 1 more (pipeline/schedules.py)."""
+    p, m, v, k = pp, microbatches, vpp, slices
+    if k > 1:
+        return {"1f1b": tuple(min(p - r - 1 + k, m * k) for r in range(p)), "gpipe": (m * k,) * p}.get(schedule)
+    forms = {"1f1b": tuple(min(p - r, m) for r in range(p)), "gpipe": (m,) * p, "zb-h1": (min(p, m),) * p,
+             "zb-h2": (min(2 * p - 1, m),) * p, "interleaved": tuple(min(v * p - r, v * m) for r in range(p))}
+    return forms.get(schedule)
+
+
+@lru_cache(maxsize=4096)
+def inflight(schedule: str, pp: int, microbatches: int, vpp: int, slices: int = 1) -> tuple[int, ...]:
+    """Peak (micro-batch, chunk) activations each rank holds under the schedule (token slices: slices
+    of them): the closed form (a generated schedule), else verify.py on the schedule's own action lists."""
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.verify import verify
+
+    if pp == 1:
+        return (1,)
+    closed = inflight_closed_form(schedule, pp, microbatches, vpp, slices)
+    if closed is not None:
+        return closed
+    return tuple(verify(build_schedule(schedule, pp, microbatches, vpp, slices=slices)).peak_inflight)
+
+
+def offloaded(L: ParallelLayout, peak: int, device: str = "cuda") -> tuple[int, bool]:
+    """Activation offload (pipeline/offload.py): the units a rank with ``peak`` in flight keeps on the
+    device, and whether some are copied out. ``all`` keeps the one brought back for the next backward,
+    ``auto`` that one and ``offload_keep`` more. Full recompute's kept inputs stay (checkpoint holds
+    them), and on a CPU host memory is the device's: no saving there."""
+    if L.offload == "none" or L.recompute == "full" or device == "cpu":
+        return peak, False
+    keep = 0 if L.offload == "all" else L.offload_keep
+    return (keep + 1, True) if peak > keep + 1 else (peak, False)
