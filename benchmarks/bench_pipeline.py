@@ -1,6 +1,7 @@
 """Pipeline schedules: measured step time on real ranks against the simulator's prediction.
 
     python benchmarks/bench_pipeline.py [--json F] [--pp 4] [--microbatches 8] [--steps 5] [--slices 2,4]
+                                        [--schedules 1f1b,zb-h1]
 
 For each schedule (GPipe, 1F1B, interleaved with vpp=2, ZB-H1, ZB-H2, ZB-V, DualPipeV, then 1F1B with each
 ``--slices`` k: token-level pipelining, every micro-batch in k sequence slices) the same Llama-style model
@@ -44,7 +45,8 @@ Run = tuple[str, str, int, int]  # (label, schedule, vpp, token slices)
 
 
 def runs(args: argparse.Namespace) -> list[Run]:
-    out = [(name + (f" (vpp={vpp})" if vpp > 1 else ""), name, vpp, 1) for name, vpp in SCHEDULES]
+    out = [(name + (f" (vpp={vpp})" if vpp > 1 else ""), name, vpp, 1) for name, vpp in SCHEDULES
+           if args.schedules is None or name in args.schedules]
     return out + [(f"1f1b, {k} token slices", "1f1b", 1, k) for k in args.slices]
 
 
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--schedules", type=lambda x: x.split(","), default=None,
+                    help=f"comma-separated, of {', '.join(n for n, _ in SCHEDULES)} (default all)")
     ap.add_argument("--slices", type=lambda x: [int(k) for k in x.split(",") if k], default=[2, 4],
                     help="token slices to run 1f1b with, comma-separated ('' for none)")
     ap.add_argument("--json", help="also write the results here")

@@ -262,6 +262,9 @@ class Trainer:
         self.metrics.message(banner(self.cfg, self.layout, self.micro_steps, self.device.kind, self.progress.step,
                                     end, self.spec.run_dir))
         memory_report(self.engine, self.layout, self.model, self.metrics, self.spec.run_dir, self.is_logger)
+        if self.layout.offload != "none" and self.device.kind == "cpu":
+            self.metrics.message(f"note: parallel.offload={self.layout.offload} on cpu: host memory is the device's, "
+                                 "so the copies save nothing here (they run, on a thread)")
         trace = TraceWindow(self.pipeline, t.pipeline_trace_steps, self.progress.step, end, self.groups.pp)
         losses: list[float] = []
         timer = StepTimer()

@@ -76,7 +76,8 @@ RUNS["pp2_zb-v_noclip"] = (2, {"parallel.pp": 2, "parallel.schedule": "zb-v", "p
                                "optim.clip_grad": 100.0})  # no step clipped: every speculation kept
 RUNS["pp2_bf16_noclip"] = (2, {"parallel.pp": 2, "train.precision": "bf16", "optim.clip_grad": 100.0})  # masters
 PV = {"pp2_zb-h2": "pp2_zb-h2_pv", "pp4_1f1b": "pp4_1f1b_pv", "pp2_tp2": "pp2_tp2_pv", "pp2_dp2": "pp2_dp2_pv",
-      "pp2_zb-v_noclip": "pp2_zb-v_noclip_pv", "pp2_bf16_noclip": "pp2_bf16_noclip_pv", "pp4_1f1b_k2": "pp4_1f1b_k2_pv"}
+      "pp2_zb-v_noclip": "pp2_zb-v_noclip_pv", "pp2_bf16_noclip": "pp2_bf16_noclip_pv", "pp4_1f1b_k2": "pp4_1f1b_k2_pv",
+      "pp2_offload_all": "pp2_offload_all_pv"}
 for sync, pv in PV.items():
     RUNS[pv] = (RUNS[sync][0], {**RUNS[sync][1], "train.post_validation": True})
 
