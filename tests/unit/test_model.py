@@ -8,16 +8,9 @@ from mpformer.core.errors import ConfigError
 from mpformer.core.model_config import ModelConfig
 from mpformer.layers.attention import attention_core
 from mpformer.models import Transformer
+from mpformer.testing.models import TINY
 
-CFGS = {
-    "llama": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                         ffn_hidden_size=96, vocab_size=101),
-    "gpt2": ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, activation="gelu_tanh",
-                        vocab_size=101, max_position_embeddings=64, tie_embeddings=True, attention_bias=True,
-                        mlp_bias=True),
-    "qwen2": ModelConfig(arch="qwen2", num_layers=1, hidden_size=32, num_attention_heads=4, num_kv_heads=1,
-                         ffn_hidden_size=48, vocab_size=50, attention_bias=True),
-}
+CFGS = {k: v for k, v in TINY.items() if k != "mistral"}
 
 
 @pytest.mark.parametrize("name", sorted(CFGS))

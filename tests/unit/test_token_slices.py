@@ -23,17 +23,10 @@ from mpformer.pipeline.actions import Schedule, ScheduleError
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.pipeline.simulate import Costs, simulate
 from mpformer.pipeline.verify import verify
+from mpformer.testing.models import TINY
 
 RTOL = 1e-5
-CFGS = {
-    "llama": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                         ffn_hidden_size=96, vocab_size=101),
-    "gpt2": ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, activation="gelu_tanh",
-                        vocab_size=101, max_position_embeddings=64, tie_embeddings=True, attention_bias=True,
-                        mlp_bias=True),
-    "mistral": ModelConfig(arch="mistral", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                           ffn_hidden_size=96, vocab_size=101, sliding_window=5),
-}
+CFGS = TINY
 
 
 def _sliced_grads(name: str, k: int, *, recompute: str = "none", eos: int | None = None, fused: bool = True):
