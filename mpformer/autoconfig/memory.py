@@ -302,6 +302,9 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             state = zero_formula_bytes(L.zero, n, n_d, w=0 if stage3 and wb < 4 else wb, g=4,
                                        m=4 if wb < 4 else 0, k=8)
         tied = m.tie_embeddings and first and last
+        # Token slices: from a slice's backward until the earlier slices' own, their keys' and values'
+        # gradients wait in every layer (context_parallel/token_slices.py): k - 1 slices' worth.
+        leaf_grads = slice_kv_bytes(m, replace(L, recompute="full"), w, "full") * (L.pp_token_slices - 1)
         # This micro-batch's units in backward order: the head, each chunk's layers from the last, the embedding.
         units: list[Unit] = []
         if last:
@@ -316,6 +319,7 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             for i in reversed(range(chunks[c])):
                 recompute = L.recompute != "none" and (L.recompute_layers is None or i < L.recompute_layers)
                 keep, back = recomputed if recompute else plain
+                back += leaf_grads * chunks[c]  # token slices: the earlier slices' key/value gradients, every layer
                 carry = wb * v * m.hidden_size if tied else 0.0  # the head's dW waits for the embedding's
                 walked = c == L.vpp - 1
                 full[(c, i)] = recompute and L.recompute == "full"

@@ -115,11 +115,14 @@ def predict_case(case: Case) -> tuple[Candidate | None, bool]:
     device's memory. A run that ran fits by definition: when the memory model says nothing does, the
     time is still that of the fastest plan the pins allow, memory aside (the memory model's miss is
     reported apart, ``fits`` False)."""
-    res = search(case.model, case.cluster, case.workload, fixed=case.fixed, top_k=1)
+    # None of these runs offloaded activations (Megatron-LM's, NeMo's and DeepSpeed's launchers of the
+    # time): a plan that only fits by offloading is not the run that was measured.
+    fixed = {"offload": "none", **case.fixed}
+    res = search(case.model, case.cluster, case.workload, fixed=fixed, top_k=1)
     if res.top:
         return res.top[0], True
     unbounded = replace(case.cluster, memory_gb=math.inf)
-    res = search(case.model, unbounded, case.workload, fixed=case.fixed, top_k=1)
+    res = search(case.model, unbounded, case.workload, fixed=fixed, top_k=1)
     return (res.top[0] if res.top else None), False
 
 
