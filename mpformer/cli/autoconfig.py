@@ -94,16 +94,15 @@ def _print(res, model, cluster, w) -> None:
     pruned = f", {res.pruned} more pruned by their bound" if res.pruned else ""
     table = Table(title=f"{len(res.feasible)} feasible of {res.evaluated} evaluated{pruned} on {cluster.name} x "
                         f"{cluster.nodes} ({res.seconds:.1f} s)")
-    for col in ("dp", "tp", "pp", "cp", "cp kind", "vpp", "schedule", "mbs", "zero", "recompute", "sp", "iter s",
-                "GB/dev", "TFLOP/s/dev", "compute", "tp comm", "cp comm", "bubble", "dp comm"):
+    for col in ("dp", "tp", "pp", "cp", "cp kind", "vpp", "schedule", "mbs", "zero", "recompute", "offload", "sp",
+                "iter s", "GB/dev", "TFLOP/s/dev", "compute", "tp comm", "cp comm", "bubble", "dp comm"):
         table.add_column(col, justify="right")
     for c in res.top:
         p, b = c.plan(), c.time
         pred = _predicted(c, model, cluster.world_size, w)
         sp = "y" if p["sequence_parallel"] else "n"
         table.add_row(*map(str, (p["dp"], p["tp"], p["pp"], p["cp"], _cp_kind(p), p["vpp"], p["schedule"],
-                                 p["micro_batch_size"], p["zero"],
-                                 p["recompute"] + (f" +offload {p['offload']}" if p["offload"] != "none" else ""), sp)),
+                                 p["micro_batch_size"], p["zero"], p["recompute"], p["offload"], sp)),
                       f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}", f"{pred['model_tflops_per_device']:.0f}",
                       f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.cp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}",
                       f"{b.dp_comm_exposed_s:.3g}")
