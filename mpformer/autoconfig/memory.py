@@ -360,12 +360,12 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             shapes[key] = build(r, first, last, chunks)
         n, state, units, per_chunk, io, head_forward = shapes[key]
         held, copying = offloaded(L, peaks[r], device)
-        host = (peaks[r] - held) * per_chunk
+        host = (peaks[r] - held) * (per_chunk - io)  # a moved unit's received input and sent output stay (engine)
         # A unit being copied out still holds its last layer's activations on the device (the copy trails
         # the forward by about a layer).
         pending = (recomputed if L.recompute != "none" else plain)[0] if copying else 0.0
-        peak = walk(units, red, state=state, kept=(held - 1) * per_chunk + io + pending, head_forward=head_forward,
-                    micro=micro)
+        kept = (held - 1) * per_chunk + (peaks[r] - held) * io + io + pending
+        peak = walk(units, red, state=state, kept=kept, head_forward=head_forward, micro=micro)
         if runtime.post_validation:  # the step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
             copy = state + 12.0 * n / (n_d if L.zero >= 1 else 1)
             if copy > peak.live:

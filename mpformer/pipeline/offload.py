@@ -12,10 +12,11 @@ Which units move is decided from the rank's action list before the step (``offlo
 
 A moved unit is brought back while the compute before its backward runs (``prefetch_points``). What
 moves is what autograd saves for the backward (saved-tensor hooks around the unit's forward), except
-parameters (they stay on the device anyway) and tensors under ``min_bytes`` (a copy's fixed cost
-would outweigh them). Not moved: what a recomputed layer keeps (torch.utils.checkpoint holds its
-inputs itself), the keys and values token slices keep (context_parallel/token_slices.py) and the
-zero-bubble weight pass's stash between BI and BW (layers/linear.py).
+parameters and the unit's received input (they stay on the device anyway) and tensors under
+``min_bytes`` (a copy's fixed cost would outweigh them). Not moved: what a recomputed layer keeps
+(torch.utils.checkpoint holds its inputs itself), the keys and values token slices keep
+(context_parallel/token_slices.py) and the zero-bubble weight pass's stash between BI and BW
+(layers/linear.py).
 """
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ class ActivationOffload:
 
     def _pack(self, saved: list[dict], t: torch.Tensor) -> object:
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or t.device != self.copies.device or \
+        # Kept as autograd would keep it: small tensors, another device's, a parameter's storage, and a
+        # leaf that wants its gradient (the received activation: the engine holds it for that anyway).
+        if nbytes < self.min_bytes or t.device != self.copies.device or (t.is_leaf and t.requires_grad) or \
                 t.untyped_storage().data_ptr() in self._params:
-            return t  # kept as autograd would keep it
+            return t
         copy = self.copies.to_host(t.detach())
         saved.append(copy)
         self.moved_bytes += nbytes
