@@ -40,9 +40,9 @@ def inflight(schedule: str, pp: int, microbatches: int, vpp: int, slices: int = 
 def offloaded(L: ParallelLayout, peak: int, device: str = "cuda") -> tuple[int, bool]:
     """Activation offload (pipeline/offload.py): the units a rank with ``peak`` in flight keeps on the
     device, and whether some are copied out. ``all`` keeps the one brought back for the next backward,
-    ``auto`` that one and ``offload_keep`` more. Full recompute's kept inputs stay (checkpoint holds
-    them), and on a CPU host memory is the device's: no saving there."""
-    if L.offload == "none" or L.recompute == "full" or device == "cpu":
+    ``auto`` that one and ``offload_keep`` more (under full recompute what moves is each layer's kept
+    input). On a CPU host memory is the device's: no saving there."""
+    if L.offload == "none" or device == "cpu":
         return peak, False
     keep = 0 if L.offload == "all" else L.offload_keep
     return (keep + 1, True) if peak > keep + 1 else (peak, False)

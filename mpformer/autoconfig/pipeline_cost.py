@@ -113,17 +113,16 @@ def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, 
     """Activation offload (pipeline/offload.py): a moved unit's saved activations go out during its own
     forward and come back during the compute before its backward (about a forward), each over the host
     link beside the compute; the part of a copy longer than the compute it hides behind is added to
-    that compute. Every stage's units move but the last stage's (its backward follows its forward);
-    under offload=auto fewer move, which this does not discount (an upper bound)."""
+    that compute. Every stage's units move but the last stage's (its backward follows its forward;
+    with token slices k - 1 of each micro-batch's slices wait there too); under offload=auto fewer
+    move, which this does not discount (an upper bound)."""
     from mpformer.autoconfig.layer_memory import layer_bytes
 
     k = L.pp_token_slices
     per_layer = layer_bytes(m, L, w.seq_length // k, w.micro_batch_size, w.precision).saved
     last = L.pp * L.vpp - 1
     fs, bs = list(fs), list(bs)
-    for s_ in range(last):
-        if L.recompute == "full":  # checkpoint keeps the layers' inputs itself: nothing moves
-            break
+    for s_ in range(last + (1 if k > 1 else 0)):
         copy, hide = counts[s_] * per_layer / c.host_bandwidth, fs[s_]
         fs[s_] += max(0.0, copy - hide)
         bs[s_] += max(0.0, copy - hide)

@@ -288,12 +288,12 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
     each, the layout's cp kinds (``bases``: valid, alike but for cp_kind / cp_ulysses) fastest first."""
     ww, valid = _with_mbs(w, mbs), bases
     search_k = "recompute" not in options and "recompute_layers" not in options
-    # Activation offload is the other way to fit: tried where recompute none or selective does not fit
-    # (full recompute keeps only what checkpoint holds, which does not move), on a host link.
+    # Activation offload is the other way to fit: tried at each recompute mode that does not fit without
+    # it, on a host link.
     offloads = options("offload", ["none", "all"] if bases[0].pp > 1 and cluster.host_bandwidth > 0 else ["none"])
     found: list[Candidate] = []
     for rec in options("recompute", ["none", "selective", "full"]):
-        for off in offloads if rec != "full" or "offload" in options else ["none"]:
+        for off in offloads:
             layouts = [replace(L, recompute=rec, offload=off) for L in valid]
             if rec != "none" and "recompute_layers" in options:
                 layouts = [replace(L, recompute_layers=options("recompute_layers", [None])[0]) for L in layouts]

@@ -48,8 +48,8 @@ def build_parser() -> ArgumentParser:
                    "(dualpipev's F&B, per chunk pair; default: the two in turn)")
     p.add_argument("--offload", default="none", metavar="MODE", help="activation offload: none (default), auto, all")
     p.add_argument("--offload-keep", type=int, default=1, help="offload=auto: units kept on the device (default 1)")
-    p.add_argument("--copy", type=float, default=1.0, help="time of one unit's copy to host memory or back, in "
-                   "the units of --f (default 1)")
+    p.add_argument("--copy", type=float, default=1.0, help="time of one stage's micro-batch copy to host memory or "
+                   "back, like --f (a chunk's or slice's share of it with --vpp, --slices; default 1)")
     p.add_argument("--blocking", action="store_true",
                    help="model an engine that waits for each p2p group as a whole (default: a receive is "
                         "waited for at its consumer, a send never blocks)")

@@ -261,8 +261,8 @@ def _check_token_slices(L: ParallelLayout, seq_length: int | None) -> None:
         if seq_length % step:
             ok = [d for d in divisors(seq_length // (L.tp if L.sequence_parallel else 1) or 1)
                   if seq_length % (d * (L.tp if L.sequence_parallel else 1)) == 0]
-            sp = " * tp (sequence parallelism splits each slice again)" if L.sequence_parallel else ""
-            raise ConfigError(f"parallel.pp_token_slices={k} does not divide train.seq_length={seq_length}{sp} into "
+            sp = f" (times tp={L.tp}: sequence parallelism splits each slice again)" if L.sequence_parallel else ""
+            raise ConfigError(f"parallel.pp_token_slices={k}{sp} does not divide train.seq_length={seq_length} into "
                               f"equal slices; valid pp_token_slices: {format_choices(ok)}")
 
 

@@ -95,7 +95,10 @@ def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
     """Causal SDPA; kv heads are shared by groups of n/k query heads (enable_gqa, no copies). With
     ``docs_bs`` (the document id of every position) a query sees only keys of its own document. With
     fewer queries than keys the queries are the last positions (a token slice after its past keys):
-    an explicit mask, since SDPA's is_causal aligns them with the first."""
+    an explicit mask, since SDPA's is_causal aligns them with the first. (On CUDA a boolean mask sends
+    GQA to SDPA's math kernel; torch's causal_lower_right bias would not, but with it imported, ranks of
+    tests/distributed/test_pipeline.py ended in "terminate called without an active exception" at
+    exit: not used yet.)"""
     s_q, s_k = q_bnsd.shape[2], k_bksd.shape[2]
     gqa = q_bnsd.shape[1] != k_bksd.shape[1]
     if docs_bs is None and s_q == s_k and (sliding_window is None or s_k <= sliding_window):

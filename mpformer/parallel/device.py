@@ -138,7 +138,7 @@ class HostCopies:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
+            host.copy_(t, non_blocking=True)  # a strided t: the copy engine gathers it (a temporary on this stream)
             t.record_stream(stream)
             done = torch.cuda.Event()
             done.record(stream)
@@ -148,23 +148,28 @@ class HostCopies:
         """Start bringing a copy back (prefetch); ``result`` waits for it."""
         if not self.cuda or "back" in copy:
             return
-        stream = self.in_stream
+        # Allocated on the compute stream (its cached blocks are the ones the compute reuses), filled on
+        # the side stream once the copy out is done.
+        host, stream = copy["host"], self.in_stream
+        back = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         stream.wait_event(copy["out"])
         with torch.cuda.stream(stream):
-            copy["back"] = copy["host"].to(self.device, non_blocking=True)
+            back.copy_(host, non_blocking=True)
+            back.record_stream(stream)
             copy["in"] = torch.cuda.Event()
             copy["in"].record(stream)
+        copy["back"] = back
 
     def result(self, copy: dict) -> torch.Tensor:
-        """The tensor again on the device, usable on the current stream."""
+        """The tensor again on the device, usable on the current stream. The record lets go of it, so that
+        autograd frees it node by node as without offload (asked again, it is copied back again)."""
         if not self.cuda:
             return copy["host"].result()
         self.to_device(copy)
         current = torch.cuda.current_stream(self.device)
-        current.wait_event(copy["in"])
-        t = copy["back"]
-        t.record_stream(current)
-        return t
+        current.wait_event(copy.pop("in"))
+        return copy.pop("back")
 
 
 def gpu_index(local_rank: int, local_world: int, visible: int) -> int:

@@ -13,15 +13,17 @@ Which units move is decided from the rank's action list before the step (``offlo
 A moved unit is brought back while the compute before its backward runs (``prefetch_points``). What
 moves is what autograd saves for the backward (saved-tensor hooks around the unit's forward), except
 parameters and the unit's received input (they stay on the device anyway) and tensors under
-``min_bytes`` (a copy's fixed cost would outweigh them). Not moved: what a recomputed layer keeps
-(torch.utils.checkpoint holds its inputs itself), the keys and values token slices keep
-(context_parallel/token_slices.py) and the zero-bubble weight pass's stash between BI and BW
-(layers/linear.py).
+``min_bytes`` (a copy's fixed cost would outweigh them). A tensor saved twice (a norm's input, the
+gate's and up projection's shared input, the rotary tables) moves once. A recomputed layer's kept
+input moves too (torch.utils.checkpoint saves it through these hooks). Not moved: the keys and values
+token slices keep (context_parallel/token_slices.py) and the zero-bubble weight pass's stash between
+BI and BW (layers/linear.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -72,8 +74,11 @@ class ActivationOffload:
     """The saved activations of the moved units of one rank: out after their forward, back before
     their backward."""
 
-    def __init__(self, copies: HostCopies, model: nn.Module, units: set[Key], min_bytes: int = 0) -> None:
-        self.copies, self.units, self.min_bytes = copies, units, min_bytes
+    def __init__(self, copies: HostCopies, model: nn.Module, units: set[Key], min_bytes: int | None = None) -> None:
+        """``min_bytes`` (None: 1 MiB on CUDA, where each copy costs a pinned buffer, events and stream
+        waits; 0 on CPU, where the copies exist to run this logic at the tests' small sizes)."""
+        self.copies, self.units = copies, units
+        self.min_bytes = (2**20 if copies.cuda else 0) if min_bytes is None else min_bytes
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._saved: dict[Key, list[dict]] = {}
         self.moved_bytes = 0  # the last step's bytes sent out (each comes back once): metrics' offload_bytes
@@ -85,17 +90,23 @@ class ActivationOffload:
             yield
             return
         saved = self._saved.setdefault(key, [])
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(saved, t), self._unpack):
+        seen: dict[tuple, tuple] = {}  # a tensor saved again (same storage, offset, shape, strides) moves once
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(saved, seen, t), self._unpack):
             yield
 
-    def _pack(self, saved: list[dict], t: torch.Tensor) -> object:
+    def _pack(self, saved: list[dict], seen: dict[tuple, tuple], t: torch.Tensor) -> object:
         nbytes = t.numel() * t.element_size()
         # Kept as autograd would keep it: small tensors, another device's, a parameter's storage, and a
         # leaf that wants its gradient (the received activation: the engine holds it for that anyway).
         if nbytes < self.min_bytes or t.device != self.copies.device or (t.is_leaf and t.requires_grad) or \
                 t.untyped_storage().data_ptr() in self._params:
             return t
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        alive, earlier = seen.get(ident, (None, None))
+        if alive is not None and alive() is not None:  # the same tensor, still alive: not memory reused since
+            return earlier
         copy = self.copies.to_host(t.detach())
+        seen[ident] = (weakref.ref(t), copy)
         saved.append(copy)
         self.moved_bytes += nbytes
         return copy
