@@ -3,6 +3,7 @@ and the ledger's ring-adjusted byte counts. Oracle: the same math on the concate
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mpformer.parallel.spawn import run_distributed
@@ -143,3 +144,31 @@ def test_pairwise_collectives_match_gloo_at_2_and_4_ranks():
     for world in (2, 4):
         for r in run_distributed(_pairwise_against_gloo, world, timeout=60):
             assert all(r.values()), (world, {k: v for k, v in r.items() if not v})
+
+
+def _ok_then_teardown_crash(crash_rank: int) -> int:
+    import atexit
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == crash_rank:  # as "terminate called without an active exception" after the result
+        atexit.register(os._exit, 134)
+    return rank
+
+
+def _error_on(bad_rank: int) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        raise ValueError("rank failed before its result")
+    return dist.get_rank()
+
+
+def test_harness_takes_a_teardown_crash_after_an_ok_result_but_not_a_failure():
+    """run_distributed: a rank dying in teardown after writing its result is not a failed run; a rank
+    that raised is, and names itself."""
+    assert run_distributed(_ok_then_teardown_crash, 2, args=(1,), timeout=60) == [0, 1]
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        run_distributed(_error_on, 2, args=(1,), timeout=60)
