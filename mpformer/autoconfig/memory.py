@@ -91,15 +91,16 @@ class StageMemory:
     overhead: float
     phase: str = ""  # where the peak falls: "head forward", "layer backward", ... (step_memory.py)
     host: float = 0.0  # activations offloaded to host memory at the peak (parallel.offload)
+    speculation: float = 0.0  # train.overlap_validation: the previous step's saved copy, held through this one
 
     @property
     def total(self) -> float:
-        return self.model_state + self.activations + self.transients + self.overhead
+        return self.model_state + self.speculation + self.activations + self.transients + self.overhead
 
     @property
     def live(self) -> float:
         """The tensors' bytes at the peak, without the runtime context and the allocator's allowance."""
-        return self.model_state + self.activations + self.transients
+        return self.model_state + self.speculation + self.activations + self.transients
 
 
 def layer_params_per_rank(m: ModelConfig, tp: int) -> int:
@@ -365,12 +366,16 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         # the forward by about a layer).
         pending = (recomputed if L.recompute != "none" else plain)[0] if copying else 0.0
         kept = (held - 1) * per_chunk + (peaks[r] - held) * io + io + pending
-        peak = walk(units, red, state=state, kept=kept, head_forward=head_forward, micro=micro)
-        if runtime.post_validation:  # the step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
+        # The speculative step's copy (optim/speculate.py: parameters, Adam's m and v, and the gradient
+        # shards) held through the next step's forward/backward while its check is in flight.
+        held = 16.0 * n / (n_d if L.zero >= 1 else 1) if runtime.overlap_validation else 0.0
+        peak = walk(units, red, state=state + held, kept=kept, head_forward=head_forward, micro=micro)
+        # The step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
+        if runtime.post_validation and not runtime.overlap_validation:
             copy = state + 12.0 * n / (n_d if L.zero >= 1 else 1)
             if copy > peak.live:
                 peak = Peak(copy, 0.0, "optimizer step (post-validation copy)")
-        transients = peak.live - state - peak.activations
+        transients = peak.live - state - held - peak.activations
         overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0) + RUNTIME_BYTES[device]
-        out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where, host))
+        out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where, host, held))
     return out

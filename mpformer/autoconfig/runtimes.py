@@ -68,6 +68,7 @@ class Runtime:
     # layer_bytes) or "megatron" (Megatron's block: megatron_layer_bytes; Megatron-DeepSpeed runs it too)
     selective: str = "attention"  # recompute=selective: "attention" (Korthikanti; mpformer) or "op" (torchtitan)
     post_validation: bool = False  # train.post_validation: a copy of the optimizer's shard during the step
+    overlap_validation: bool = False  # train.overlap_validation: that copy and the gradients', through the next step
     kernels: str = "eager"  # elementwise ops: fused | eager | composite (kernels.py)
     overlap_grad_reduce: bool = True  # buckets reduced during the backward
     overlap_p2p: bool = True  # False: each send/receive group blocks its rank until it completes
@@ -116,7 +117,8 @@ MEGATRON_CORE = Runtime("megatron-core", block="megatron", kernels="fused", tp_c
 def mpformer_runtime(t: TrainConfig) -> Runtime:
     """mpformer's runtime as a training config sets it up (its train.zero3_* settings)."""
     return replace(MPFORMER, unit_numel=t.zero3_unit_numel, prefetch_numel=t.zero3_prefetch_numel,
-                   reduce_numel=t.zero3_reduce_numel, bucket_mb=t.grad_bucket_mb, post_validation=t.post_validation)
+                   reduce_numel=t.zero3_reduce_numel, bucket_mb=t.grad_bucket_mb, post_validation=t.post_validation,
+                   overlap_validation=t.overlap_validation)
 
 
 def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: list[bool], wb: int,

@@ -73,6 +73,10 @@ class TrainConfig:
     # norm and inf check, and undoes the step exactly when they say it needed clipping or skipping
     # (optim/speculate.py); holds a copy of the optimizer's state for the step.
     post_validation: bool = False
+    # With post_validation: the next step's forward/backward runs on the speculative weights while the
+    # check is in flight, so one step's tail overlaps the next one's head (training/overlap.py); a
+    # failed check (clipping, a skipped step) runs that step again. Pays when few steps clip.
+    overlap_validation: bool = False
     grad_bucket_mb: float = 25.0  # data-parallel all-reduce bucket size
     # ZeRO-3 (elements; why these defaults: core/buffers.py): a layer's submodules merge into units of at
     # most zero3_unit_numel, the next unit is gathered ahead when it has at most zero3_prefetch_numel, and a
@@ -226,6 +230,11 @@ def check_training_config(cfg: Config) -> None:
     if t.precision == "fp16" and not (t.initial_loss_scale >= t.min_loss_scale > 0 and t.loss_scale_window >= 1):
         raise ConfigError(f"fp16 loss scaling needs initial_loss_scale >= min_loss_scale > 0 and loss_scale_window "
                           f">= 1; got {t.initial_loss_scale}, {t.min_loss_scale}, {t.loss_scale_window}")
+    if t.overlap_validation and (not t.post_validation or t.precision == "fp16"):
+        why = "train.post_validation=false" if not t.post_validation else "train.precision=fp16"
+        raise ConfigError(f"train.overlap_validation=true with {why}: the next step may only run on a speculative "
+                          "step (post_validation), and fp16's inf check sets the loss scale it runs with; valid: "
+                          "train.post_validation=true with precision fp32|bf16 (or overlap_validation=false)")
     _choice("optim.decay", o.decay, DECAYS)
     _choice("optim.name", o.name, OPTIMIZERS)
     if (cfg.parallel.zero > 0 or t.precision != "fp32") and o.name not in ELEMENTWISE_OPTIMIZERS:

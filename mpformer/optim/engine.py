@@ -351,30 +351,69 @@ class GradEngine:
             if comm is not None and comm.size > 1:
                 comm.all_reduce(t, op=op)
 
+    def norm_square(self, *, world: bool = False) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm. ``world``: for one sum over every rank
+        (the trainer's step check), where the data replicas of stage 0, holding the same gradients,
+        count once (the first); otherwise for ``_world_reduce``'s groups."""
+        total = torch.zeros((), device=self.buckets[0].grad_shard.device)
+        if world and self.stage == 0 and self.comm.rank != 0:
+            return total
+        for g, spec in self.shard_grads(self._norm_specs):
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
+        return total
+
     def clip(self, max_norm: float, *, speculation: Speculation | None = None) -> float:
         """The global gradient norm before clipping (nan on a skipped step); scales the gradient shards
         when it exceeds ``max_norm`` (0: no clipping). After a speculative step (``speculate``) the
         scaling waits for ``step(speculation)``, which redoes the step when it is needed."""
         if self.skipped:
             return float("nan")
-        total = torch.zeros((), device=self.buckets[0].grad_shard.device)
-        for g, spec in self.shard_grads(self._norm_specs):
-            total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
+        total = self.norm_square()
         self._world_reduce(total)
-        total = total.sqrt()
-        self._coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0) if max_norm > 0 else None
+        return self.take_norm(total.sqrt(), max_norm, speculation=speculation)
+
+    def take_norm(self, norm: torch.Tensor, max_norm: float, *, speculation: Speculation | None = None) -> float:
+        """``clip`` given the global norm, reduced elsewhere (the trainer's one collective per step)."""
+        if self.skipped:
+            return float("nan")
+        self._coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
         if self._coeff is not None and speculation is None:
             torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
-        return float(total)
+        return float(norm)
 
-    def speculate(self) -> Speculation | None:
+    def speculate(self, *, publish: bool = False) -> Speculation | None:
         """Optimizer post-validation (speculate.py): the step taken now, on unclipped gradients, the
-        state it changes saved first; None on a skipped fp16 step (nothing to take)."""
+        state it changes saved first; None on a skipped fp16 step (nothing to take). ``publish``: the
+        parameters written and gathered at once, for the next step to run on before the check
+        (train.overlap_validation); the gradients are kept too, to redo the step clipped after the next
+        step's reductions have overwritten them; ``settle`` ends it."""
         if self.skipped:
             return None
-        spec = Speculation.take(self.optimizer)
+        spec = Speculation.take(self.optimizer, grads=[b.grad_shard for b in self.buckets] if publish else None)
         self.optimizer.step()
+        if publish:
+            self.steps_taken += 1
+            self._publish()
         return spec
+
+    def settle(self, speculation: Speculation, *, skip: bool) -> bool:
+        """A published speculative step after its check (``take_norm``): kept, or undone and, unless
+        ``skip``, redone on its clipped gradients, its parameters written and gathered again. True when
+        the parameters changed: what ran on them since must run again."""
+        clipped = self._coeff is not None and float(self._coeff) < 1.0
+        if not skip and not clipped:
+            return False
+        self.wait_params()  # the speculative gather must not land on the restored parameters
+        speculation.restore(self.optimizer)
+        if skip:
+            self.steps_taken -= 1
+        else:
+            for b, g in zip(self.buckets, speculation.grads):
+                b.grad_shard.copy_(g)
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
+            self.optimizer.step()
+        self._publish()
+        return True
 
     def undo(self, speculation: Speculation | None) -> None:
         """A speculative step that should not have happened (a bad step skipped): state as before."""
@@ -410,6 +449,10 @@ class GradEngine:
             torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
             self.optimizer.step()
         self.steps_taken += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        """The stepped masters into the 16-bit parameters and (stages 1-2) gathered."""
         self.write_back()
         if self.param_gather is not None:
             self.param_gather.launch()  # each block waits for its own buckets in its next forward

@@ -12,7 +12,10 @@ all. Equal to the synchronous step bit for bit in every case (tests/distributed/
 What is saved: every parameter the wrapped optimizer steps (the fp32 masters, or the parameters
 themselves in fp32) and every tensor of its state (Adam's moments and step counts): at most one more
 copy of the optimizer's share of the model state for the length of the step. The 16-bit parameters and
-the ZeRO-1/2 parameter gather are written from the masters after the check, never speculatively.
+the ZeRO-1/2 parameter gather are written from the masters after the check, never speculatively,
+except under ``train.overlap_validation``: there the next step runs on the speculative parameters
+while the check is in flight (training/overlap.py), the gradient shards are kept as well (one more
+copy), and a failed check runs that step again.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ class Speculation:
 
     params: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its saved data)
     state: dict[int, dict]  # id(parameter) -> its optimizer state before (absent: none yet)
+    grads: list[torch.Tensor] | None = None  # copies of the step's gradient shards (overlap_validation)
 
     @classmethod
-    def take(cls, optimizer: torch.optim.Optimizer) -> Speculation:
+    def take(cls, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor] | None = None) -> Speculation:
         params, state = [], {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -38,7 +42,7 @@ class Speculation:
                 if p in optimizer.state:
                     state[id(p)] = {k: v.clone() if torch.is_tensor(v) else v
                                     for k, v in optimizer.state[p].items()}
-        return cls(params, state)
+        return cls(params, state, [g.clone() for g in grads] if grads is not None else None)
 
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
         """Parameters and state exactly as they were; state the step created is dropped."""

@@ -79,6 +79,13 @@ def _finished(log_dir: str, rank: int, code: int) -> bool:
     return ok
 
 
+def _written_at(log_dir: str, rank: int) -> float:
+    try:
+        return (Path(log_dir) / f"rank{rank}.result").stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -107,8 +114,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
             if c not in (None, 0) and r not in finished and _finished(log_dir, r, c):
                 finished.add(r)
         bad = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in finished]
-        if bad:
-            failed = bad[0]
+        if bad:  # the first to fail: the others often fail because it did (a reset connection)
+            failed = min(bad, key=lambda r: _written_at(log_dir, r))
             break
         if all(c is not None for c in codes):
             break

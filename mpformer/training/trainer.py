@@ -37,7 +37,6 @@ from mpformer.optim.engine import REDUCE_DTYPES, Reduction, TiedCopy
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
 from mpformer.optim.units import Zero3Settings
-from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import HostCopies
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.random import DropoutStreams
@@ -48,6 +47,7 @@ from mpformer.pipeline.schedules import build_schedule
 from mpformer.training.evaluation import validation_loss
 from mpformer.training.guard import MAX_ROLLBACKS, SPIKE_WINDOW, Preemption, agree, bad_step, finite, halt_message
 from mpformer.training.metrics import MetricsLogger, StepTimer
+from mpformer.training.overlap import OverlappedSteps, Settled, StepCheck, check_comm
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
 from mpformer.training.reporting import TraceWindow, banner, check_vocab, memory_report
@@ -122,7 +122,11 @@ class Trainer:
                                      progress=cfg.logging.progress, wandb_cfg=cfg.logging.wandb,
                                      wandb_run_id=self.progress.wandb_run_id, config=spec.resolved)
         self.progress.adopt_wandb(self.metrics.wandb_run_id)
-        self.metrics_comm = Comm(groups.data_group, groups.ledger, tag="metrics.dp.")
+        # One collective ends each step: the norm and the loss (overlap.py); under overlap_validation it is
+        # collected during the next step.
+        self.check = StepCheck(check_comm(t.overlap_validation, groups.ledger), self.tp.comm.rank, layout.dp,
+                               self.micro_steps)
+        self.overlap = OverlappedSteps(self) if t.overlap_validation else None
         self.loader = StepLoader(self._read_step, t.global_batch_size, self.device.torch_device,
                                  depth=cfg.data.prefetch)
 
@@ -179,8 +183,8 @@ class Trainer:
                               store=self.rank.store, offload=offload)
 
     def train_step(self) -> dict[str, float] | None:
-        """zero_grad -> forward/backward -> finish -> clip -> check -> step. None: the step was rolled
-        back (train.on_nan=rollback; training/guard.py)."""
+        """zero_grad -> forward/backward -> finish -> check -> step. None: the step was rolled back
+        (train.on_nan=rollback; training/guard.py)."""
         extra = {"loss_scale": self.scaler.scale} if self.scaler is not None else {}  # this step's
         t = self.cfg.train
         self.engine.zero_grad()
@@ -188,28 +192,45 @@ class Trainer:
         start = self.progress.consumed_samples  # this step's samples: [start, start + global batch)
         self.engine.finish()  # reductions over dp (and a tied copy, tp partial sums, fp16 unscaling)
         spec = None
-        if t.post_validation:  # step now, validate after the norm's collective (optim/speculate.py)
+        if t.post_validation:  # step now, validate after the check's collective (optim/speculate.py)
             self.schedule.apply(self.engine.optimizer, self.progress.step)
             spec = self.engine.speculate()
-        grad_norm = self.engine.clip(self.cfg.optim.clip_grad, speculation=spec)
-        loss = self._global_loss(loss_sum)  # the same on every rank, as the norm: one decision everywhere
+        # The norm and the loss, the same on every rank: one decision everywhere.
+        grad_norm, loss = self.check.result(self.check.launch(self.engine, loss_sum), self.engine,
+                                            self.cfg.optim.clip_grad, speculation=spec)
+        bad, rolled_back = self._verdict(self.progress.step + 1, start, loss, grad_norm)
+        if rolled_back:
+            return None
+        lr = self.schedule.apply(self.engine.optimizer, self.progress.step)
+        if bad:  # on_nan=skip: the weights and optimizer state stay as they were
+            self.engine.undo(spec)
+        else:
+            self.engine.step(spec)  # not on a skipped fp16 step
+        self.progress.advance(t.global_batch_size)
+        return self._step_metrics(start, loss, grad_norm, lr, bad, extra)
+
+    def _verdict(self, step: int, start: int, loss: float, grad_norm: float) -> tuple[bool, bool]:
+        """(bad, rolled back) for step ``step`` (samples from ``start``): a bad step halts the run, rolls
+        it back to the newest checkpoint, or is to be skipped, as train.on_nan says (guard.py)."""
+        t = self.cfg.train
         why = None if self.engine.skipped else bad_step(loss, grad_norm, self.progress.recent_grad_norms,
                                                          t.spike_factor)
         bad = why is not None
         if bad and t.on_nan == "halt":
-            raise RunHalted(halt_message(self.progress.step + 1, loss, grad_norm, start,
-                                         start + t.global_batch_size, f"{why} (train.on_nan=halt)"))
+            raise RunHalted(halt_message(step, loss, grad_norm, start, start + t.global_batch_size,
+                                         f"{why} (train.on_nan=halt)"))
         if bad and t.on_nan == "rollback":
-            self._rollback(start, loss, grad_norm, why)
-            return None
+            self._rollback(step, start, loss, grad_norm, why)
+            return True, True
         if not bad and not self.engine.skipped and finite(loss, grad_norm):
             self.progress.recent_grad_norms = [*self.progress.recent_grad_norms, grad_norm][-SPIKE_WINDOW:]
-        lr = self.schedule.apply(self.engine.optimizer, self.progress.step)
-        if bad:  # on_nan=skip: the weights and optimizer state stay as they were
-            self.engine.undo(spec)
+        if bad:
             self.progress.skipped_steps += 1
-        else:
-            self.engine.step(spec)  # not on a skipped fp16 step
+        return bad, False
+
+    def _step_metrics(self, start: int, loss: float, grad_norm: float, lr: float, bad: bool,
+                      extra: dict) -> dict[str, float]:
+        t = self.cfg.train
         if self.scaler is not None:
             extra["skipped_steps"] = self.scaler.skipped
         elif t.on_nan == "skip":
@@ -218,13 +239,12 @@ class Trainer:
             extra["rollbacks"] = self.progress.rollbacks
         clip = self.cfg.optim.clip_grad
         clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
-        self.progress.advance(t.global_batch_size)
         return {"loss": loss, "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr,
-                **({"skipped": 1} if bad else {}), **extra}
+                "consumed_samples": start + t.global_batch_size, **({"skipped": 1} if bad else {}), **extra}
 
-    def _rollback(self, start: int, loss: float, grad_norm: float, why: str) -> None:
-        """Back to the newest checkpoint in save_dir, this step's samples added to the skip ranges."""
-        step, end = self.progress.step + 1, start + self.cfg.train.global_batch_size
+    def _rollback(self, step: int, start: int, loss: float, grad_norm: float, why: str) -> None:
+        """Back to the newest checkpoint in save_dir, step ``step``'s samples added to the skip ranges."""
+        end = start + self.cfg.train.global_batch_size
         self.checkpointer.wait()  # a background save in flight is committed first: it may be the newest good one
         manifest, passed = newest_complete(self.save_dir)
         if manifest is None or self._rollbacks >= MAX_ROLLBACKS:
@@ -244,16 +264,6 @@ class Trainer:
         self.progress.add_skip(start, end)
         self.metrics.message(f"step {step}: loss {loss} / grad norm {grad_norm}: {why}; rolled back to "
                              f"{manifest.path.name}, samples [{start}, {end}) will be skipped")
-
-    def _global_loss(self, loss_sum: float) -> float:
-        """The mean loss over the global batch, on every rank (a metric: its own ledger kinds)."""
-        loss_mean = torch.tensor(loss_sum / self.micro_steps, device=self.device.torch_device)
-        if self.pipeline is not None:  # the loss lives on the last stage
-            Comm(self.groups.pp, self.groups.ledger, tag="metrics.pp.").all_reduce(loss_mean)
-        if self.metrics_comm.size > 1:  # cp ranks hold shares of a replica's loss: summed, then dp's mean
-            self.metrics_comm.all_reduce(loss_mean)
-            loss_mean /= self.layout.dp
-        return float(loss_mean)
 
     def fit(self) -> list[float]:
         """Train until train.steps (or train.stop_at); return the losses of the steps run here."""
@@ -283,50 +293,74 @@ class Trainer:
         return losses
 
     def _loop(self, end: int, trace: TraceWindow, timer: StepTimer, losses: list[float]) -> None:
-        t, ck = self.cfg.train, self.cfg.checkpoint
-        tokens_per_step = t.global_batch_size * t.seq_length
         while self.progress.step < end:
             trace.before(self.progress.step)
             self.on_phase(f"step {self.progress.step + 1}")
+            for step, m, dt in self._steps(end, trace, timer):
+                if m is None:  # rolled back: the steps since the checkpoint run again
+                    timer.restart()
+                    continue
+                if self._after_step(step, m, dt, end, trace, timer, losses):
+                    for step, m, dt in self.overlap.drain() if self.overlap is not None else []:
+                        if m is not None:  # the step in flight, settled before the checkpoint
+                            self.metrics.log(step, self._record(step, m, dt, end, timer, losses))
+                    return
+
+    def _steps(self, end: int, trace: TraceWindow, timer: StepTimer) -> list[Settled]:
+        """The next step; the steps it settled (overlap.py), each with its wall time."""
+        if self.overlap is None:
             m = self.train_step()
-            if m is None:  # rolled back: the steps since the checkpoint run again
-                timer.restart()
-                continue
-            dt = timer.lap()  # also restarts the clock: saving and validation below are not step time
-            losses.append(m["loss"])
-            comm = self.groups.ledger.take()  # this step's training traffic (validation's is dropped below)
-            # Host time blocked in communication: what the step did not hide behind compute (comm.py).
-            blocked = {k: v for k, v in self.groups.ledger.take_seconds().items() if not k.startswith("metrics.")}
-            m.update({"tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                      "comm_bytes": sum(v for k, v in comm.items() if not k.startswith("metrics.")),
-                      "comm_bytes_by_kind": comm, "exposed_comm_s": sum(blocked.values()),
-                      "exposed_comm_s_by_kind": {k: round(v, 6) for k, v in blocked.items()},
-                      "consumed_samples": self.progress.consumed_samples,
-                      "elapsed_s": time.perf_counter() - self._fit_t0,  # with saves and validation
-                      "eta_s": timer.eta(end - self.progress.step)})
-            if self.pipeline is not None and self.pipeline.offload is not None:  # this rank's, to host and back
-                m["offload_bytes"] = self.pipeline.offload.moved_bytes
-            peak = self.device.max_memory_allocated()  # CUDA: the allocator's peak since start-up
-            if peak is not None:
-                m["mem_peak_bytes"] = peak
-            if self.spec.prediction is not None:
-                m["predicted_step_time_s"] = self.spec.prediction.step_time_s
-            step = self.progress.step
-            if self.spec.eval_tokens is not None and (step % self.cfg.eval.interval == 0 or step == end):
-                m["val_loss"] = self.validate()
-                self.groups.ledger.take()
-                self.groups.ledger.take_seconds()
-            self.metrics.log(step, m)
-            trace.after(step, self.spec.run_dir, self.layout.vpp, self.metrics if self.is_logger else None)
-            if self.checkpointer.pending is not None and (path := self.checkpointer.poll(self._everywhere)):
-                self.metrics.message(f"saved checkpoint {path} (in the background)")
-            if ck.save_interval and step % ck.save_interval == 0 and step != end:
-                self.save(background=ck.async_save)
-            if step != end and self.preemption.agreed():  # SIGTERM: a checkpoint now, then a clean end
-                self.metrics.message(f"SIGTERM: stopping after step {step} with a checkpoint; resume with "
-                                     "checkpoint.load=auto")
-                break
-            timer.restart()
+            return [(self.progress.step, m, timer.lap() if m is not None else 0.0)]
+        ck, s = self.cfg.checkpoint, self.progress.step + 1
+        # Settled at once where it must be seen done: the last step, validation, a checkpoint, the trace.
+        settle_now = (s >= end or (self.spec.eval_tokens is not None and s % self.cfg.eval.interval == 0)
+                      or bool(ck.save_interval and s % ck.save_interval == 0) or (s - 1) in trace.steps)
+        return self.overlap.step(settle_now, timer.lap)
+
+    def _record(self, step: int, m: dict, dt: float, end: int, timer: StepTimer, losses: list[float]) -> dict:
+        """The step's metrics with its time, traffic and memory."""
+        t = self.cfg.train
+        losses.append(m["loss"])
+        # Under overlap_validation: the traffic and blocked time of the call that settled it.
+        comm = self.groups.ledger.take()  # this step's training traffic (validation's is dropped after it)
+        # Host time blocked in communication: what the step did not hide behind compute (comm.py).
+        blocked = {k: v for k, v in self.groups.ledger.take_seconds().items() if not k.startswith("metrics.")}
+        m.update({"tokens_per_s": t.global_batch_size * t.seq_length / dt, "step_time_s": dt,
+                  "comm_bytes": sum(v for k, v in comm.items() if not k.startswith("metrics.")),
+                  "comm_bytes_by_kind": comm, "exposed_comm_s": sum(blocked.values()),
+                  "exposed_comm_s_by_kind": {k: round(v, 6) for k, v in blocked.items()},
+                  "elapsed_s": time.perf_counter() - self._fit_t0,  # with saves and validation
+                  "eta_s": timer.eta(end - step)})
+        if self.pipeline is not None and self.pipeline.offload is not None:  # this rank's, to host and back
+            m["offload_bytes"] = self.pipeline.offload.moved_bytes
+        peak = self.device.max_memory_allocated()  # CUDA: the allocator's peak since start-up
+        if peak is not None:
+            m["mem_peak_bytes"] = peak
+        if self.spec.prediction is not None:
+            m["predicted_step_time_s"] = self.spec.prediction.step_time_s
+        return m
+
+    def _after_step(self, step: int, m: dict, dt: float, end: int, trace: TraceWindow, timer: StepTimer,
+                    losses: list[float]) -> bool:
+        """Log step ``step``, then validation, trace, checkpoints as due; True: stop here (SIGTERM)."""
+        ck = self.cfg.checkpoint
+        m = self._record(step, m, dt, end, timer, losses)
+        if self.spec.eval_tokens is not None and (step % self.cfg.eval.interval == 0 or step == end):
+            m["val_loss"] = self.validate()
+            self.groups.ledger.take()
+            self.groups.ledger.take_seconds()
+        self.metrics.log(step, m)
+        trace.after(step, self.spec.run_dir, self.layout.vpp, self.metrics if self.is_logger else None)
+        if self.checkpointer.pending is not None and (path := self.checkpointer.poll(self._everywhere)):
+            self.metrics.message(f"saved checkpoint {path} (in the background)")
+        if ck.save_interval and step % ck.save_interval == 0 and step != end:
+            self.save(background=ck.async_save)
+        if step != end and self.preemption.agreed():  # SIGTERM: a checkpoint now, then a clean end
+            self.metrics.message(f"SIGTERM: stopping after step {self.progress.step} with a checkpoint; resume with "
+                                 "checkpoint.load=auto")
+            return True
+        timer.restart()
+        return False
 
     def validate(self) -> float:
         """Mean loss on eval.tokens (evaluation.py)."""

@@ -44,6 +44,9 @@ RUNS = {
     # optimizer post-validation: the step's copy of the parameters and Adam's state is the peak
     "zero0 fp32 post-validation": {"parallel.zero": 0, "model.vocab_size": 1024, "train.micro_batch_size": 1,
                                    "train.post_validation": True},
+    # ... overlapping the next step: that copy and the gradient shards' held through its forward/backward
+    "zero0 fp32 overlapped validation": {"parallel.zero": 0, "model.vocab_size": 1024, "train.micro_batch_size": 1,
+                                         "train.post_validation": True, "train.overlap_validation": True},
 }
 
 

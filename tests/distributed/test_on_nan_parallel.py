@@ -7,7 +7,8 @@ is injected on every rank into the output of every leaf module during the step t
 POISON, so the loss and every gradient (each stage's, each shard's) are NaN, as after a real blow-up.
 The ranks agree on the decision because the loss and norm are global; the losses of the guarded run
 must equal the oracle's bit for bit (the same reductions in the same order over the same samples),
-also with optimizer post-validation, whose speculative step on the poisoned gradients is undone.
+also with optimizer post-validation, whose speculative step on the poisoned gradients is undone, and
+with the check overlapping the next step (train.overlap_validation), which then runs again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ POISON = (POISON_STEP - 1) * GBS
 BASE = {"model": "tiny-llama", "train.seq_length": 32, "train.steps": 6, "train.global_batch_size": GBS,
         "train.micro_batch_size": 1, "train.device": "cpu", "optim.lr": 3e-3, "optim.decay": "constant",
         "data.prefetch": 0, "logging.progress": False}
+OVERLAP = {"train.post_validation": True, "train.overlap_validation": True}
 LAYOUTS = {"pp2_dp2_z1": {"parallel.pp": 2, "parallel.zero": 1}, "dp4_z3": {"parallel.zero": 3}}
 
 
@@ -64,6 +66,10 @@ def _worker(data: str, root: str) -> dict:
             "skip_pv": train(overrides(base, d / "skip_pv", **{"train.on_nan": "skip", "train.post_validation": True})),
             "rollback": train(overrides(base, d / "rollback", **{"train.on_nan": "rollback",
                                                                  "checkpoint.save_interval": 2})),
+            # overlapped: step 5 ran on the poisoned speculation before its check came back, and runs again
+            "skip_ov": train(overrides(base, d / "skip_ov", **{"train.on_nan": "skip", **OVERLAP})),
+            "rollback_ov": train(overrides(base, d / "rollback_ov", **{"train.on_nan": "rollback",
+                                                                       "checkpoint.save_interval": 2, **OVERLAP})),
         }
     return out
 
@@ -83,6 +89,10 @@ def test_skip_and_rollback_equal_a_run_without_the_samples(ranks, layout):
     assert skip[k] != skip[k]  # the poisoned step's loss is NaN, and it is skipped
     pv = got["skip_pv"]["losses"]  # the same with optimizer post-validation (its speculation undone)
     assert pv[:k] == skip[:k] and pv[k + 1:] == skip[k + 1:] and pv[k] != pv[k], (pv, skip)
+    ov = got["skip_ov"]["losses"]  # and with the check overlapping the next step (training/overlap.py)
+    assert ov[:k] == skip[:k] and ov[k + 1:] == skip[k + 1:] and ov[k] != ov[k], (ov, skip)
+    assert got["rollback_ov"]["steps"] == got["rollback"]["steps"]
+    assert got["rollback_ov"]["losses"] == back, (got["rollback_ov"]["losses"], back)
     # Rollback: steps 1-3, the poisoned step 4 is undone back to step 2's checkpoint, then 3.. on.
     assert got["rollback"]["steps"] == [1, 2, 3, 3, 4, 5, 6], got["rollback"]["steps"]
     assert back[:k] == oracle[:k] and back[k:k + 3] == oracle[k - 1:], (back, oracle)

@@ -261,8 +261,8 @@ def test_dp_traffic_is_two_psi_or_three(results, zero):
     gathered = 2 * psi - embed if str(zero).startswith("3") else psi  # elements all-gathered per step
     want = (psi + gathered if zero else 2 * psi) * (n - 1) / n * 4
     for by_kind in results[f"z{zero}"]["comm_by_kind"]:
-        dp = {k: v for k, v in by_kind.items() if k.startswith("dp.") and not k.startswith("dp.norm.")}
-        assert by_kind.get("dp.norm.all_reduce", 0) == (0 if zero == 0 else 2 * (n - 1) / n * 4)  # one fp32
+        dp = {k: v for k, v in by_kind.items() if k.startswith("dp.")}
+        assert by_kind["check.all_reduce"] == 2 * (n - 1) / n * 8  # the step check: norm and loss, two fp32
         assert set(dp) == ({"dp.all_reduce"} if zero == 0 else {"dp.reduce_scatter", "dp.all_gather"})
         assert sum(dp.values()) == pytest.approx(want, rel=1e-4)
         if zero:

@@ -178,3 +178,31 @@ def test_background_saves_are_whole_and_resume_exactly(tiny_data, tmp_path, orac
     assert res.returncode == 0, res.stderr[-3000:]
     got = _metrics(tmp_path / "b")
     assert got[0]["step"] == 7 and [m["loss"] for m in got] == [m["loss"] for m in oracle(ranks)[6:]]
+
+
+def test_sigterm_with_the_check_overlapping_the_next_step(tiny_data, tmp_path):
+    """train.overlap_validation (training/overlap.py): the step in flight when SIGTERM is agreed is settled,
+    logged and checkpointed; the stopped and resumed runs give the synchronous run's losses bit for bit
+    (with dropout: a step that ran on an undone speculation runs again with the same streams)."""
+    clip = "optim.clip_grad=1.4"  # this run's norms: 1.2-1.8, some steps clip (undone, redone), some do not
+    overlap = ("train.post_validation=true", "train.overlap_validation=true", clip)
+    synchronous = run_cli(_args(tiny_data, tmp_path / "sync", tmp_path / "sync_ck", clip))
+    assert synchronous.returncode == 0, synchronous.stderr[-3000:]
+    want = _metrics(tmp_path / "sync")
+    assert any(m["grad_norm"] > 1.4 for m in want) and any(m["grad_norm"] <= 1.4 for m in want)
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    proc = _start(_args(tiny_data, run, ck, *overlap))
+    _wait_for_step(proc, run, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = _metrics(run)
+    last = stopped[-1]["step"]
+    assert last < STEPS and (ck / "latest").read_text().strip() == f"step_{last:07d}"
+    assert f"SIGTERM: stopping after step {last}" in out
+    res = run_cli(_args(tiny_data, tmp_path / "resumed", ck, "checkpoint.load=auto", *overlap))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = stopped + _metrics(tmp_path / "resumed")
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want]
