@@ -36,6 +36,7 @@ from mpformer.parallel.spawn import run_distributed
 from mpformer.pipeline.actions import repeat
 from mpformer.pipeline.schedules import build_schedule
 from mpformer.pipeline.simulate import simulate, steady_state_bubble
+from mpformer.testing.memory import data_file
 
 MODES = {  # label -> overrides
     "synchronous": {},
@@ -44,20 +45,6 @@ MODES = {  # label -> overrides
     "overlapped, all redone": {"train.post_validation": True, "train.overlap_validation": True,
                                "optim.clip_grad": 1e-6},
 }
-
-
-def _data(root: Path, vocab: int) -> str:
-    import numpy as np
-
-    from mpformer.data.indexed import IndexedDatasetBuilder
-
-    prefix = root / "random_text_document"
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix, np.uint16)
-    for _ in range(400):
-        builder.add_document(np.append(rng.integers(1, vocab, size=int(rng.integers(200, 2000))), 0))
-    builder.finalize()
-    return str(prefix)
 
 
 def _worker(args: argparse.Namespace, data: str, root: str) -> dict:
@@ -108,7 +95,7 @@ def main() -> None:
     print(f"{args.schedule} pp={args.pp}, {args.microbatches} micro-batches of 1x{args.seq}, Llama h={args.hidden} "
           f"{args.layers} layers, {args.steps} steps (median after {args.warmup})")
     with tempfile.TemporaryDirectory() as root:
-        data = _data(Path(root), args.vocab)
+        data = data_file(Path(root), vocab=args.vocab, documents=400)
         res = run_distributed(_worker, args.pp, args=(args, data, root), timeout=1800)[0]
     sim = simulated(args)
     base = statistics.median(res["synchronous"]["step_s"][args.warmup:])
