@@ -212,15 +212,18 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
             return interpolate(slow, k * per_rank)
 
         fs, bs = fc, bc
+    # train.overlap_validation: steps run back to back, a step's check in flight during the next one's
+    # forward/backward (training/overlap.py); the pipeline term is their period, not one step alone
+    b2b = w.runtime.overlap_validation
     if L.pp > 1 and simulate_pipeline:
         costs = Costs(f=fs, b=bs, w=wc, p2p=p2p)
         blocking = not w.runtime.overlap_p2p
-        pipe = pipeline_time(L.schedule, L.pp, micro_batches, L.vpp, costs, dilation, blocking, k)
+        pipe = pipeline_time(L.schedule, L.pp, micro_batches, L.vpp, costs, dilation, blocking, k, b2b)
         if dilation is None:  # past 2p micro-batches the timeline is extrapolated: never below the bound
-            pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, costs, blocking, k))
+            pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, costs, blocking, k, b2b))
     else:  # the closed form: a lower bound of the simulated timeline, equal to it for even stages
         pipe = pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
-                              blocking=not w.runtime.overlap_p2p, slices=k)
+                              blocking=not w.runtime.overlap_p2p, slices=k, back_to_back=b2b)
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
     if dilation is not None:

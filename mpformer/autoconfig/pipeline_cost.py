@@ -17,9 +17,9 @@ from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.sharing import shared_step_time
 from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES, ParallelLayout
 from mpformer.core.model_config import ModelConfig
-from mpformer.pipeline.actions import Schedule
+from mpformer.pipeline.actions import Schedule, repeat
 from mpformer.pipeline.simulate import Costs
-from mpformer.pipeline.timeline import CompiledTimeline, compile_schedule
+from mpformer.pipeline.timeline import CompiledTimeline, compile_schedule, compile_timeline
 
 if TYPE_CHECKING:
     from mpformer.autoconfig.memory import Workload
@@ -39,8 +39,15 @@ def _compiled(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1) 
     return compile_schedule(name, pp, microbatches, vpp, slices)
 
 
+@lru_cache(maxsize=64)
+def _compiled_steps(name: str, pp: int, microbatches: int, vpp: int, slices: int, steps: int) -> CompiledTimeline:
+    """``steps`` steps of the schedule back to back (actions.repeat), compiled."""
+    return compile_timeline(repeat(_schedule(name, pp, microbatches, vpp, slices), steps))
+
+
 def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs,
-                  dilation: Callable[[int], float] | None = None, blocking: bool = False, slices: int = 1) -> float:
+                  dilation: Callable[[int], float] | None = None, blocking: bool = False, slices: int = 1,
+                  back_to_back: bool = False) -> float:
     """simulate()'s step time of the schedule. Past p micro-batches (ZB-H2: its minimum, 2p - 1) every
     schedule here but the V ones (below) is in its steady state, where each further micro-batch adds the same time: the
     timelines at that many and p more micro-batches are simulated and extended linearly (tests check
@@ -50,34 +57,48 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
     sharing cores); the timeline is then the processor-sharing fixed point of ``shared_step_time``.
     ``blocking``: each batched send/receive group blocks its rank until it completes (an engine
     without p2p overlap: Megatron-LM's and DeepSpeed's pipelines before MegaScale's change).
-    ``slices``: token slices, ``costs`` then price one slice (one unit of the schedule)."""
+    ``slices``: token slices, ``costs`` then price one slice (one unit of the schedule).
+    ``back_to_back``: the period of steps run with no barrier between them (train.overlap_validation:
+    a rank starts the next step as soon as its own optimizer step is taken, the check of the step
+    still in flight), the growth of the time from two to three steps, as simulate.steady_state_bubble
+    takes it; a step's drain then overlaps the next one's fill where the schedule lets it (ZB-H2 and
+    the V schedules, whose first rank finishes early; 1F1B's first rank finishes last, so not there)."""
     from mpformer.core.layout import min_microbatches
     from mpformer.pipeline.simulate import simulate
 
-    def run(mb: int) -> float:
+    def steps(mb: int, k: int) -> float:
+        one = _schedule(schedule, pp, mb, vpp, slices)
         if dilation is not None:
-            return shared_step_time(_schedule(schedule, pp, mb, vpp, slices), costs, dilation)
+            return shared_step_time(one if k == 1 else repeat(one, k), costs, dilation)
         if not blocking:  # the same timeline, compiled once per schedule (pipeline/timeline.py)
-            return _compiled(schedule, pp, mb, vpp, slices).step_time(costs)
-        return simulate(_schedule(schedule, pp, mb, vpp, slices), costs, verified=True, blocking=blocking).step_time
+            compiled = _compiled(schedule, pp, mb, vpp, slices) if k == 1 else \
+                _compiled_steps(schedule, pp, mb, vpp, slices, k)
+            return compiled.step_time(costs)
+        return simulate(one if k == 1 else repeat(one, k), costs, verified=True, blocking=blocking).step_time
+
+    def run(mb: int) -> float:
+        return steps(mb, 3) - steps(mb, 2) if back_to_back else steps(mb, 1)
 
     lo = max(pp, min_microbatches(schedule, pp))  # ZB-H2 runs from 2p - 1 micro-batches
-    hi = lo + pp
+    hi, whole = lo + pp, lo + pp
     if schedule in V_SCHEDULES:
         # The V schedules settle late, into cycles whose length depends on the costs: timed whole up
         # to 8p micro-batches, beyond that extended from 4p and 6p (within 0.7% of the whole timeline
         # on random stage costs, p <= 8, at 8p and 16p; tests/unit/test_autoconfig_cost.py holds 1%)
-        lo, hi = 4 * pp, 6 * pp
-        if microbatches <= 8 * pp:
-            return run(microbatches)
-    elif microbatches <= hi:
+        lo, hi, whole = 4 * pp, 6 * pp, 8 * pp
+    if back_to_back:
+        # A step's tail meets the next one's head: with uneven stages the period grows linearly in m
+        # only from up to 7p micro-batches on (ZB-H2 on random stage costs, p <= 6): timed whole up
+        # to 10p, beyond that extended from 8p and 10p.
+        lo, hi, whole = 8 * pp, 10 * pp, 10 * pp
+    if microbatches <= whole:
         return run(microbatches)
     t_lo, t_hi = run(lo), run(hi)
     return t_hi + (microbatches - hi) * (t_hi - t_lo) / (hi - lo)
 
 
 def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs, blocking: bool = False,
-                   slices: int = 1) -> float:
+                   slices: int = 1, back_to_back: bool = False) -> float:
     """A lower bound of simulate()'s step time for every generated schedule, in closed form (the
     search ranks every plan by it and simulates only those that can still win, search.py).
 
@@ -88,7 +109,9 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     first chunk, after which the stages before it still run theirs, tail_r = sum of B and p2p over
     stages < r. T >= max_r fill_r + work_r + tail_r, which is the simulated time when stages are
     equal ((m + p - 1) slots of 1F1B, (p - 1) / v of interleaving's fill); the zero-bubble schedules
-    may run W after that backward, so their tail is not counted."""
+    may run W after that backward, so their tail is not counted. ``back_to_back`` (the period of
+    steps with no barrier between them): each rank still does its work once per period, but the
+    fill and the tail may overlap the steps beside it, so they are not counted."""
     f = [costs._at("f", s) for s in range(pp * vpp)]
     b = [costs._at("b", s) for s in range(pp * vpp)]
     w = [costs._at("w", s) for s in range(pp * vpp)]
@@ -102,8 +125,8 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     for r in range(pp):
         mine = (r, 2 * pp - 1 - r) if schedule in V_SCHEDULES else range(r, pp * vpp, pp)
         work = microbatches * sum(f[s] + b[s] + w[s] for s in mine) + extra
-        fill = sum(f[:r]) + r * hop
-        tail = 0.0 if schedule in SPLIT_BACKWARD else sum(b[:r]) + r * hop
+        fill = 0.0 if back_to_back else sum(f[:r]) + r * hop
+        tail = 0.0 if schedule in SPLIT_BACKWARD or back_to_back else sum(b[:r]) + r * hop
         best = max(best, fill + work + tail)
     return best
 

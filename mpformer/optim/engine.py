@@ -37,7 +37,7 @@ gradient buffer outlives its backward; their buffers come from a pool (stage 3: 
 ``finish()`` makes the gradients final in the order the step needs them: a tied embedding's two
 pipeline copies summed, every reduction launched and waited for, partial tensor-parallel gradients
 summed over tp, and for fp16 the loss scale divided out (an inf or nan anywhere skips the step).
-``clip()`` takes one global norm over the shards, each element counted once over dp, tp and pp;
+``clip()`` (stepping.py) takes one global norm over the shards, each element counted once over dp, tp and pp;
 ``step()`` runs the wrapped elementwise optimizer on this rank's shard, casts the masters back into
 16-bit parameters and posts the parameters' all-gather (stages 1-2), which each block waits for
 when its next forward begins (param_gather.py). Every rank must produce gradients
@@ -51,7 +51,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mpformer.checkpoint.rows import canonical_rows
@@ -65,8 +64,8 @@ from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.param_gather import ParamGather
-from mpformer.optim.speculate import Speculation
 from mpformer.optim.state import EngineState
+from mpformer.optim.stepping import EngineStep
 from mpformer.optim.units import ZERO3_DEFAULTS, Zero3Settings, build_units
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import DeviceLike
@@ -115,7 +114,7 @@ class ShardParam:
     master: torch.Tensor
 
 
-class GradEngine:
+class GradEngine(EngineStep):
     def __init__(self, model: nn.Module, red: Reduction, *, stage: int, groups: Sequence[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
                  param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
@@ -329,7 +328,7 @@ class GradEngine:
         for b in self.buckets:
             b.reset(self.persistent)
 
-    # ---- norm, fp16, step ----------------------------------------------------------------------
+    # ---- the gradient shards (the step itself: stepping.py) --------------------------------------
     def shard_grads(self, specs: Sequence[GradSpec]) -> list[tuple[torch.Tensor, GradSpec]]:
         """This rank's part of each spec's gradient block (views into the gradient shards)."""
         by_param: dict[int, list[ShardParam]] = {}
@@ -345,122 +344,6 @@ class GradEngine:
                 if a < b:
                     out.append((s.master.grad.reshape(-1)[a - s.piece.lo:b - s.piece.lo], spec))
         return out
-
-    def _world_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        for comm in (self._norm_comm if self.stage > 0 else None, self.red.tp, self.red.pp):
-            if comm is not None and comm.size > 1:
-                comm.all_reduce(t, op=op)
-
-    def norm_square(self, *, world: bool = False) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm. ``world``: for one sum over every rank
-        (the trainer's step check), where the data replicas of stage 0, holding the same gradients,
-        count once (the first); otherwise for ``_world_reduce``'s groups."""
-        total = torch.zeros((), device=self.buckets[0].grad_shard.device)
-        if world and self.stage == 0 and self.comm.rank != 0:
-            return total
-        for g, spec in self.shard_grads(self._norm_specs):
-            total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
-        return total
-
-    def clip(self, max_norm: float, *, speculation: Speculation | None = None) -> float:
-        """The global gradient norm before clipping (nan on a skipped step); scales the gradient shards
-        when it exceeds ``max_norm`` (0: no clipping). After a speculative step (``speculate``) the
-        scaling waits for ``step(speculation)``, which redoes the step when it is needed."""
-        if self.skipped:
-            return float("nan")
-        total = self.norm_square()
-        self._world_reduce(total)
-        return self.take_norm(total.sqrt(), max_norm, speculation=speculation)
-
-    def take_norm(self, norm: torch.Tensor, max_norm: float, *, speculation: Speculation | None = None) -> float:
-        """``clip`` given the global norm, reduced elsewhere (the trainer's one collective per step)."""
-        if self.skipped:
-            return float("nan")
-        self._coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
-        if self._coeff is not None and speculation is None:
-            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
-        return float(norm)
-
-    def speculate(self, *, publish: bool = False) -> Speculation | None:
-        """Optimizer post-validation (speculate.py): the step taken now, on unclipped gradients, the
-        state it changes saved first; None on a skipped fp16 step (nothing to take). ``publish``: the
-        parameters written and gathered at once, for the next step to run on before the check
-        (train.overlap_validation); the gradients are kept too, to redo the step clipped after the next
-        step's reductions have overwritten them; ``settle`` ends it."""
-        if self.skipped:
-            return None
-        spec = Speculation.take(self.optimizer, grads=[b.grad_shard for b in self.buckets] if publish else None)
-        self.optimizer.step()
-        if publish:
-            self.steps_taken += 1
-            self._publish()
-        return spec
-
-    def settle(self, speculation: Speculation, *, skip: bool) -> bool:
-        """A published speculative step after its check (``take_norm``): kept, or undone and, unless
-        ``skip``, redone on its clipped gradients, its parameters written and gathered again. True when
-        the parameters changed: what ran on them since must run again."""
-        clipped = self._coeff is not None and float(self._coeff) < 1.0
-        if not skip and not clipped:
-            return False
-        self.wait_params()  # the speculative gather must not land on the restored parameters
-        speculation.restore(self.optimizer)
-        if skip:
-            self.steps_taken -= 1
-        else:
-            for b, g in zip(self.buckets, speculation.grads):
-                b.grad_shard.copy_(g)
-            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
-            self.optimizer.step()
-        self._publish()
-        return True
-
-    def undo(self, speculation: Speculation | None) -> None:
-        """A speculative step that should not have happened (a bad step skipped): state as before."""
-        if speculation is not None:
-            speculation.restore(self.optimizer)
-
-    def _unscale(self, inv_scale: float) -> bool:
-        """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
-        found = torch.zeros((), device=self.buckets[0].grad_shard.device)
-        for b in self.buckets:
-            b.grad_shard.mul_(inv_scale)
-            found = torch.maximum(found, (~torch.isfinite(b.grad_shard)).any().float())
-        self._world_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found)
-
-    def write_back(self) -> None:
-        """16-bit parameters: the masters cast into this rank's part of them."""
-        for s in self.shards:
-            b = self.buckets[s.bucket]
-            if b.masters is not None and b.param_shard is not None:  # stage 3 casts the masters when gathering
-                b.param_shard[s.piece.shard_offset:s.piece.shard_offset + s.piece.numel].copy_(s.master)
-
-    def step(self, speculation: Speculation | None = None) -> None:
-        """The wrapped optimizer on this rank's shard, then (stages 1-2) the parameters all-gathered.
-        After a speculative step: kept when ``clip`` found no clipping, else undone and redone on the
-        clipped gradients (the synchronous step's arithmetic, in its order)."""
-        if self.skipped:
-            return
-        if speculation is None:
-            self.optimizer.step()
-        elif self._coeff is not None and float(self._coeff) < 1.0:
-            speculation.restore(self.optimizer)
-            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
-            self.optimizer.step()
-        self.steps_taken += 1
-        self._publish()
-
-    def _publish(self) -> None:
-        """The stepped masters into the 16-bit parameters and (stages 1-2) gathered."""
-        self.write_back()
-        if self.param_gather is not None:
-            self.param_gather.launch()  # each block waits for its own buckets in its next forward
-
-    def wait_params(self) -> None:
-        """Every parameter gathered (stages 1-2: what the step's overlapped all-gathers still owe)."""
-        if self.param_gather is not None:
-            self.param_gather.wait()
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, counted from the tensors (memory.py)."""

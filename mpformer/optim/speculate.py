@@ -7,7 +7,7 @@ first) idles until then. With ``train.post_validation=true`` a rank steps its op
 own gradients are final, speculating that the step needs no clipping and is not to be skipped, and
 only then joins the norm's all-reduce; when the completed check says otherwise, the speculation is
 undone exactly (the state it changed was saved before it) and the step is redone clipped, or not at
-all. Equal to the synchronous step bit for bit in every case (tests/distributed/test_post_validation.py).
+all. Equal to the synchronous step bit for bit in every case (tests/distributed/test_pipeline.py).
 
 What is saved: every parameter the wrapped optimizer steps (the fp32 masters, or the parameters
 themselves in fp32) and every tensor of its state (Adam's moments and step counts): at most one more

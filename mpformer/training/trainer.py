@@ -9,28 +9,21 @@ The reported loss is the mean over the whole global batch, identical for every d
 
 where the gradient engine (optim/engine.py) owns everything between backward and the update. The
 trainer takes only the run specification that preflight resolved (config, layout, dataset, eval
-tokens, prediction) and the process groups; its checkpoint is a list of parts (checkpointer.py).
+tokens, prediction) and the process groups; its checkpoint is a list of parts (run_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from mpformer.checkpoint.checkpointer import Checkpointer, Manifest, Part
-from mpformer.checkpoint.io import verify_checksums
-from mpformer.checkpoint.manifest import MANIFEST, check_model_matches, newest_complete
-from mpformer.core.config import LOAD_AUTO
-from mpformer.core.errors import ConfigError, RunHalted
-from mpformer.core.layout import ParallelLayout
+from mpformer.core.errors import RunHalted
 from mpformer.data.loader import StepLoader
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices, sample_origin
-from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.models.parallelize import build_rank, grad_specs
 from mpformer.optim.builder import build_engine
 from mpformer.optim.engine import REDUCE_DTYPES, Reduction, TiedCopy
@@ -51,6 +44,7 @@ from mpformer.training.overlap import OverlappedSteps, Settled, StepCheck, check
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
 from mpformer.training.reporting import TraceWindow, banner, check_vocab, memory_report
+from mpformer.training.run_checkpoint import RunCheckpoint
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,22 +92,13 @@ class Trainer:
         self.progress = Progress(cfg.data.skip_ranges)
         self.preemption = Preemption(self.device.torch_device)
         self._saved_step: int | None = None  # the step of this run's newest checkpoint
-        self._rolling_back, self._rollbacks = False, 0
+        self._rollbacks = 0
         self.on_phase: Callable[[str], None] = lambda phase: None  # the heartbeat's (parallel/watchdog.py)
         self.rng = DropoutStreams(self.device, self.tp.rng, t.seed + groups.dropout_offset())
-        tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
-        if tok is None and spec.manifest is not None and spec.manifest.tokenizer:
-            tok = spec.manifest.path / spec.manifest.tokenizer  # keep carrying it
-        self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else spec.run_dir / "checkpoints"
-        self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=groups.rank, keep=cfg.checkpoint.keep,
-                                         extra=lambda: self._manifest(tok), owner=lambda: self.progress.run_id,
-                                         populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
-        # Background saves coordinate over a gloo group of their own: the DCP thread's collectives must not
-        # interleave with training's (torchtitan does the same).
-        self.save_group = (torch.distributed.new_group(backend="gloo")
-                           if cfg.checkpoint.async_save and layout.world_size > 1 else None)
+        self.ckpt = RunCheckpoint(self)
+        self.checkpointer, self.save_dir = self.ckpt.checkpointer, self.ckpt.save_dir
         if spec.manifest is not None:
-            self.checkpointer.load(self._verified(spec.manifest))
+            self.ckpt.load_start(spec.manifest)
         else:
             self.rng.reseed(0)
         self.is_logger = groups.is_logging_rank
@@ -245,8 +230,7 @@ class Trainer:
     def _rollback(self, step: int, start: int, loss: float, grad_norm: float, why: str) -> None:
         """Back to the newest checkpoint in save_dir, step ``step``'s samples added to the skip ranges."""
         end = start + self.cfg.train.global_batch_size
-        self.checkpointer.wait()  # a background save in flight is committed first: it may be the newest good one
-        manifest, passed = newest_complete(self.save_dir)
+        manifest, passed = self.ckpt.newest()
         if manifest is None or self._rollbacks >= MAX_ROLLBACKS:
             stop = (f"train.on_nan=rollback found no checkpoint in {self.save_dir}" if manifest is None
                     else f"{MAX_ROLLBACKS} rollbacks in this run already")
@@ -254,11 +238,7 @@ class Trainer:
         for line in passed:
             self.metrics.message(f"warning: rollback passes over {line}")
         self.engine.zero_grad()
-        self._rolling_back = True
-        try:
-            self.checkpointer.load(manifest)
-        finally:
-            self._rolling_back = False
+        self.ckpt.roll_back_to(manifest)
         self._rollbacks += 1
         self.progress.rollbacks += 1
         self.progress.add_skip(start, end)
@@ -375,7 +355,7 @@ class Trainer:
         self.on_phase(f"the checkpoint save after step {self.progress.step}")
         if (done := self.checkpointer.wait()) is not None:  # at most one in flight: the previous one first
             self.metrics.message(f"saved checkpoint {done} (in the background)")
-        path = self.checkpointer.save(self.progress.step, group=self.save_group, background=background)
+        path = self.checkpointer.save(self.progress.step, group=self.ckpt.save_group, background=background)
         self._saved_step = self.progress.step
         if path is not None:
             self.metrics.message(f"saved checkpoint {path}")
@@ -384,66 +364,3 @@ class Trainer:
     def _everywhere(self, mine: bool) -> bool:
         """True on every rank if it is true on every rank (a one-element all-reduce MIN)."""
         return agree(mine, self.device.torch_device, any_rank=False)
-
-    def _manifest(self, tokenizer: Path | None) -> dict:
-        out = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
-               "world_size": self.layout.world_size, "config": self.spec.resolved}
-        if tokenizer is not None:
-            out["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
-        return out
-
-    def _parts(self) -> list[Part]:
-        """Weights and optimizer state; where the run stands; the loss scale; the dropout streams."""
-        parts = [Part("model", tensors=self.engine.tensors, load_tensors=self._load_tensors),
-                 Part("trainer", state=lambda: self.progress.state(self.cfg), load_state=self._load_progress)]
-        if self.scaler is not None:
-            parts.append(Part("loss_scaler", state=self.scaler.state_dict, load_state=self._load_scaler))
-        parts.append(Part("rng", rank_state=self.rng.state, load_rank_state=self._load_rng))
-        return parts
-
-    def _verified(self, manifest: Manifest) -> Manifest:
-        """The checkpoint to load, its checksums verified by all ranks together. A damaged one fails,
-        naming the file; when it was the newest of a save_dir (checkpoint.load=auto or a save_dir), the
-        next older intact one is taken instead, with a warning naming what was wrong."""
-        load = self.cfg.checkpoint.load
-        from_dir = load == LOAD_AUTO or (load is not None and not (Path(load) / MANIFEST).is_file())
-        save_dir = self.save_dir if load == LOAD_AUTO else Path(str(load))
-        while (bad := verify_checksums(manifest)) is not None:
-            older, passed = newest_complete(save_dir, below=manifest.step) if from_dir else (None, [])
-            if older is None:
-                raise ConfigError(f"{bad}; no older intact checkpoint to fall back to" if from_dir else bad)
-            for line in [bad, *passed]:
-                self._warn(f"warning: {line}; falling back to {older.path}")
-            check_model_matches(older, self.cfg.model)
-            manifest = older
-        return manifest
-
-    def _warn(self, text: str) -> None:
-        """A line from rank 0 (before the metrics logger exists)."""
-        if self.groups.rank == 0:
-            print(text, file=sys.stderr, flush=True)
-
-    def _resuming(self, manifest: Manifest) -> bool:
-        """A resume continues the saved run (optimizer state, counters); a fine-tune takes the weights."""
-        return manifest.has_optimizer and (self._rolling_back or not self.cfg.checkpoint.finetune)
-
-    def _load_tensors(self, step_dir: str, manifest: Manifest) -> None:
-        self.engine.load(step_dir, optimizer=self._resuming(manifest))
-
-    def _load_progress(self, state: dict | None, manifest: Manifest) -> None:
-        if state is not None and self._resuming(manifest):
-            self.progress.load(state)
-
-    def _load_scaler(self, state: dict | None, manifest: Manifest) -> None:
-        saved = state if state is not None else (manifest.get("trainer") or {}).get("loss_scaler")
-        if saved and self._resuming(manifest):
-            self.scaler.load_state_dict(saved)
-
-    def _load_rng(self, saved: dict | None, manifest: Manifest) -> None:
-        """The saved streams when this rank continues the same rank of the same layout, else fresh ones."""
-        saved_layout = manifest.layout  # as a layout: a key added since then takes its default
-        same = saved_layout is not None and ParallelLayout(**saved_layout).to_dict() == self.layout.to_dict()
-        if saved is None or not self.progress.step or not same:
-            self.rng.reseed(self.progress.step)
-        else:
-            self.rng.load(saved)

@@ -93,6 +93,61 @@ def test_v_schedules_long_timelines_are_extended_within_one_percent(name):
             assert pipeline_time(name, p, m, 2, costs) == pytest.approx(full, rel=1e-9 if m == 8 * p else 1e-2)
 
 
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2),
+                                      ("dualpipev", 2)])
+def test_back_to_back_period_is_the_repeated_timelines_growth(name, vpp):
+    """train.overlap_validation prices the period of steps with no barrier between them: simulate's
+    time of three steps back to back less that of two (actions.repeat), timed whole up to 10p
+    micro-batches, extended beyond (within 1% on random uneven stages); the closed form stays a lower
+    bound of it; and it is never longer than one step alone."""
+    import random
+
+    from mpformer.autoconfig.pipeline_cost import pipeline_bound, pipeline_time
+    from mpformer.pipeline.actions import repeat
+    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.simulate import Costs, simulate
+
+    rng = random.Random(1)
+    for p in (2, 4):
+        st = p * vpp
+        for _ in range(2):
+            costs = Costs(f=[rng.uniform(0.5, 1.5) for _ in range(st)], b=[rng.uniform(0.5, 1.5) for _ in range(st)],
+                          w=[rng.uniform(0.3, 1.0) for _ in range(st)], p2p=rng.uniform(0.0, 0.2))
+            for m in (4 * p, 10 * p, 17 * p):
+                s = build_schedule(name, p, m, vpp)
+                full = simulate(repeat(s, 3), costs).step_time - simulate(repeat(s, 2), costs).step_time
+                got = pipeline_time(name, p, m, vpp, costs, back_to_back=True)
+                assert got == pytest.approx(full, rel=1e-9 if m <= 10 * p else 1e-2), (p, m)
+                assert pipeline_bound(name, p, m, vpp, costs, back_to_back=True) <= full * (1 + 1e-12)
+                assert full <= simulate(s, costs).step_time * (1 + 1e-12)
+
+
+def test_overlap_validation_prices_zb_h2_without_its_bubble():
+    """Qi et al.'s setting, T_F = T_B = T_W at p = 6, m = 24: one ZB-H2 step alone keeps 5 units of fill
+    and drain (77 for 72 of work each); back to back, under train.overlap_validation, none (72);
+    1F1B's first rank ends every step with a backward that waits for the last stage's, so its period
+    is a whole step. The cost model's iteration follows the runtime's setting (what is left of the
+    bubble there is the stages' imbalance: the embedding's and the head's)."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cluster import load_cluster
+    from mpformer.autoconfig.pipeline_cost import pipeline_time
+    from mpformer.autoconfig.runtimes import MPFORMER
+    from mpformer.pipeline.simulate import Costs
+
+    even = Costs(f=1.0, b=1.0, w=1.0, p2p=0.0)
+    assert pipeline_time("zb-h2", 6, 24, 1, even) == pytest.approx(77.0)
+    assert pipeline_time("zb-h2", 6, 24, 1, even, back_to_back=True) == pytest.approx(72.0)
+    assert pipeline_time("1f1b", 6, 24, 1, even, back_to_back=True) == pytest.approx(87.0)
+    c = load_cluster("dgx-a100-80gb")
+    lay = ParallelLayout(tp=1, pp=4, dp=1, schedule="zb-h2")
+    w = Workload(global_batch_size=8, micro_batch_size=1, seq_length=2048, precision="bf16")
+    w_ov = replace(w, runtime=replace(MPFORMER, post_validation=True, overlap_validation=True))
+    alone, ov = (iteration_time(GPT, lay, x, c, params_per_rank=10**9) for x in (w, w_ov))
+    assert ov.pp_bubble_s < 0.8 * alone.pp_bubble_s and ov.iteration_s < alone.iteration_s
+    assert ov.compute_s == alone.compute_s
+
+
 @pytest.mark.parametrize("name,pp,m", [("gpipe", 2, 2), ("1f1b", 4, 8), ("zb-h1", 4, 8)])
 def test_shared_step_time_is_processor_sharing(name, pp, m):
     """Ranks sharing cores, against what processor sharing must give: a core each (dilation 1) is the

@@ -1,0 +1,165 @@
+"""The gradient engine's end of a step: the global norm, clipping, the fp16 inf check, the optimizer step
+and its speculative form (optimizer post-validation, speculate.py), and the parameters written back
+and gathered.
+
+A mix-in of ``GradEngine`` (engine.py), which owns the buckets and reductions these work on; kept
+apart because the step's order is what post-validation changes, and it reads best in one place:
+
+    synchronous            clip (norm over dp, tp, pp; scale) -> step -> publish
+    post-validation        speculate (step on unclipped) -> clip -> step(speculation): kept, or
+                           restored and redone clipped
+    overlap_validation     speculate(publish=True) -> the next step's forward/backward -> take_norm
+                           (the trainer's one all-reduce) -> settle: kept, or restored, redone or
+                           skipped, published again
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from mpformer.optim.speculate import Speculation
+from mpformer.parallel.comm import Comm
+from mpformer.parallel.tensor_parallel import GradSpec
+
+if TYPE_CHECKING:
+    from mpformer.optim.bucket import Bucket
+    from mpformer.optim.engine import Reduction, ShardParam
+    from mpformer.optim.param_gather import ParamGather
+
+
+class EngineStep:
+    """The step's methods; the attributes are GradEngine's."""
+
+    buckets: list[Bucket]
+    shards: list[ShardParam]
+    optimizer: torch.optim.Optimizer
+    param_gather: ParamGather | None
+    stage: int
+    comm: Comm
+    red: Reduction
+    skipped: bool
+    steps_taken: int
+    _coeff: torch.Tensor | None
+    _norm_comm: Comm
+    _norm_specs: list[GradSpec]
+    shard_grads: Callable[[Sequence[GradSpec]], list[tuple[torch.Tensor, GradSpec]]]
+
+    def _world_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        for comm in (self._norm_comm if self.stage > 0 else None, self.red.tp, self.red.pp):
+            if comm is not None and comm.size > 1:
+                comm.all_reduce(t, op=op)
+
+    def norm_square(self, *, world: bool = False) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm. ``world``: for one sum over every rank
+        (the trainer's step check), where the data replicas of stage 0, holding the same gradients,
+        count once (the first); otherwise for ``_world_reduce``'s groups."""
+        total = torch.zeros((), device=self.buckets[0].grad_shard.device)
+        if world and self.stage == 0 and self.comm.rank != 0:
+            return total
+        for g, spec in self.shard_grads(self._norm_specs):
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
+        return total
+
+    def clip(self, max_norm: float, *, speculation: Speculation | None = None) -> float:
+        """The global gradient norm before clipping (nan on a skipped step); scales the gradient shards
+        when it exceeds ``max_norm`` (0: no clipping). After a speculative step (``speculate``) the
+        scaling waits for ``step(speculation)``, which redoes the step when it is needed."""
+        if self.skipped:
+            return float("nan")
+        total = self.norm_square()
+        self._world_reduce(total)
+        return self.take_norm(total.sqrt(), max_norm, speculation=speculation)
+
+    def take_norm(self, norm: torch.Tensor, max_norm: float, *, speculation: Speculation | None = None) -> float:
+        """``clip`` given the global norm, reduced elsewhere (the trainer's one collective per step)."""
+        if self.skipped:
+            return float("nan")
+        self._coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
+        if self._coeff is not None and speculation is None:
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
+        return float(norm)
+
+    def speculate(self, *, publish: bool = False) -> Speculation | None:
+        """Optimizer post-validation (speculate.py): the step taken now, on unclipped gradients, the
+        state it changes saved first; None on a skipped fp16 step (nothing to take). ``publish``: the
+        parameters written and gathered at once, for the next step to run on before the check
+        (train.overlap_validation); the gradients are kept too, to redo the step clipped after the next
+        step's reductions have overwritten them; ``settle`` ends it."""
+        if self.skipped:
+            return None
+        spec = Speculation.take(self.optimizer, grads=[b.grad_shard for b in self.buckets] if publish else None)
+        self.optimizer.step()
+        if publish:
+            self.steps_taken += 1
+            self._publish()
+        return spec
+
+    def settle(self, speculation: Speculation, *, skip: bool) -> bool:
+        """A published speculative step after its check (``take_norm``): kept, or undone and, unless
+        ``skip``, redone on its clipped gradients, its parameters written and gathered again. True when
+        the parameters changed: what ran on them since must run again."""
+        clipped = self._coeff is not None and float(self._coeff) < 1.0
+        if not skip and not clipped:
+            return False
+        self.wait_params()  # the speculative gather must not land on the restored parameters
+        speculation.restore(self.optimizer)
+        if skip:
+            self.steps_taken -= 1
+        else:
+            for b, g in zip(self.buckets, speculation.grads):
+                b.grad_shard.copy_(g)
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
+            self.optimizer.step()
+        self._publish()
+        return True
+
+    def undo(self, speculation: Speculation | None) -> None:
+        """A speculative step that should not have happened (a bad step skipped): state as before."""
+        if speculation is not None:
+            speculation.restore(self.optimizer)
+
+    def _unscale(self, inv_scale: float) -> bool:
+        """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
+        found = torch.zeros((), device=self.buckets[0].grad_shard.device)
+        for b in self.buckets:
+            b.grad_shard.mul_(inv_scale)
+            found = torch.maximum(found, (~torch.isfinite(b.grad_shard)).any().float())
+        self._world_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found)
+
+    def write_back(self) -> None:
+        """16-bit parameters: the masters cast into this rank's part of them."""
+        for s in self.shards:
+            b = self.buckets[s.bucket]
+            if b.masters is not None and b.param_shard is not None:  # stage 3 casts the masters when gathering
+                b.param_shard[s.piece.shard_offset:s.piece.shard_offset + s.piece.numel].copy_(s.master)
+
+    def step(self, speculation: Speculation | None = None) -> None:
+        """The wrapped optimizer on this rank's shard, then (stages 1-2) the parameters all-gathered.
+        After a speculative step: kept when ``clip`` found no clipping, else undone and redone on the
+        clipped gradients (the synchronous step's arithmetic, in its order)."""
+        if self.skipped:
+            return
+        if speculation is None:
+            self.optimizer.step()
+        elif self._coeff is not None and float(self._coeff) < 1.0:
+            speculation.restore(self.optimizer)
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
+            self.optimizer.step()
+        self.steps_taken += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        """The stepped masters into the 16-bit parameters and (stages 1-2) gathered."""
+        self.write_back()
+        if self.param_gather is not None:
+            self.param_gather.launch()  # each block waits for its own buckets in its next forward
+
+    def wait_params(self) -> None:
+        """Every parameter gathered (stages 1-2: what the step's overlapped all-gathers still owe)."""
+        if self.param_gather is not None:
+            self.param_gather.wait()
