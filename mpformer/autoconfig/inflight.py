@@ -18,7 +18,10 @@ def inflight_closed_form(schedule: str, pp: int, microbatches: int, vpp: int, sl
     if k > 1:
         return {"1f1b": tuple(min(p - r - 1 + k, m * k) for r in range(p)), "gpipe": (m * k,) * p}.get(schedule)
     forms = {"1f1b": tuple(min(p - r, m) for r in range(p)), "gpipe": (m,) * p, "zb-h1": (min(p, m),) * p,
-             "zb-h2": (min(2 * p - 1, m),) * p, "interleaved": tuple(min(v * p - r, v * m) for r in range(p))}
+             "zb-h2": (min(2 * p - 1, m),) * p, "interleaved": tuple(min(v * p - r, v * m) for r in range(p)),
+             # the V's two chunks a rank: ZB-V warms up to 2p units (1F1B's p micro-batches of whole
+             # stages); DualPipeV's two directions hold one more
+             "zb-v": tuple(min(2 * p, m + 1 + r, 2 * m) for r in range(p)), "dualpipev": (2 * p + 1,) * p}
     return forms.get(schedule)
 
 

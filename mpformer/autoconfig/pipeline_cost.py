@@ -67,14 +67,16 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, vpp: int, costs: Co
     from mpformer.pipeline.simulate import simulate
 
     def steps(mb: int, k: int) -> float:
-        one = _schedule(schedule, pp, mb, vpp, slices)
-        if dilation is not None:
-            return shared_step_time(one if k == 1 else repeat(one, k), costs, dilation)
-        if not blocking:  # the same timeline, compiled once per schedule (pipeline/timeline.py)
+        if not blocking and dilation is None:  # the same timeline, compiled once per schedule (timeline.py)
             compiled = _compiled(schedule, pp, mb, vpp, slices) if k == 1 else \
                 _compiled_steps(schedule, pp, mb, vpp, slices, k)
             return compiled.step_time(costs)
-        return simulate(one if k == 1 else repeat(one, k), costs, verified=True, blocking=blocking).step_time
+        one = _schedule(schedule, pp, mb, vpp, slices)
+        if k > 1:
+            one = repeat(one, k)
+        if dilation is not None:
+            return shared_step_time(one, costs, dilation)
+        return simulate(one, costs, verified=True, blocking=blocking).step_time
 
     def run(mb: int) -> float:
         return steps(mb, 3) - steps(mb, 2) if back_to_back else steps(mb, 1)

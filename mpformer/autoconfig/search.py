@@ -41,7 +41,7 @@ from mpformer.autoconfig.memory import Workload, plan_memory, stage_params
 from mpformer.autoconfig.sharing import slowdowns
 from mpformer.core.config import FixedPlan
 from mpformer.core.errors import ConfigError
-from mpformer.core.layout import CP_KINDS, ParallelLayout, validate
+from mpformer.core.layout import CP_KINDS, V_SCHEDULES, ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig, divisors
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 
@@ -254,6 +254,9 @@ def _with_mbs(w: Workload, mbs: int) -> Workload:
     return replace(w, micro_batch_size=mbs)
 
 
+V_SEARCH_MAX_PP = 16
+
+
 def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, fixed: dict, tp: int,
                cp: int, pp: int, dp: int, gbs: int, options: Pins, device: str) -> None:
     per_dp = gbs // dp if gbs % dp == 0 else 0
@@ -261,11 +264,17 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
         result.reject("batch", f"global batch {gbs} does not split over dp={dp}")
         return
     rt = w.runtime
-    schedules = [s for s in (["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2"])
+    # The V schedules (two chunks a rank: two layers at least) are tried up to 16 stages, as deep as
+    # DeepSeek-V3 ran DualPipe: their timelines settle late (priced whole up to 8p micro-batches) and
+    # compiling them grows as p^2; deeper, pin parallel.schedule to price one (bench_search.py).
+    v_ok = 1 < pp <= V_SEARCH_MAX_PP and 2 * pp <= model.num_layers
+    schedules = [s for s in (["1f1b"] if pp == 1 else ["1f1b", "interleaved", "zb-h1", "zb-h2",
+                                                         *(V_SCHEDULES if v_ok else ())])
                  if rt.schedules is None or s in rt.schedules]
     kinds = cp_kinds(cp, fixed)
     for schedule in options("schedule", schedules):
-        vpps = [1] if schedule != "interleaved" else [v for v in (2, 3, 4) if pp * v <= model.num_layers]
+        vpps = [2] if schedule in V_SCHEDULES else [1] if schedule != "interleaved" else \
+            [v for v in (2, 3, 4) if pp * v <= model.num_layers]
         for vpp in options("vpp", vpps):
             for mbs in options("micro_batch_size", [b for b in (1, 2, 4, 8) if per_dp % b == 0]):
                 for sp in options("sequence_parallel", [tp > 1]):

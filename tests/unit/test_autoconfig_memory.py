@@ -86,9 +86,10 @@ def test_inflight_closed_forms_equal_the_verifier():
     from mpformer.pipeline.schedules import build_schedule
     from mpformer.pipeline.verify import verify
 
-    for name, vpp in [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved", 3)]:
+    for name, vpp in [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved", 2), ("interleaved", 3),
+                      ("zb-v", 2), ("dualpipev", 2)]:
         for p in (2, 3, 4, 5, 8):
-            for m in range(p if name == "interleaved" else 2, 4 * p + 2):
+            for m in range(p if name == "interleaved" else 1, 4 * p + 2):
                 if (name == "interleaved" and m % p) or m < min_microbatches(name, p):
                     continue
                 want = tuple(verify(build_schedule(name, p, m, vpp)).peak_inflight)

@@ -105,3 +105,22 @@ def test_megatron_splits_pipeline_sends_over_tensor_parallel_ranks():
                               params_per_rank=10**9)
     assert megatron.p2p_s == pytest.approx(own.p2p_s / 8, rel=0.2) and megatron.iteration_s < own.iteration_s
 
+
+
+def test_v_schedules_are_searched_up_to_16_stages():
+    """ZB-V and DualPipeV (vpp 2, two layers a rank at least) are enumerated at every pipeline depth
+    up to V_SEARCH_MAX_PP and priced like the rest; deeper only when pinned."""
+    from mpformer.autoconfig.search import V_SEARCH_MAX_PP
+    from mpformer.core.layout import V_SCHEDULES
+
+    c, w = load_cluster("dgx-h100", nodes=2), Workload(64, 1, 2048, "bf16")
+    res = search(SMALL, c, w, top_k=3)
+    seen = {(L.schedule, L.pp, L.vpp) for bases, _ in res.structures for L in bases}
+    assert {(s, pp, 2) for s in V_SCHEDULES for pp in (2, 4, 8)} <= seen
+    assert not {x for x in seen if x[0] in V_SCHEDULES and x[2] != 2}
+    deep = replace(SMALL, num_layers=2 * 2 * V_SEARCH_MAX_PP)
+    c32 = load_cluster("dgx-h100", nodes=4)
+    unpinned = search(deep, c32, w, fixed={"pp": 2 * V_SEARCH_MAX_PP, "tp": 1}, top_k=1)
+    assert not {L.schedule for bases, _ in unpinned.structures for L in bases} & set(V_SCHEDULES)
+    pinned = search(deep, c32, w, fixed={"pp": 2 * V_SEARCH_MAX_PP, "tp": 1, "schedule": "zb-v"}, top_k=1)
+    assert {L.schedule for bases, _ in pinned.structures for L in bases} == {"zb-v"}
