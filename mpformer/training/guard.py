@@ -1,9 +1,9 @@
 """Step-level reliability: preemption by SIGTERM, and steps whose loss or gradient is not finite.
 
 Preemption. Schedulers send SIGTERM before they kill a job, and torchrun forwards it to every
-worker. The handler only sets a flag; at the next step boundary the ranks agree on it (ranks may
-get the signal in different steps, and a checkpoint is collective) with one one-element all-reduce
-MAX over the world, then the trainer saves and the run ends with exit code 0, as a stop_at does
+worker. The handler only sets a flag; the ranks agree on it (ranks may get the signal in different
+steps, and a checkpoint is collective) in the step check, the one all-reduce that ends every step
+(training/overlap.py), then the trainer saves and the run ends with exit code 0, as a stop_at does
 (Megatron's --exit-signal-handler does the same). A second SIGTERM is not caught: the default
 action, termination, runs at once.
 
@@ -58,10 +58,10 @@ def bad_step(loss: float, grad_norm: float, recent: list[float], spike_factor: f
 
 
 class Preemption:
-    """The SIGTERM flag and its agreement over the world."""
+    """The SIGTERM flag (agreed over the world in the step check, training/overlap.py)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.requested, self._previous = device, False, None
+    def __init__(self) -> None:
+        self.requested, self._previous = False, None
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -75,10 +75,6 @@ class Preemption:
     def _on_signal(self, signum: int, frame) -> None:
         self.requested = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM terminates at once
-
-    def agreed(self) -> bool:
-        """True on every rank if any rank was asked to stop (collective)."""
-        return agree(self.requested, self.device, any_rank=True)
 
 
 def agree(flag: bool, device: torch.device, *, any_rank: bool) -> bool:

@@ -1,8 +1,11 @@
 """The step check, and steps whose check overlaps the next step (``train.overlap_validation``).
 
-Every step ends in one collective over all ranks, the *step check*: the squared gradient norm and the
-loss, summed in one all-reduce (``StepCheck``). Synchronously, every rank waits for it before it
-updates (or, under ``train.post_validation``, right after its speculative update: optim/speculate.py).
+Every step ends in one collective over all ranks, the *step check*: the squared gradient norm, the
+loss and whether a rank was sent SIGTERM, summed in one all-reduce (``StepCheck``); no other
+collective separates two steps, so that under overlap a rank whose part of a step ends early (the
+first stage of ZB-H2) starts the next one while the last stage still finishes this one.
+Synchronously, every rank waits for it before it updates (or, under ``train.post_validation``, right
+after its speculative update: optim/speculate.py).
 
 Under ``train.overlap_validation`` nobody waits: a rank takes its speculative step, writes and gathers
 the parameters, launches the check and starts the next step's forward/backward at once, so one step's
@@ -34,7 +37,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Check:
-    """One step's check in flight: [its rank's squared-norm share, its loss share], summed over ranks."""
+    """One step's check in flight: [its rank's squared-norm share, its loss share, SIGTERM seen (0/1)],
+    summed over ranks."""
 
     values: torch.Tensor
     work: TimedWork | None
@@ -49,10 +53,11 @@ class StepCheck:
     def __init__(self, comm: Comm | None, tp_rank: int, dp: int, micro_steps: int) -> None:
         self.comm, self.tp_rank, self.dp, self.micro_steps = comm, tp_rank, dp, micro_steps
 
-    def launch(self, engine: GradEngine, loss_sum: float, *, async_op: bool = False) -> Check:
+    def launch(self, engine: GradEngine, loss_sum: float, *, stop: bool = False, async_op: bool = False) -> Check:
+        """``stop``: this rank was asked to stop (SIGTERM); every rank learns it from ``stopping``."""
         norm = engine.norm_square(world=True)
         loss = torch.tensor(loss_sum / self.micro_steps if self.tp_rank == 0 else 0.0, device=norm.device)
-        values = torch.stack([norm, loss])
+        values = torch.stack([norm, loss, torch.tensor(float(stop), device=norm.device)])
         work = self.comm.all_reduce(values, async_op=async_op) if self.comm is not None else None
         return Check(values, work if async_op else None)
 
@@ -63,6 +68,11 @@ class StepCheck:
             check.work.wait()
         grad_norm = engine.take_norm(check.values[0].sqrt(), max_norm, speculation=speculation)
         return grad_norm, float(check.values[1] / self.dp)
+
+    @staticmethod
+    def stopping(check: Check) -> bool:
+        """Whether any rank was asked to stop before it launched ``check`` (after ``result``)."""
+        return bool(check.values[2] > 0)
 
 
 def check_comm(overlap: bool, ledger) -> Comm | None:
@@ -115,7 +125,7 @@ class OverlappedSteps:
         lr = tr.schedule.apply(tr.engine.optimizer, tr.progress.step)
         spec = tr.engine.speculate(publish=True)
         assert spec is not None, "overlap_validation runs no fp16 (config.py)"
-        check = tr.check.launch(tr.engine, loss_sum, async_op=True)
+        check = tr.check.launch(tr.engine, loss_sum, stop=tr.preemption.requested, async_op=True)
         self.pending = Pending(tr.progress.step + 1, tr.progress.consumed_samples, lr, spec, check)
         tr.progress.advance(t.global_batch_size)  # the next step reads the samples after this one's
         if settle_now:  # no step ran on its parameters yet: nothing to run again
@@ -141,6 +151,7 @@ class OverlappedSteps:
         p, self.pending = self.pending, None
         tr = self.tr
         grad_norm, loss = tr.check.result(p.check, tr.engine, tr.cfg.optim.clip_grad, speculation=p.speculation)
+        tr.stop_agreed = tr.check.stopping(p.check)
         bad, rolled_back = tr._verdict(p.step, p.start, loss, grad_norm)
         if rolled_back:
             return (p.step, None, p.seconds), True

@@ -90,7 +90,8 @@ class Trainer:
         self.schedule = LRSchedule(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                                    decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
         self.progress = Progress(cfg.data.skip_ranges)
-        self.preemption = Preemption(self.device.torch_device)
+        self.preemption = Preemption()
+        self.stop_agreed = False  # some rank was sent SIGTERM before the last settled step's check
         self._saved_step: int | None = None  # the step of this run's newest checkpoint
         self._rollbacks = 0
         self.on_phase: Callable[[str], None] = lambda phase: None  # the heartbeat's (parallel/watchdog.py)
@@ -181,8 +182,9 @@ class Trainer:
             self.schedule.apply(self.engine.optimizer, self.progress.step)
             spec = self.engine.speculate()
         # The norm and the loss, the same on every rank: one decision everywhere.
-        grad_norm, loss = self.check.result(self.check.launch(self.engine, loss_sum), self.engine,
-                                            self.cfg.optim.clip_grad, speculation=spec)
+        check = self.check.launch(self.engine, loss_sum, stop=self.preemption.requested)
+        grad_norm, loss = self.check.result(check, self.engine, self.cfg.optim.clip_grad, speculation=spec)
+        self.stop_agreed = self.check.stopping(check)
         bad, rolled_back = self._verdict(self.progress.step + 1, start, loss, grad_norm)
         if rolled_back:
             return None
@@ -335,7 +337,9 @@ class Trainer:
             self.metrics.message(f"saved checkpoint {path} (in the background)")
         if ck.save_interval and step % ck.save_interval == 0 and step != end:
             self.save(background=ck.async_save)
-        if step != end and self.preemption.agreed():  # SIGTERM: a checkpoint now, then a clean end
+        # SIGTERM, agreed in the step's check (no collective of its own: it would hold every rank at the
+        # end of each step): a checkpoint now, then a clean end
+        if step != end and self.stop_agreed:
             self.metrics.message(f"SIGTERM: stopping after step {self.progress.step} with a checkpoint; resume with "
                                  "checkpoint.load=auto")
             return True
