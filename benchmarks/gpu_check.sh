@@ -6,13 +6,15 @@
 # (benchmarks/gpu_check.py), then activation offload's peak and step time on one pipeline rank
 # (benchmarks/bench_offload.py). Without a GPU it says so and exits 0; CI never needs one.
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]      (OUT_DIR: where the logs and JSON go; default gpu_check_out)
+#   bash benchmarks/gpu_check.sh [OUT_DIR]      (OUT_DIR: where the logs and JSON go; default $OUT when the
+#                                                 environment sets it, as the device tool does, else gpu_check_out)
 #
-# Offline GPU machines without the project's pure-Python dependencies: `make gpu-wheels` here puts them
-# in .whl/, which this script installs into a private folder when it finds one.
+# Offline GPU machines without the project's pure-Python dependencies (hydra-core, omegaconf): `make
+# gpu-wheels` here puts them in .whl/ (git-ignored: carry it to the machine), which this script installs
+# into a private folder when it finds one; without them the CLI runs fail on the missing import.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-gpu_check_out}"
+OUT="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUT"
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
@@ -32,9 +34,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 status=0
 echo "== tests marked gpu =="
-timeout 270 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || status=1
+timeout 240 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || status=1
 echo "== 1B Llama, bf16, 30 steps =="
-timeout 210 "$PY" benchmarks/gpu_check.py --steps 30 --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/train.log" || status=1
+timeout 240 "$PY" benchmarks/gpu_check.py --steps 30 --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/train.log" || status=1
 echo "== activation offload: rank 0 of a pp=4 1F1B, none / auto / all (issue 17: <= 1.5 micro-batches, <= 10% time) =="
 timeout 90 "$PY" benchmarks/bench_offload.py --device cuda --json "$OUT/offload.json" 2>&1 | tee "$OUT/offload.log" || status=1
 echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) (logs in $OUT)"

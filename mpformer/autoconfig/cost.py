@@ -47,7 +47,7 @@ from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  
 from mpformer.autoconfig.memory import BYTES, Workload
 from mpformer.autoconfig.pipeline_cost import offload_exposed, pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
-from mpformer.core.layout import ParallelLayout
+from mpformer.core.layout import V_SCHEDULES, ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts, stage_index
 from mpformer.pipeline.simulate import Costs
@@ -213,8 +213,10 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
 
         fs, bs = fc, bc
     # train.overlap_validation: steps run back to back, a step's check in flight during the next one's
-    # forward/backward (training/overlap.py); the pipeline term is their period, not one step alone
-    b2b = w.runtime.overlap_validation
+    # forward/backward (training/overlap.py); the pipeline term is their period, not one step alone.
+    # Not with a tied embedding on two ranks: the first stage's step then waits for the last stage's
+    # embedding gradient (engine.finish), which ends the step for both as a barrier would.
+    b2b = w.runtime.overlap_validation and not (m.tie_embeddings and L.pp > 1 and L.schedule not in V_SCHEDULES)
     if L.pp > 1 and simulate_pipeline:
         costs = Costs(f=fs, b=bs, w=wc, p2p=p2p)
         blocking = not w.runtime.overlap_p2p
@@ -267,7 +269,7 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
         w = replace(w, seq_length=w.seq_length // slices)
     cal = calibration(c) if cal is None else cal
     k, split_factor = cal.compute, cal.split
-    split = L.schedule in ("zb-h1", "zb-h2")
+    split = L.schedule in SPLIT
     fc, bc, wc, tps, cps = ([0.0] * len(counts) for _ in range(5))
     for lay, ns in _recompute_split(L, counts):  # recomputed layers and the others cost differently
         f, bi, bw_, tp_comm, attn = layer_times_parts(m, lay, w, c)

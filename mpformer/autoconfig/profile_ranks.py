@@ -292,10 +292,9 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     t_rounds = time.perf_counter()
     for _ in range(rounds):
         for k in ks[:-1]:
-            # Alone, the faster of two runs: nothing of ours shares the cores then, so a slower one
-            # was load from outside (one CI run took 3.7x as long, and every ratio over it
-            # came out that much too small).
-            shared[k].append(min(reference_on(k), reference_on(k)) if k == 1 else reference_on(k))
+            # Alone, the median of three runs: load from outside once made a single run 3.7x as long
+            # (a CI run), and every ratio over it came out that much too small.
+            shared[k].append(statistics.median(reference_on(k) for _ in range(3)) if k == 1 else reference_on(k))
         # Every rank busy, 2 x world micro-batches as the layouts run: right before each layout and
         # after the last, so that each layout is taken against the two nearest in time.
         busy.append([reference_on(world, 2)])

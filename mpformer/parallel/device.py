@@ -137,8 +137,10 @@ class HostCopies:
         stream = self.out_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)  # a strided t: the copy engine gathers it (a temporary on this stream)
+            # t's own strides where it is dense (a saved transposed view comes back as it went, so the
+            # backward's GEMMs take the layout they would have; CPU's clone keeps them too); else packed
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
+            host.copy_(t, non_blocking=True)  # a non-dense t: the copy engine gathers it (a temporary on this stream)
             t.record_stream(stream)
             done = torch.cuda.Event()
             done.record(stream)
@@ -151,7 +153,7 @@ class HostCopies:
         # Allocated on the compute stream (its cached blocks are the ones the compute reuses), filled on
         # the side stream once the copy out is done.
         host, stream = copy["host"], self.in_stream
-        back = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        back = torch.empty_like(host, device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         stream.wait_event(copy["out"])
         with torch.cuda.stream(stream):

@@ -3,7 +3,8 @@
 Preemption. Schedulers send SIGTERM before they kill a job, and torchrun forwards it to every
 worker. The handler only sets a flag; the ranks agree on it (ranks may get the signal in different
 steps, and a checkpoint is collective) in the step check, the one all-reduce that ends every step
-(training/overlap.py), then the trainer saves and the run ends with exit code 0, as a stop_at does
+(training/overlap.py; under train.overlap_validation that check completes during the next step, so
+the run stops a step later), then the trainer saves and the run ends with exit code 0, as a stop_at does
 (Megatron's --exit-signal-handler does the same). A second SIGTERM is not caught: the default
 action, termination, runs at once.
 

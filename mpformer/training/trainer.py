@@ -278,13 +278,17 @@ class Trainer:
         while self.progress.step < end:
             trace.before(self.progress.step)
             self.on_phase(f"step {self.progress.step + 1}")
-            for step, m, dt in self._steps(end, trace, timer):
+            settled = self._steps(end, trace, timer)
+            for i, (step, m, dt) in enumerate(settled):
                 if m is None:  # rolled back: the steps since the checkpoint run again
                     timer.restart()
                     continue
                 if self._after_step(step, m, dt, end, trace, timer, losses):
-                    for step, m, dt in self.overlap.drain() if self.overlap is not None else []:
-                        if m is not None:  # the step in flight, settled before the checkpoint
+                    # SIGTERM: the steps settled after this one and the one in flight are in the
+                    # checkpoint, so they are logged too
+                    rest = settled[i + 1:] + (self.overlap.drain() if self.overlap is not None else [])
+                    for step, m, dt in rest:
+                        if m is not None:
                             self.metrics.log(step, self._record(step, m, dt, end, timer, losses))
                     return
 

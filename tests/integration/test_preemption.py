@@ -206,3 +206,28 @@ def test_sigterm_with_the_check_overlapping_the_next_step(tiny_data, tmp_path):
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want]
+
+
+def test_sigterm_under_overlap_logs_every_step_it_checkpoints(tiny_data, tmp_path, monkeypatch):
+    """Under train.overlap_validation one call can settle two steps (the one in flight, then one settled at
+    once for its checkpoint); a stop agreed on the first still logs the second, which the checkpoint holds.
+    In process, the signal's flag set deterministically while step 4's forward/backward runs (one check
+    later, under overlap, it is agreed): save_interval=4 settles step 4 at once in the same call."""
+    from mpformer.cli.compose import compose_config
+    from mpformer.cli.pretrain import run_pretraining
+    from mpformer.training.trainer import Trainer
+
+    forward_backward = Trainer._forward_backward
+
+    def flagged(self, batches):
+        if self.progress.consumed_samples == 3 * 4:  # step 4's samples (4 a step)
+            self.preemption.requested = True
+        return forward_backward(self, batches)
+
+    monkeypatch.setattr(Trainer, "_forward_backward", flagged)
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    args = _args(tiny_data, run, ck, "train.post_validation=true", "train.overlap_validation=true",
+                 "checkpoint.save_interval=4", "train.threads=1", "data.prefetch=0")[1:]
+    run_pretraining(compose_config(args))
+    saved = int((ck / "latest").read_text().strip().split("_")[1])
+    assert saved < STEPS and [m["step"] for m in _metrics(run)] == list(range(1, saved + 1))

@@ -146,6 +146,26 @@ def test_overlap_validation_prices_zb_h2_without_its_bubble():
     alone, ov = (iteration_time(GPT, lay, x, c, params_per_rank=10**9) for x in (w, w_ov))
     assert ov.pp_bubble_s < 0.8 * alone.pp_bubble_s and ov.iteration_s < alone.iteration_s
     assert ov.compute_s == alone.compute_s
+    # A tied embedding on the first and the last rank: their gradient sum ends the step for both.
+    tied = replace(GPT, tie_embeddings=True)
+    assert iteration_time(tied, lay, w_ov, c, params_per_rank=10**9).iteration_s == \
+        iteration_time(tied, lay, w, c, params_per_rank=10**9).iteration_s
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_v_schedules_are_priced_with_the_backward_split(name):
+    """The V schedules run the input and the weight gradient apart (as ZB-H1 does): their stages'
+    W is priced apart from B, the same total per stage as ZB-H1's with the same layers."""
+    from mpformer.autoconfig.cost import stage_costs
+
+    c = load_cluster("dgx-a100-80gb")
+    v = ParallelLayout(tp=1, pp=2, dp=1, vpp=2, schedule=name)
+    h1 = ParallelLayout(tp=1, pp=4, dp=1, schedule="zb-h1")  # the same 4 stages of 2 layers
+    fv, bv, wv, _ = stage_costs(GPT, v, W, c)
+    fh, bh, wh, _ = stage_costs(GPT, h1, W, c)
+    assert min(wv) > 0
+    for x, y in ((fv, fh), (bv, bh), (wv, wh)):
+        assert x == pytest.approx(y, rel=1e-12)
 
 
 @pytest.mark.parametrize("name,pp,m", [("gpipe", 2, 2), ("1f1b", 4, 8), ("zb-h1", 4, 8)])
