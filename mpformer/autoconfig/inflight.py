@@ -1,6 +1,7 @@
 """What a pipeline rank holds in flight: the peak count of (micro-batch, chunk) units a schedule keeps
-(or token slices of them), and how many of them activation offload leaves on the device. Pure
-arithmetic on the schedules, shared by the memory model (memory.py) and the search."""
+(or token slices of them), how many of them activation offload leaves on the device, and how many it
+copies. Pure arithmetic on the schedules, shared by the memory model (memory.py), the cost model
+(pipeline_cost.py) and the search."""
 
 from __future__ import annotations
 
@@ -49,3 +50,22 @@ def offloaded(L: ParallelLayout, peak: int, device: str = "cuda") -> tuple[int, 
         return peak, False
     keep = 0 if L.offload == "all" else L.offload_keep
     return (keep + 1, True) if peak > keep + 1 else (peak, False)
+
+
+@lru_cache(maxsize=256)
+def moved_per_stage(schedule: str, pp: int, microbatches: int, vpp: int, slices: int, mode: str,
+                    keep: int = 1) -> tuple[int, ...]:
+    """Units (micro-batches, or token slices) of each global stage whose activations activation
+    offload moves in a step: pipeline/offload.py's choice on the generator's compute orders (what the
+    engine runs, without building the messages)."""
+    from mpformer.core.layout import V_SCHEDULES
+    from mpformer.core.pipeline_plan import stage_of
+    from mpformer.pipeline.offload import moved_units
+    from mpformer.pipeline.schedules import compute_orders
+
+    chunks, orders = compute_orders(schedule, pp, microbatches, vpp, slices)
+    out = [0] * (pp * chunks)
+    for r, order in enumerate(orders):
+        for _, chunk in moved_units([x[:3] for x in order], mode, keep):
+            out[stage_of(pp, r, chunk, schedule in V_SCHEDULES)] += 1
+    return tuple(out)

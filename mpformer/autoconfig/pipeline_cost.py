@@ -138,17 +138,21 @@ def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, 
     """Activation offload (pipeline/offload.py): a moved unit's saved activations go out during its own
     forward and come back during the compute before its backward (about a forward), each over the host
     link beside the compute; the part of a copy longer than the compute it hides behind is added to
-    that compute. Every stage's units move but the last stage's (its backward follows its forward;
-    with token slices k - 1 of each micro-batch's slices wait there too); under offload=auto fewer
-    move, which this does not discount (an upper bound)."""
+    that compute, spread over the stage's units by the share of them that move (inflight.py's
+    moved_per_stage: offload's own choice on the schedule; under offload=all every unit whose backward
+    does not follow its forward at once, so not the last stage's under 1F1B; under offload=auto only
+    those beyond the budget of offload_keep)."""
+    from mpformer.autoconfig.inflight import moved_per_stage
     from mpformer.autoconfig.layer_memory import layer_bytes
 
     k = L.pp_token_slices
     per_layer = layer_bytes(m, L, w.seq_length // k, w.micro_batch_size, w.precision).saved
-    last = L.pp * L.vpp - 1
+    micro = w.global_batch_size // (w.micro_batch_size * L.dp)
+    moved = moved_per_stage(L.schedule, L.pp, micro, L.vpp, k, L.offload, L.offload_keep)
     fs, bs = list(fs), list(bs)
-    for s_ in range(last + (1 if k > 1 else 0)):
+    for s_, n in enumerate(moved):
         copy, hide = counts[s_] * per_layer / c.host_bandwidth, fs[s_]
-        fs[s_] += max(0.0, copy - hide)
-        bs[s_] += max(0.0, copy - hide)
+        share = n / (micro * k)
+        fs[s_] += share * max(0.0, copy - hide)
+        bs[s_] += share * max(0.0, copy - hide)
     return fs, bs

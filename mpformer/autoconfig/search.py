@@ -37,6 +37,7 @@ from typing import Any
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.cost import Breakdown, cp_layer_times, iteration_time
+from mpformer.autoconfig.inflight import inflight
 from mpformer.autoconfig.memory import Workload, plan_memory, stage_params
 from mpformer.autoconfig.sharing import slowdowns
 from mpformer.core.config import FixedPlan
@@ -47,9 +48,8 @@ from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
 # pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
-# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched, nor is
-# offload=auto's budget (offload_keep: offload none or all is searched).
-NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices", "offload_keep")
+# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched.
+NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
 assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"
@@ -298,12 +298,17 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
     ww, valid = _with_mbs(w, mbs), bases
     search_k = "recompute" not in options and "recompute_layers" not in options
     # Activation offload is the other way to fit: tried at each recompute mode that does not fit without
-    # it, on a host link.
+    # it, on a host link; where offload=all fits, offload=auto with the largest budget that fits (the
+    # fewest copies) is taken instead.
     offloads = options("offload", ["none", "all"] if bases[0].pp > 1 and cluster.host_bandwidth > 0 else ["none"])
+    if "offload_keep" in options and "offload" not in options:
+        offloads = ["auto"]  # a budget is offload=auto's
+    budget_free = "offload_keep" not in options
     found: list[Candidate] = []
     for rec in options("recompute", ["none", "selective", "full"]):
         for off in offloads:
-            layouts = [replace(L, recompute=rec, offload=off) for L in valid]
+            keep = options("offload_keep", [1])[0] if off == "auto" else 1
+            layouts = [replace(L, recompute=rec, offload=off, offload_keep=keep) for L in valid]
             if rec != "none" and "recompute_layers" in options:
                 layouts = [replace(L, recompute_layers=options("recompute_layers", [None])[0]) for L in layouts]
             if len(layouts) > 1:  # the kinds differ only in the attention's exposed traffic
@@ -315,6 +320,8 @@ def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result:
                     continue
                 if search_k and rec != "none":
                     L, fit = _fewest_recomputed(model, cluster, ww, result, L, mbs, device, fit)
+                if budget_free and (off == "auto" or (off == "all" and "offload" not in options)):
+                    L, fit = _largest_budget(model, cluster, ww, result, L, mbs, device, fit)
                 b = iteration_time(model, L, ww, cluster, params_per_rank=fit[1], simulate_pipeline=False)
                 b.extra["estimate"] = "bound"
                 found.append(Candidate(L, mbs, fit[0], b))
@@ -365,6 +372,25 @@ def _fits(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResul
                                             f"{cluster.host_memory_gb:g} GB")
         return None
     return need, params
+
+
+def _largest_budget(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout,
+                    mbs: int, device: str, fit: tuple[float, int]) -> tuple[ParallelLayout, tuple[float, int]]:
+    """offload=auto with the largest budget (offload_keep) that still fits, given that ``L`` (offload all,
+    or auto with budget 1) fits: memory grows with the budget and the copies shrink (bisection); ``L``
+    when none does. A budget of the peak less one moves nothing: offload=none, which did not fit."""
+    micro = w.global_batch_size // (mbs * L.dp)
+    peak = max(inflight(L.schedule, L.pp, micro, L.vpp, L.pp_token_slices))
+    lo, hi, best = 1 if L.offload == "all" else 2, peak - 2, (L, fit)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cand = replace(L, offload="auto", offload_keep=mid)
+        got = _fits(model, cluster, w, result, cand, mbs, device)
+        if got is None:
+            hi = mid - 1
+        else:
+            best, lo = (cand, got), mid + 1
+    return best
 
 
 def _fewest_recomputed(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout,

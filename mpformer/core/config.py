@@ -179,6 +179,7 @@ class FixedPlan:
     schedule: str | None = None
     sequence_parallel: bool | None = None
     offload: str | None = None
+    offload_keep: int | None = None  # offload=auto's budget (searched: the largest that fits)
 
     def pinned(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

@@ -38,19 +38,24 @@ OFFLOAD_MODES = ("none", "auto", "all")
 
 def offload_units(actions: Sequence[Action], mode: str, keep: int = 1) -> set[Key]:
     """The units of one rank's list whose saved activations go to host memory (module docstring)."""
+    return moved_units([(a.op, a.microbatch, a.chunk) for a in actions if not a.op.is_comm], mode, keep)
+
+
+def moved_units(computes: Sequence[tuple[Op, int, int]], mode: str, keep: int = 1) -> set[Key]:
+    """``offload_units`` on a rank's computes as (op, microbatch, chunk), in order: also the generators'
+    compute orders (pipeline/schedules.py), from which the cost model counts the copies."""
     if mode == "none":
         return set()
-    computes = [a for a in actions if not a.op.is_comm]
     out, held = set(), 0
-    for i, a in enumerate(computes):
-        key = (a.microbatch, a.chunk)
-        if a.op is Op.F:
-            follows = i + 1 < len(computes) and computes[i + 1].op in (Op.B, Op.BI) and \
-                (computes[i + 1].microbatch, computes[i + 1].chunk) == key
+    for i, (op, mb, chunk) in enumerate(computes):
+        key = (mb, chunk)
+        if op is Op.F:
+            follows = i + 1 < len(computes) and computes[i + 1][0] in (Op.B, Op.BI) and \
+                (computes[i + 1][1], computes[i + 1][2]) == key
             if not follows and (mode == "all" or held >= keep):
                 out.add(key)
             held += key not in out
-        elif a.op in (Op.B, Op.BI) and key not in out:
+        elif op in (Op.B, Op.BI) and key not in out:
             held -= 1
     return out
 

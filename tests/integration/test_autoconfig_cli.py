@@ -24,7 +24,8 @@ def test_plan_json_and_parallel_config(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     d = json.loads(out.read_text())
     assert set(d["plan"]) == {"dp", "tp", "pp", "cp", "cp_kind", "cp_ulysses", "vpp", "micro_batch_size", "zero",
-                              "recompute", "recompute_layers", "schedule", "sequence_parallel", "offload"}
+                              "recompute", "recompute_layers", "schedule", "sequence_parallel", "offload",
+                              "offload_keep"}
     assert d["plan"]["tp"] == 2 and d["plan"]["dp"] * d["plan"]["tp"] * d["plan"]["pp"] == 16
     assert {"iteration_time_s", "memory_gb_per_device", "model_tflops_per_device", "breakdown"} <= set(d["predicted"])
     assert d["predicted"]["memory_gb_per_device"] <= 80

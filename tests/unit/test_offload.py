@@ -115,8 +115,10 @@ def test_the_models_price_offload():
 
 def test_the_search_offloads_where_it_wins_and_host_memory_allows():
     """The 1T GPT on 3,072 A100s: offloading lets recompute=none fit, the copies hide behind its
-    2-layer chunks' forwards, and the plan is faster than the best one without offload; a node whose
-    host memory cannot take the offloaded activations rules those plans out."""
+    2-layer chunks' forwards, and the plan is faster than the best one without offload. It offloads only
+    beyond the largest budget that fits (offload=auto: one unit more on the device does not fit), never
+    slower than offloading all of them; a node whose host memory cannot take the offloaded activations
+    rules those plans out."""
     from dataclasses import replace
 
     from mpformer.autoconfig.cluster import load_cluster
@@ -128,7 +130,13 @@ def test_the_search_offloads_where_it_wins_and_host_memory_allows():
     c, w = load_cluster("dgx-a100-80gb", nodes=384), Workload(3072, 1, 2048, "bf16")
     best = search(gpt, c, w).top[0]
     without = search(gpt, c, w, fixed={"offload": "none"}).top[0]
-    assert best.layout.offload == "all" and best.time.iteration_s < without.time.iteration_s
+    assert best.layout.offload == "auto" and best.time.iteration_s < without.time.iteration_s
+    wm, L = replace(w, micro_batch_size=best.micro_batch_size), best.layout
+    assert max(s.total for s in plan_memory(gpt, L, wm)) <= c.memory_bytes
+    assert max(s.total for s in plan_memory(gpt, replace(L, offload_keep=L.offload_keep + 1), wm)) > c.memory_bytes
+    pins = {k: getattr(L, k) for k in ("dp", "tp", "pp", "vpp", "schedule", "recompute")}
+    every = search(gpt, c, w, fixed={**pins, "offload": "all", "micro_batch_size": best.micro_batch_size}).top[0]
+    assert every.layout.offload == "all" and every.time.iteration_s >= best.time.iteration_s
     host = max(s.host for s in plan_memory(gpt, best.layout, replace(w, micro_batch_size=best.micro_batch_size)))
     assert 0 < host * c.devices_per_node <= c.host_memory_gb * 1e9
     small = replace(c, host_memory_gb=host * c.devices_per_node / 1e9 / 2)
@@ -166,3 +174,33 @@ def test_the_simulator_and_tools_schedule_draw_the_copies(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--schedule", "1f1b", "--pp", "1", "--microbatches", "4", "--offload", "all"])
     assert "no unit of this schedule waits for its backward" in capsys.readouterr().err
+
+
+def test_the_cost_model_counts_the_copies_offload_makes():
+    """The copies priced per stage are the engine's own choice (offload_units on the built schedule's
+    lists, moved_per_stage on the generator's orders: the same units); with a host link too slow to
+    hide them, offload=auto's fewer copies cost less than all's, and a larger budget less again."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cluster import load_cluster
+    from mpformer.autoconfig.cost import iteration_time
+    from mpformer.autoconfig.inflight import moved_per_stage
+    from mpformer.autoconfig.memory import Workload
+    from mpformer.core.pipeline_plan import stage_of
+
+    for name, p, m, vpp, k in [("1f1b", 4, 8, 1, 1), ("zb-h2", 4, 9, 1, 1), ("interleaved", 2, 6, 2, 1),
+                               ("zb-v", 3, 7, 2, 1), ("dualpipev", 2, 6, 2, 1), ("1f1b", 2, 4, 1, 3)]:
+        s = build_schedule(name, p, m, vpp, slices=k)
+        for mode, keep in (("all", 1), ("auto", 1), ("auto", 2)):
+            want = [0] * (p * vpp)
+            for r in range(p):
+                for _, chunk in offload_units(s.actions[r], mode, keep):
+                    want[stage_of(p, r, chunk, s.v)] += 1
+            assert moved_per_stage(name, p, m, vpp, k, mode, keep) == tuple(want), (name, mode, keep)
+    c = replace(load_cluster("dgx-a100-80gb"), host_bandwidth=1e9)  # copies far longer than the compute
+    w = Workload(16, 1, 2048, "bf16")
+    llama = ModelConfig(arch="llama", num_layers=16, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
+                        ffn_hidden_size=14336, vocab_size=128256, max_position_embeddings=8192)
+    times = [iteration_time(llama, ParallelLayout(pp=4, dp=1, offload=off, offload_keep=keep), w, c,
+                            params_per_rank=10**9).iteration_s for off, keep in (("all", 1), ("auto", 1), ("auto", 2))]
+    assert times[0] > times[1] > times[2]
