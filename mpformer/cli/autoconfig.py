@@ -102,7 +102,7 @@ def _print(res, model, cluster, w) -> None:
         pred = _predicted(c, model, cluster.world_size, w)
         sp = "y" if p["sequence_parallel"] else "n"
         table.add_row(*map(str, (p["dp"], p["tp"], p["pp"], p["cp"], _cp_kind(p), p["vpp"], p["schedule"],
-                                 p["micro_batch_size"], p["zero"], p["recompute"], p["offload"], sp)),
+                                 p["micro_batch_size"], p["zero"], p["recompute"], _offload(p), sp)),
                       f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}", f"{pred['model_tflops_per_device']:.0f}",
                       f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.cp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}",
                       f"{b.dp_comm_exposed_s:.3g}")
@@ -120,6 +120,11 @@ def _width() -> int:
     from rich.console import Console
 
     return max(160, Console().width)
+
+
+def _offload(p: dict) -> str:
+    """offload=auto with its budget (units kept on the device before copying out)."""
+    return f"auto {p['offload_keep']}" if p["offload"] == "auto" else p["offload"]
 
 
 def _cp_kind(plan: dict[str, Any]) -> str:
