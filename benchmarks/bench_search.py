@@ -26,10 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, format_table, write_json
 
+from mpformer.autoconfig.candidates import Pins, SearchResult
 from mpformer.autoconfig.cluster import load_cluster
+from mpformer.autoconfig.fit import recompute_choice
 from mpformer.autoconfig.memory import Workload
 from mpformer.autoconfig.published import LLAMA3, _gpt, _llama3
-from mpformer.autoconfig.search import Pins, SearchResult, _recompute_choice, _retime, search
+from mpformer.autoconfig.search import _retime, search
 from mpformer.core.model_config import ModelConfig
 
 TARGETS = {"1T GPT / 3072 A100": 5.0, "405B Llama 3 / 16384 H100": 10.0}
@@ -80,7 +82,7 @@ def main() -> None:
             t0 = time.perf_counter()
             every = SearchResult([], [])
             for bases, mbs in res.structures:
-                _recompute_choice(model, cluster, w, every, Pins({}), "cuda", bases, mbs)
+                recompute_choice(model, cluster, w, every, Pins({}), "cuda", bases, mbs)
             best = min(every.feasible, key=lambda c: _retime(model, c, w, cluster).iteration_s)
             row["exhaustive_s"] = row["search_s"] + time.perf_counter() - t0
             row["same_choice"] = best.plan() == res.top[0].plan()

@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mpformer.autoconfig.candidates import Candidate, SearchResult
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.memory import Workload, plan_memory
-from mpformer.autoconfig.search import Candidate, SearchResult, evaluate_plan, search
+from mpformer.autoconfig.search import evaluate_plan, search
 from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.layout import ParallelLayout, valid_tp_values, validate
 from mpformer.core.model_config import ModelConfig, divisors

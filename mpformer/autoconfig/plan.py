@@ -17,20 +17,13 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from mpformer.autoconfig.candidates import NOT_SEARCHED, PLAN_FIELDS, Candidate, SearchResult
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.cost import calibration
 from mpformer.autoconfig.explain import Explanation, explain_search
 from mpformer.autoconfig.memory import Workload
 from mpformer.autoconfig.runtimes import mpformer_runtime
-from mpformer.autoconfig.search import (
-    NOT_SEARCHED,
-    PLAN_FIELDS,
-    Candidate,
-    SearchResult,
-    evaluate_plan,
-    no_plan_error,
-    search,
-)
+from mpformer.autoconfig.search import evaluate_plan, no_plan_error, search
 from mpformer.core.composed import Composed
 from mpformer.core.config import Config
 from mpformer.core.errors import ConfigError

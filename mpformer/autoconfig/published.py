@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mpformer.autoconfig.candidates import Candidate
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.memory import Workload
 from mpformer.autoconfig.runtimes import DEEPSPEED, MEGATRON, MEGATRON_CORE, TORCHTITAN
-from mpformer.autoconfig.search import Candidate, search
+from mpformer.autoconfig.search import search
 from mpformer.core.model_config import ModelConfig, model_flops_per_step
 
 # The published large runs the cost model is checked against (sources in each row), kept in the package.

@@ -32,93 +32,21 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from typing import Any
 
+from mpformer.autoconfig.candidates import PLAN_FIELDS, Candidate, Pins, SearchResult, with_mbs
 from mpformer.autoconfig.cluster import Cluster
-from mpformer.autoconfig.cost import Breakdown, cp_layer_times, iteration_time
-from mpformer.autoconfig.inflight import inflight
+from mpformer.autoconfig.cost import Breakdown, iteration_time
+from mpformer.autoconfig.fit import recompute_choice
 from mpformer.autoconfig.memory import Workload, plan_memory, stage_params
 from mpformer.autoconfig.sharing import slowdowns
-from mpformer.core.config import FixedPlan
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import CP_KINDS, V_SCHEDULES, ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig, divisors
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 
-# The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
-# pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
-# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched.
-NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices")
-PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
-               "micro_batch_size")
-assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"
 MIN_CP_TOKENS = 2048  # the fewest positions per cp rank the search tries cp at (unless cp is pinned)
-
-
-class Pins:
-    """The pinned plan fields: ``pins(name, values)`` is [the pinned value] or the values to search."""
-
-    def __init__(self, fixed: dict[str, Any]) -> None:
-        self.fixed = fixed
-
-    def __call__(self, name: str, values: list) -> list:
-        return [self.fixed[name]] if name in self.fixed else values
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.fixed
-
-
-@dataclass
-class Candidate:
-    layout: ParallelLayout
-    micro_batch_size: int
-    memory_bytes: float
-    time: Breakdown
-
-    def plan(self) -> dict[str, Any]:
-        return {k: self.micro_batch_size if k == "micro_batch_size" else getattr(self.layout, k) for k in PLAN_FIELDS}
-
-    def overrides(self) -> str:
-        """The plan as pretrain's command-line overrides."""
-        p = self.plan()
-        parts = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in p.items()
-                 if k != "micro_batch_size" and v is not None]
-        if self.layout.pp_partition != "uniform":
-            parts.append(f"parallel.pp_partition={self.layout.pp_partition}")
-        return " ".join([*parts, f"train.micro_batch_size={p['micro_batch_size']}"])
-
-
-@dataclass
-class SearchResult:
-    top: list[Candidate]
-    feasible: list[Candidate]
-    rejected: dict[str, dict[str, Any]] = field(default_factory=dict)  # class -> {"count", "example"}
-    smallest: Candidate | None = None  # the least memory among valid plans (when none fits)
-    evaluated: int = 0
-    seconds: float = 0.0
-    structures: list[tuple[list[ParallelLayout], int]] = field(default_factory=list)  # (cp-kind variants, mbs)
-    pruned: int = 0  # structures never evaluated: their closed form could not enter the top k
-
-    def count(self) -> None:
-        """One more layout evaluated."""
-        self.evaluated += 1
-
-    def reject(self, cls: str, why: str) -> None:
-        r = self.rejected.setdefault(cls, {"count": 0, "example": why})
-        r["count"] += 1
-
-    def add(self, c: Candidate) -> None:
-        self.feasible.append(c)
-
-    def offer_smallest(self, c: Candidate) -> None:
-        """A plan that does not fit: kept if it needs the least memory so far (the error names it)."""
-        if self.smallest is None or c.memory_bytes < self.smallest.memory_bytes:
-            self.smallest = c
-
-    def finished(self, top: list[Candidate], seconds: float) -> SearchResult:
-        self.top, self.seconds = top, seconds
-        return self
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: dict[str, Any] | None = None,
@@ -160,7 +88,7 @@ def _rank(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResul
     the closed form is no bound (processor sharing, calibration): every plan is evaluated and simulated."""
     if slowdowns(cluster) is not None:
         for bases, mbs in result.structures:
-            _recompute_choice(model, cluster, w, result, options, device, bases, mbs)
+            recompute_choice(model, cluster, w, result, options, device, bases, mbs)
         done = [replace(c, time=_retime(model, c, w, cluster)) for c in result.feasible]
         for c in done:
             c.time.extra["estimate"] = "simulated"
@@ -191,7 +119,7 @@ def _rank(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResul
         bases, mbs = result.structures[order[nxt][1]]
         nxt += 1
         before = len(result.feasible)
-        _recompute_choice(model, cluster, w, result, options, device, bases, mbs)
+        recompute_choice(model, cluster, w, result, options, device, bases, mbs)
         for c in result.feasible[before:]:
             heapq.heappush(waiting, (c.time.iteration_s, id(c), c))
     result.pruned = len(order) - nxt
@@ -202,7 +130,7 @@ def _structure_bound(model: ModelConfig, cluster: Cluster, w: Workload, bases: l
                      options: Pins) -> float:
     """The closed form of the structure's cheapest plan: its pinned recompute (or none), the fastest of
     its cp kinds, its most loaded stage's parameters; a lower bound of every plan it can yield."""
-    ww = _with_mbs(w, mbs)
+    ww = with_mbs(w, mbs)
     rec = options("recompute", ["none"])[0]
     k = options("recompute_layers", [None])[0] if rec != "none" else None
     best = math.inf
@@ -246,12 +174,8 @@ def cp_kinds(cp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
 
 
 def _retime(model: ModelConfig, c: Candidate, w: Workload, cluster: Cluster) -> Breakdown:
-    return iteration_time(model, c.layout, _with_mbs(w, c.micro_batch_size), cluster,
+    return iteration_time(model, c.layout, with_mbs(w, c.micro_batch_size), cluster,
                           params_per_rank=c.time.extra["params"], simulate_pipeline=True)
-
-
-def _with_mbs(w: Workload, mbs: int) -> Workload:
-    return replace(w, micro_batch_size=mbs)
 
 
 V_SEARCH_MAX_PP = 16
@@ -291,50 +215,6 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
                             result.structures.append((valid, mbs))
 
 
-def _recompute_choice(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, options: Pins,
-                      device: str, bases: list[ParallelLayout], mbs: int) -> None:
-    """The cheapest recompute mode that fits (none < selective < full in time), unless pinned; at
-    each, the layout's cp kinds (``bases``: valid, alike but for cp_kind / cp_ulysses) fastest first."""
-    ww, valid = _with_mbs(w, mbs), bases
-    search_k = "recompute" not in options and "recompute_layers" not in options
-    # Activation offload is the other way to fit: tried at each recompute mode that does not fit without
-    # it, on a host link; where offload=all fits, offload=auto with the largest budget that fits (the
-    # fewest copies) is taken instead.
-    offloads = options("offload", ["none", "all"] if bases[0].pp > 1 and cluster.host_bandwidth > 0 else ["none"])
-    if "offload_keep" in options and "offload" not in options:
-        offloads = ["auto"]  # a budget is offload=auto's
-    budget_free = "offload_keep" not in options
-    found: list[Candidate] = []
-    for rec in options("recompute", ["none", "selective", "full"]):
-        for off in offloads:
-            keep = options("offload_keep", [1])[0] if off == "auto" else 1
-            layouts = [replace(L, recompute=rec, offload=off, offload_keep=keep) for L in valid]
-            if rec != "none" and "recompute_layers" in options:
-                layouts = [replace(L, recompute_layers=options("recompute_layers", [None])[0]) for L in layouts]
-            if len(layouts) > 1:  # the kinds differ only in the attention's exposed traffic
-                layouts.sort(key=lambda L: sum(cp_layer_times(model, L, ww, cluster)))
-            fitted = False
-            for L in layouts:
-                fit = _fits(model, cluster, ww, result, L, mbs, device)
-                if fit is None:
-                    continue
-                if search_k and rec != "none":
-                    L, fit = _fewest_recomputed(model, cluster, ww, result, L, mbs, device, fit)
-                if budget_free and (off == "auto" or (off == "all" and "offload" not in options)):
-                    L, fit = _largest_budget(model, cluster, ww, result, L, mbs, device, fit)
-                b = iteration_time(model, L, ww, cluster, params_per_rank=fit[1], simulate_pipeline=False)
-                b.extra["estimate"] = "bound"
-                found.append(Candidate(L, mbs, fit[0], b))
-                fitted = True
-                break
-            if fitted and off == "none":
-                break  # fits without moving anything: offloading cannot be faster
-        if any(c.layout.recompute == "none" and c.layout.offload == "none" for c in found):
-            break  # nothing recomputed or moved fits: neither can be faster
-    if found:
-        result.add(min(found, key=lambda c: c.time.iteration_s))
-
-
 def _valid_kinds(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, mbs: int,
                  bases: list[ParallelLayout]) -> list[ParallelLayout]:
     """The layouts of ``bases`` (alike but for the cp kind) that validate() accepts; the rest rejected."""
@@ -353,63 +233,6 @@ def _valid_kinds(model: ModelConfig, cluster: Cluster, w: Workload, result: Sear
     if len(bases) > 1 and invalid(replace(bases[0], cp_kind="ring", cp_ulysses=1)):
         return []
     return [L for L in bases if not invalid(L)]
-
-
-def _fits(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout, mbs: int,
-          device: str) -> tuple[float, int] | None:
-    """(bytes per device, parameters per rank) of the layout's most loaded stage when it fits."""
-    result.count()
-    stages = plan_memory(model, L, w, device=device)
-    need = max(s.total for s in stages)
-    params = max(s.params for s in stages)
-    if need > cluster.memory_bytes:
-        result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
-        result.reject("out of memory", f"{_short(L, mbs)} needs {need / 1e9:.1f} GB per device")
-        return None
-    host = max(s.host for s in stages) * cluster.devices_per_node  # every device of a node offloads alike
-    if cluster.host_memory_gb and host > cluster.host_memory_gb * 1e9:
-        result.reject("out of host memory", f"{_short(L, mbs)} offloads {host / 1e9:.0f} GB per node, more than its "
-                                            f"{cluster.host_memory_gb:g} GB")
-        return None
-    return need, params
-
-
-def _largest_budget(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout,
-                    mbs: int, device: str, fit: tuple[float, int]) -> tuple[ParallelLayout, tuple[float, int]]:
-    """offload=auto with the largest budget (offload_keep) that still fits, given that ``L`` (offload all,
-    or auto with budget 1) fits: memory grows with the budget and the copies shrink (bisection); ``L``
-    when none does. A budget of the peak less one moves nothing: offload=none, which did not fit."""
-    micro = w.global_batch_size // (mbs * L.dp)
-    peak = max(inflight(L.schedule, L.pp, micro, L.vpp, L.pp_token_slices))
-    lo, hi, best = 1 if L.offload == "all" else 2, peak - 2, (L, fit)
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        cand = replace(L, offload="auto", offload_keep=mid)
-        got = _fits(model, cluster, w, result, cand, mbs, device)
-        if got is None:
-            hi = mid - 1
-        else:
-            best, lo = (cand, got), mid + 1
-    return best
-
-
-def _fewest_recomputed(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, L: ParallelLayout,
-                       mbs: int, device: str, fit: tuple[float, int]) -> tuple[ParallelLayout, tuple[float, int]]:
-    """The layout recomputing the fewest layers per chunk that still fits (memory falls as more layers
-    recompute: bisection), given that recomputing all of them fits (``fit``)."""
-    most = max(stage_counts(model, L, w.seq_length))
-    lo, hi, best = 1, most - 1, (L, fit)
-    while lo <= hi:
-        k = (lo + hi) // 2
-        trial = replace(L, recompute_layers=k)
-        result.count()
-        stages = plan_memory(model, trial, w, device=device)
-        need = max(s.total for s in stages)
-        if need <= cluster.memory_bytes:
-            best, hi = (trial, (need, max(s.params for s in stages))), k - 1
-        else:
-            lo = k + 1
-    return best
 
 
 def no_plan_error(res: SearchResult, cluster: Cluster) -> ConfigError:
@@ -433,10 +256,3 @@ def evaluate_plan(model: ModelConfig, layout: ParallelLayout, w: Workload, clust
     b = iteration_time(model, layout, w, cluster, params_per_rank=params, simulate_pipeline=True)
     b.extra["params"] = params
     return Candidate(layout, w.micro_batch_size, max(s.total for s in stages), b)
-
-
-def _short(L: ParallelLayout, mbs: int) -> str:
-    kind = "" if L.cp == 1 else f" {L.cp_kind}" + (f" cp_ulysses={L.cp_ulysses}" if L.cp_kind == "hybrid" else "")
-    return (f"dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp}{kind} vpp={L.vpp} {L.schedule} mbs={mbs} zero={L.zero} "
-            f"recompute={L.recompute}" + (" sp" if L.sequence_parallel else "")
-            + (f" offload={L.offload}" if L.offload != "none" else ""))

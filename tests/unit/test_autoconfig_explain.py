@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from mpformer.autoconfig.candidates import Candidate
 from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.cost import Breakdown
 from mpformer.autoconfig.explain import (
@@ -21,7 +22,7 @@ from mpformer.autoconfig.explain import (
     term_name,
 )
 from mpformer.autoconfig.memory import Workload, plan_memory
-from mpformer.autoconfig.search import Candidate, search
+from mpformer.autoconfig.search import search
 from mpformer.cli.autoconfig import main
 from mpformer.cli.compose import compose_config
 from mpformer.core.layout import ParallelLayout

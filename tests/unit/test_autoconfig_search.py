@@ -7,11 +7,13 @@ from dataclasses import replace
 
 import pytest
 
+from mpformer.autoconfig.candidates import Pins, SearchResult
 from mpformer.autoconfig.cluster import load_cluster
 from mpformer.autoconfig.cost import _dp_time, iteration_time
+from mpformer.autoconfig.fit import recompute_choice
 from mpformer.autoconfig.memory import Workload, plan_memory
 from mpformer.autoconfig.runtimes import MEGATRON, MEGATRON_CORE, MPFORMER
-from mpformer.autoconfig.search import Pins, SearchResult, _recompute_choice, _retime, search
+from mpformer.autoconfig.search import _retime, search
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -29,7 +31,7 @@ def test_branch_and_bound_finds_what_simulating_every_plan_finds(nodes, gbs, seq
     assert res.top and all(x.time.extra["estimate"] == "simulated" for x in res.top)
     every = SearchResult([], [])
     for bases, mbs in res.structures:
-        _recompute_choice(SMALL, c, w, every, Pins({}), "cuda", bases, mbs)
+        recompute_choice(SMALL, c, w, every, Pins({}), "cuda", bases, mbs)
     assert len(every.feasible) > len(res.feasible) or res.pruned == 0
     everything = sorted(_retime(SMALL, x, w, c).iteration_s for x in every.feasible)
     assert [x.time.iteration_s for x in res.top] == pytest.approx(everything[:3], rel=1e-12)
