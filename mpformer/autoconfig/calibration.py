@@ -48,11 +48,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpformer.autoconfig.sharing import interpolate
-from mpformer.core.layout import SPLIT_BACKWARD
 
 # A correction outside this range means the measurement, not the model, is off: clamped.
 LIMITS = (0.5, 4.0)
-SPLIT = SPLIT_BACKWARD  # schedules that split the backward (the V schedules too)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mpformer.autoconfig.calibration import SPLIT, Calibration, clamp
+from mpformer.autoconfig.calibration import Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.compute import LayerTimes, layer_times_from, measured_attention, pass_time
 from mpformer.autoconfig.cp_cost import cp_traffic
@@ -47,7 +47,7 @@ from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  
 from mpformer.autoconfig.memory import BYTES, Workload
 from mpformer.autoconfig.pipeline_cost import offload_exposed, pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
-from mpformer.core.layout import V_SCHEDULES, ParallelLayout
+from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES, ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_counts, stage_index
 from mpformer.pipeline.simulate import Costs
@@ -269,7 +269,7 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
         w = replace(w, seq_length=w.seq_length // slices)
     cal = calibration(c) if cal is None else cal
     k, split_factor = cal.compute, cal.split
-    split = L.schedule in SPLIT
+    split = L.schedule in SPLIT_BACKWARD
     fc, bc, wc, tps, cps = ([0.0] * len(counts) for _ in range(5))
     for lay, ns in _recompute_split(L, counts):  # recomputed layers and the others cost differently
         f, bi, bw_, tp_comm, attn = layer_times_parts(m, lay, w, c)
@@ -408,7 +408,7 @@ def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Ca
     pipeline, tp = {}, {}
     for row in layouts.values():
         L = ParallelLayout(**row["layout"])
-        if L.schedule in SPLIT:  # a profile from before zero-bubble layouts left the set (calibration.py)
+        if L.schedule in SPLIT_BACKWARD:  # a profile from before zero-bubble layouts left the set (calibration.py)
             continue
         host = replace(c, devices_per_node=row["world"], nodes=1)
         w = Workload(row["microbatches"], 1, ref["seq_length"], ref["precision"])
