@@ -8,10 +8,16 @@ receive with a random tensor of the boundary's shape at once, so the rank comput
 rank whose messages are always in time. Per mode, after one untimed step, the median of ``--steps``:
 
 * step time, and its ratio to offload=none (where the copies hide behind the compute, near 1);
-* activation peak: on CUDA ``torch.cuda.max_memory_allocated`` during the step less the bytes held
-  before it (parameters, gradients), in micro-batches of none's (whose peak holds min(p, m) of them);
-  on CPU host memory is the device's and nothing is saved, so no peak is reported (the copies still
-  run, on a thread: the overhead column is what a CPU run pays for them).
+* activation peak during the step above the bytes held before it (parameters, gradients), in
+  micro-batches of none's (whose peak holds min(p, m) of them): on CUDA the allocator's
+  ``max_memory_allocated``; on CPU, whose allocator keeps no count, parallel/memory_meter.py's
+  StorageMeter over one more step (it slows the ops it sees, so that step is not timed). On a CPU the
+  copies to "host" run on HostCopies' thread into memory the meter does not count, as pinned host
+  memory is not device memory: the figure is the device memory the engine's offload leaves in use.
+
+On CPU the copies can only overlap the compute if they have a core of their own (a GPU's copy engines
+are their own hardware): ``--threads`` (default: every core but one on CPU) sets the compute's
+intra-op threads for every mode alike.
 
 The issue's target (17): at p = 4, all holds at most 1.5 micro-batches and costs at most 10% where the
 copies overlap. benchmarks/gpu_check.sh runs this on a GPU.
@@ -20,6 +26,7 @@ copies overlap. benchmarks/gpu_check.sh runs this on a GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -35,27 +42,13 @@ from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import stage_plan
 from mpformer.models.parallelize import build_model
 from mpformer.parallel.device import Device, HostCopies, resolve_device
+from mpformer.parallel.memory_meter import PeakMemory
 from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.offload import ActivationOffload, offload_units
-from mpformer.pipeline.p2p import Pending
 from mpformer.pipeline.schedules import build_schedule
+from mpformer.testing.loopback import LoopbackP2P
 
 MODES = (("none", 1), ("auto", 1), ("all", 1))
-
-
-class LoopbackP2P:
-    """The neighbours of one rank: sends go nowhere, receives hold a random tensor at once."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.shape, self.dtype, self.device = shape, dtype, device
-
-    def buffer(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-
-    def post(self, sends: list, recvs: list) -> tuple[Pending, list[Pending]]:
-        for _, t in recvs:
-            t.normal_(0.0, 1e-3)
-        return Pending([], []), [Pending([], []) for _ in recvs]
 
 
 def run(args: argparse.Namespace, device: Device) -> list[dict]:
@@ -74,32 +67,31 @@ def run(args: argparse.Namespace, device: Device) -> list[dict]:
     for mode, keep in MODES:
         model = build_model(cfg, tp=None, device=device.torch_device, seed=1, stage=plan).to(dtype)
         units = offload_units(schedule.actions[0], mode, keep)
-        offload = ActivationOffload(HostCopies(device), model, units) if mode != "none" else None
+        offload = ActivationOffload(HostCopies(device), model, units, min_bytes=2**20) if mode != "none" else None
         p2p = LoopbackP2P((args.seq, args.batch, args.hidden), dtype, device.torch_device)
         engine = PipelineEngine(model, plan, schedule, p2p, offload=offload)
-        times, peaks = [], []
-        for step in range(args.steps + 1):
+        times = []
+        for step in range(args.steps + 1):  # the first untimed
             model.zero_grad(set_to_none=False)
             device.synchronize()
-            base = torch.cuda.memory_allocated() if device.kind == "cuda" else 0
-            device.reset_peak_memory()
             t0 = time.perf_counter()
             engine.run(batches)
             device.synchronize()
             if step:
                 times.append(time.perf_counter() - t0)
-                peak = device.max_memory_allocated()
-                peaks.append(None if peak is None else peak - base)
+        model.zero_grad(set_to_none=False)
+        with PeakMemory(device) as peak:
+            engine.run(batches)
         moved = offload.moved_bytes if offload is not None else 0
         out.append({"mode": mode if mode != "auto" else f"auto (keep {keep})", "units_moved": len(units),
-                    "step_s": statistics.median(times), "activation_peak_bytes": peaks[-1], "moved_bytes": moved})
+                    "step_s": statistics.median(times), "activation_peak_bytes": peak.peak, "moved_bytes": moved})
         del engine, model, offload
     base_t = out[0]["step_s"]
     base_peak = out[0]["activation_peak_bytes"]
     held = min(args.pp, args.microbatches)
     for r in out:
         r["step_ratio"] = r["step_s"] / base_t
-        r["peak_microbatches"] = (None if base_peak is None else r["activation_peak_bytes"] / (base_peak / held))
+        r["peak_microbatches"] = r["activation_peak_bytes"] / (base_peak / held)
     return out
 
 
@@ -115,23 +107,29 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--threads", type=int, help="the compute's intra-op threads (default: on CPU every "
+                    "core but one, for the copies; on CUDA torch's default)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     device = resolve_device(args.device)
+    if args.threads is None and device.kind == "cpu":
+        args.threads = max(1, (os.cpu_count() or 2) - 1)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     env = environment()
     print(f"cpu: {env['cpu_model']} ({env['cpu_capability']}) | device: {device.name()} | torch {env['torch']}")
     print(f"rank 0 of pp={args.pp} 1f1b, {args.microbatches} micro-batches of {args.batch}x{args.seq}, Llama "
-          f"h={args.hidden} {args.layers // args.pp} layers on the rank")
+          f"h={args.hidden} {args.layers // args.pp} layers on the rank, {torch.get_num_threads()} compute threads")
     rows = run(args, device)
 
-    def mib(x: float | None) -> str:
-        return "n/a" if x is None else f"{x / 2**20:.0f}"
+    def mib(x: float) -> str:
+        return f"{x / 2**20:.0f}"
 
     print(format_table(["offload", "units moved", "step ms", "step / none", "activation peak MiB",
                         "peak (micro-batches)", "moved MiB"],
                        [[r["mode"], r["units_moved"], 1e3 * r["step_s"], r["step_ratio"],
                          mib(r["activation_peak_bytes"]),
-                         "n/a" if r["peak_microbatches"] is None else f"{r['peak_microbatches']:.2f}",
+                         f"{r['peak_microbatches']:.2f}",
                          mib(r["moved_bytes"])] for r in rows]))
     if args.json:
         write_json(args.json, {"args": vars(args), "environment": env, "device": device.name(), "results": rows})

@@ -52,6 +52,10 @@ class Device:
         """Peak bytes allocated on the device, or None where the allocator does not track it (CPU)."""
         return torch.cuda.max_memory_allocated(self.index) if self.kind == "cuda" else None
 
+    def memory_allocated(self) -> int:
+        """Bytes allocated on the device now (0 on CPU: parallel/memory_meter.py counts there)."""
+        return torch.cuda.memory_allocated(self.index) if self.kind == "cuda" else 0
+
     def reset_peak_memory(self) -> None:
         if self.kind == "cuda":
             torch.cuda.reset_peak_memory_stats(self.index)
@@ -117,8 +121,11 @@ class HostCopies:
     out starts once the compute stream has produced the tensor, and the device memory goes back to the
     caching allocator once it is done (``record_stream``: the caller may drop the tensor at once); a
     copy back waits for its copy out and is waited for by the compute stream where it is used.
-    CPU: host memory is the device's; a copy runs on a background thread (the same values, the same
-    ordering, nothing saved: what runs the offload's logic in tests on a machine without a GPU)."""
+    CPU: the same three steps, each copy on one background thread (first in, first out, so a copy back
+    follows its copy out): the copy out is made on that thread, and the tensor a copy back fills is
+    allocated on the caller's, as on CUDA. Host memory is the device's on a CPU, so nothing is saved
+    there; what this gives is the offload's logic and timing run for real in tests, and a device-memory
+    figure where only the caller's allocations count (parallel/memory_meter.py)."""
 
     def __init__(self, device: Device) -> None:
         self.cuda = device.kind == "cuda"
@@ -148,7 +155,13 @@ class HostCopies:
 
     def to_device(self, copy: dict) -> None:
         """Start bringing a copy back (prefetch); ``result`` waits for it."""
-        if not self.cuda or "back" in copy:
+        if "back" in copy:
+            return
+        if not self.cuda:
+            # The copy out's shape and strides (clone keeps a dense tensor's): it is done by now but for
+            # a unit whose backward follows at once, where this waits for it, as CUDA's stream would.
+            back = copy["back"] = torch.empty_like(copy["host"].result())
+            copy["in"] = self.pool.submit(lambda: back.copy_(copy["host"].result()))
             return
         # Allocated on the compute stream (its cached blocks are the ones the compute reuses), filled on
         # the side stream once the copy out is done.
@@ -166,9 +179,10 @@ class HostCopies:
     def result(self, copy: dict) -> torch.Tensor:
         """The tensor again on the device, usable on the current stream. The record lets go of it, so that
         autograd frees it node by node as without offload (asked again, it is copied back again)."""
-        if not self.cuda:
-            return copy["host"].result()
         self.to_device(copy)
+        if not self.cuda:
+            copy.pop("in").result()
+            return copy.pop("back")
         current = torch.cuda.current_stream(self.device)
         current.wait_event(copy.pop("in"))
         return copy.pop("back")

@@ -10,8 +10,14 @@ Which units move is decided from the rank's action list before the step (``offlo
     auto  only those the schedule keeps in flight beyond a budget of ``keep`` units on the device:
           a unit moves when, at its forward, ``keep`` units are already held
 
-A moved unit is brought back while the compute before its backward runs (``prefetch_points``). What
-moves is what autograd saves for the backward (saved-tensor hooks around the unit's forward), except
+A moved unit comes back a layer at a time, one layer ahead of its backward, as Megatron-LM's layer-wise
+reload does: its last layer's activations while the compute before its backward runs
+(``prefetch_points``), then each layer's while the backward of the layer after it runs (the unpack hook
+of a layer asks for the layer before). So a moved unit never holds more than about two layers on the
+device, in its forward (the copies out trail the compute) as in its backward; bringing the whole unit
+back before its backward would hold one micro-batch more at that backward's start. A layer here is a
+transformer Block: what its forward saves, the embedding's joined to the first and the head's to the
+last. What moves is what autograd saves for the backward (saved-tensor hooks around the unit's forward), except
 parameters and the unit's received input (they stay on the device anyway) and tensors under
 ``min_bytes`` (a copy's fixed cost would outweigh them). A tensor saved twice (a norm's input, the
 gate's and up projection's shared input, the rotary tables) moves once. A recomputed layer's kept
@@ -25,10 +31,12 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from mpformer.models.transformer import Block
 from mpformer.parallel.device import HostCopies
 from mpformer.pipeline.actions import Action, Op
 
@@ -75,9 +83,17 @@ def prefetch_points(actions: Sequence[Action], units: set[Key]) -> dict[int, Key
     return out
 
 
+class _Moved(NamedTuple):
+    """What autograd keeps of a moved tensor: its copy, and the unit and layer it was saved in."""
+
+    key: Key
+    layer: int
+    copy: dict
+
+
 class ActivationOffload:
-    """The saved activations of the moved units of one rank: out after their forward, back before
-    their backward."""
+    """The saved activations of the moved units of one rank: out after their forward, back a layer at a
+    time ahead of their backward."""
 
     def __init__(self, copies: HostCopies, model: nn.Module, units: set[Key], min_bytes: int | None = None) -> None:
         """``min_bytes`` (None: 1 MiB on CUDA, where each copy costs a pinned buffer, events and stream
@@ -85,8 +101,18 @@ class ActivationOffload:
         self.copies, self.units = copies, units
         self.min_bytes = (2**20 if copies.cuda else 0) if min_bytes is None else min_bytes
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._saved: dict[Key, list[dict]] = {}
+        self._saved: dict[Key, list[list[dict]]] = {}  # per unit, per layer: the copies, in saving order
+        self._next: dict[Key, int] = {}  # per unit coming back: the next layer to ask for (they go last first)
+        self._saving: list[list[dict]] | None = None  # the layers of the unit whose forward runs
         self.moved_bytes = 0  # the last step's bytes sent out (each comes back once): metrics' offload_bytes
+        for module in model.modules():
+            if isinstance(module, Block):
+                module.register_forward_pre_hook(self._new_layer)
+
+    def _new_layer(self, module: nn.Module, args: object) -> None:
+        # A Block starts (in a moved unit's forward; not in a recompute, which runs outside ``saving``).
+        if self._saving is not None and self._saving[-1]:
+            self._saving.append([])
 
     @contextlib.contextmanager
     def saving(self, key: Key) -> Iterator[None]:
@@ -94,12 +120,15 @@ class ActivationOffload:
         if key not in self.units:
             yield
             return
-        saved = self._saved.setdefault(key, [])
+        layers = self._saving = self._saved.setdefault(key, [[]])
         seen: dict[tuple, tuple] = {}  # a tensor saved again (same storage, offset, shape, strides) moves once
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(saved, seen, t), self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, layers, seen, t), self._unpack):
+                yield
+        finally:
+            self._saving = None
 
-    def _pack(self, saved: list[dict], seen: dict[tuple, tuple], t: torch.Tensor) -> object:
+    def _pack(self, key: Key, layers: list[list[dict]], seen: dict[tuple, tuple], t: torch.Tensor) -> object:
         nbytes = t.numel() * t.element_size()
         # Kept as autograd would keep it: small tensors, another device's, a parameter's storage, and a
         # leaf that wants its gradient (the received activation: the engine holds it for that anyway).
@@ -109,29 +138,49 @@ class ActivationOffload:
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         alive, earlier = seen.get(ident, (None, None))
         if alive is not None and alive() is not None:  # the same tensor, still alive: not memory reused since
-            return earlier
-        copy = self.copies.to_host(t.detach())
-        seen[ident] = (weakref.ref(t), copy)
-        saved.append(copy)
-        self.moved_bytes += nbytes
-        return copy
+            copy = earlier
+        else:
+            copy = self.copies.to_host(t.detach())
+            seen[ident] = (weakref.ref(t), copy)
+            layers[-1].append(copy)
+            self.moved_bytes += nbytes
+        return _Moved(key, len(layers) - 1, copy)  # the layer it is needed in, for the read-ahead
 
     def _unpack(self, packed: object) -> torch.Tensor:
-        return packed if isinstance(packed, torch.Tensor) else self.copies.result(packed)
+        if isinstance(packed, torch.Tensor):
+            return packed
+        self._ask(packed.key, packed.layer - 1)  # the layer before comes back while this one's backward runs
+        return self.copies.result(packed.copy)
+
+    def _ask(self, key: Key, down_to: int) -> None:
+        """Start bringing back ``key``'s layers, last first, down to layer ``down_to``."""
+        layers = self._saved.get(key)
+        if layers is None:
+            return
+        nxt = self._next.get(key, len(layers) - 1)
+        while nxt >= max(down_to, 0):
+            for copy in layers[nxt]:
+                self.copies.to_device(copy)
+            nxt -= 1
+        self._next[key] = nxt
 
     def prefetch(self, key: Key) -> None:
-        for copy in self._saved.get(key, ()):
-            self.copies.to_device(copy)
+        """Before ``key``'s backward (during the compute before it): its last layer comes back."""
+        layers = self._saved.get(key)
+        if layers is not None:
+            self._ask(key, len(layers) - 1)
 
     def done(self, key: Key) -> None:
         """After the backward of ``key``: nothing of it is needed again."""
         self._saved.pop(key, None)
+        self._next.pop(key, None)
 
     def start(self) -> None:
         """A new step: nothing saved yet, no bytes moved."""
-        self._saved.clear()
+        self.clear()
         self.moved_bytes = 0
 
     def clear(self) -> None:
         """The step ended (or failed): drop what is left; ``moved_bytes`` stays readable."""
         self._saved.clear()
+        self._next.clear()
