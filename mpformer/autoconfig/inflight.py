@@ -44,10 +44,9 @@ def inflight(schedule: str, pp: int, microbatches: int, vpp: int, slices: int = 
 def offloaded(L: ParallelLayout, peak: int, device: str = "cuda") -> tuple[int, bool]:
     """Activation offload (pipeline/offload.py): the units a rank with ``peak`` in flight keeps on the
     device, and whether some are copied out. ``all`` keeps one, ``auto`` that one and ``offload_keep``
-    more (under full recompute what moves is each layer's kept input). An upper bound: the one is the
-    unit whose backward comes next, whole, but the engine brings a unit back a layer ahead of its
-    backward, and its copies out trail its forward by about a layer (measured at p=4, 4 layers a rank:
-    1.0 micro-batch where this prices 1.25). On a CPU host memory is the device's: no saving there."""
+    more (under full recompute what moves is each layer's kept input). The one is the unit the memory
+    walk runs, which when some are copied out is itself a moved one: two of its layers on the device at
+    a time (step_memory.walk's ``offloaded``). On a CPU host memory is the device's: no saving there."""
     if L.offload == "none" or device == "cpu":
         return peak, False
     keep = 0 if L.offload == "all" else L.offload_keep

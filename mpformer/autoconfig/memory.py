@@ -361,7 +361,9 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             shapes[key] = build(r, first, last, chunks)
         n, state, units, per_chunk, io, head_forward = shapes[key]
         held, copying = offloaded(L, peaks[r], device)
-        host = (peaks[r] - held) * (per_chunk - io)  # a moved unit's received input and sent output stay (engine)
+        # Host memory: every unit in flight but the ``held - 1`` kept whole (the walked one is moved too);
+        # a moved unit's received input and sent output stay on the device (engine).
+        host = (peaks[r] - held + copying) * (per_chunk - io)
         # A unit being copied out still holds its last layer's activations on the device (the copy trails
         # the forward by about a layer).
         pending = (recomputed if L.recompute != "none" else plain)[0] if copying else 0.0
@@ -369,7 +371,8 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         # The speculative step's copy (optim/speculate.py: parameters, Adam's m and v, and the gradient
         # shards) held through the next step's forward/backward while its check is in flight.
         held = 16.0 * n / (n_d if L.zero >= 1 else 1) if runtime.overlap_validation else 0.0
-        peak = walk(units, red, state=state + held, kept=kept, head_forward=head_forward, micro=micro)
+        peak = walk(units, red, state=state + held, kept=kept, head_forward=head_forward, micro=micro,
+                    offloaded=copying)
         # The step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
         if runtime.post_validation and not runtime.overlap_validation:
             copy = state + 12.0 * n / (n_d if L.zero >= 1 else 1)

@@ -136,12 +136,13 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
 def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, counts: list[int],
                     fs: list[float], bs: list[float]) -> tuple[list[float], list[float]]:
     """Activation offload (pipeline/offload.py): a moved unit's saved activations go out during its own
-    forward and come back during the compute before its backward (about a forward), each over the host
-    link beside the compute; the part of a copy longer than the compute it hides behind is added to
-    that compute, spread over the stage's units by the share of them that move (inflight.py's
-    moved_per_stage: offload's own choice on the schedule; under offload=all every unit whose backward
-    does not follow its forward at once, so not the last stage's under 1F1B; under offload=auto only
-    those beyond the budget of offload_keep)."""
+    forward and come back a layer ahead of its backward (its last layer during the compute before),
+    each over the host link beside the compute: a copy out hides behind the forward, a copy back behind
+    the backward (the input-gradient pass, which reads them). The part of a copy longer than the
+    compute it hides behind is added to that compute, spread over the stage's units by the share of
+    them that move (inflight.py's moved_per_stage: offload's own choice on the schedule; under
+    offload=all every unit whose backward does not follow its forward at once, so not the last
+    stage's under 1F1B; under offload=auto only those beyond the budget of offload_keep)."""
     from mpformer.autoconfig.inflight import moved_per_stage
     from mpformer.autoconfig.layer_memory import layer_bytes
 
@@ -151,8 +152,6 @@ def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, 
     moved = moved_per_stage(L.schedule, L.pp, micro, L.vpp, k, L.offload, L.offload_keep)
     fs, bs = list(fs), list(bs)
     for s_, n in enumerate(moved):
-        copy, hide = counts[s_] * per_layer / c.host_bandwidth, fs[s_]
-        share = n / (micro * k)
-        fs[s_] += share * max(0.0, copy - hide)
-        bs[s_] += share * max(0.0, copy - hide)
+        copy, share = counts[s_] * per_layer / c.host_bandwidth, n / (micro * k)
+        fs[s_], bs[s_] = fs[s_] + share * max(0.0, copy - fs[s_]), bs[s_] + share * max(0.0, copy - bs[s_])
     return fs, bs

@@ -132,7 +132,7 @@ class Peak:
 
 
 def walk(units: Sequence[Unit], red: Reduction, *, state: float, kept: float, head_forward: float,
-         micro: int = 1) -> Peak:
+         micro: int = 1, offloaded: bool = False) -> Peak:
     """The stage's peak and where it occurs, in the last of ``micro`` micro-batches of a step. ``units``
     in backward order (the head first, the embedding last); ``state``: the persistent bytes; ``kept``:
     activation bytes live throughout (the other micro-batches in flight, the pipeline's inputs and
@@ -140,16 +140,21 @@ def walk(units: Sequence[Unit], red: Reduction, *, state: float, kept: float, he
     gathered head). With gradient accumulation at stages 2-3 the pool still holds the buffers the
     previous micro-batch gave back (emptied only at the step's end).
 
+    ``offloaded``: this micro-batch's activations go to host memory as its forward runs and come back a
+    layer ahead of its backward (pipeline/offload.py): at any point only two layers' saved activations
+    are on the device (at the forward's end the last, whose copy out is in flight, and the head's; in
+    the backward the layer back-propagated and the one read ahead).
+
     ``kept`` adds to every point but the end of the backward (its activations are gone), so the walk
     runs once per stage shape and ``kept`` is added after: the search walks every stage of thousands
     of plans, most of whose stages have the same shape."""
     key = (tuple((u.name, tuple(u.params), u.saved, u.backward, u.extra) for u in units), red, state,
-           head_forward, micro)
+           head_forward, micro, offloaded)
     hit = _WALKS.get(key)
     if hit is None:
         if len(_WALKS) > 200_000:
             _WALKS.clear()
-        hit = _WALKS[key] = _walk(units, red, state, head_forward, micro)
+        hit = _WALKS[key] = _walk(units, red, state, head_forward, micro, offloaded)
     inner, end = hit
     peak = Peak(inner.live + kept, inner.activations + kept, inner.where)
     return end if end is not None and end.live > peak.live else peak
@@ -158,28 +163,44 @@ def walk(units: Sequence[Unit], red: Reduction, *, state: float, kept: float, he
 _WALKS: dict[tuple, tuple[Peak, Peak | None]] = {}
 
 
-def _walk(units: Sequence[Unit], red: Reduction, state: float, head_forward: float, micro: int
-          ) -> tuple[Peak, Peak | None]:
+def _walk(units: Sequence[Unit], red: Reduction, state: float, head_forward: float, micro: int,
+          offloaded: bool = False) -> tuple[Peak, Peak | None]:
     """walk() without ``kept``: the largest point that includes it, and the end of the backward."""
     pool = _Pool(red.in_flight, float("inf")) if red.stage < 3 else _Pool(None, red.budget * red.grad_bytes)
     if micro > 1 and red.stage >= 2 and red.pooled:
-        _backward(units, red, pool, state)
+        _backward(units, red, pool, state, offloaded)
     idle = sum(pool.idle)
-    saved = sum(u.saved for u in units)
+    saved = _resident(units, offloaded)[0]
     head = Peak(state + saved + head_forward + idle, saved, "head forward" if head_forward else "forward")
-    back, end = _backward(units, red, pool, state)
+    back, end = _backward(units, red, pool, state, offloaded)
     return (back if back.live > head.live else head), end
 
 
-def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float) -> tuple[Peak, Peak | None]:
+def _resident(units: Sequence[Unit], offloaded: bool) -> list[float]:
+    """Per unit (backward order), the micro-batch's saved activations on the device when its backward
+    runs: all of its own and the units' after it, or, offloaded, those of the first two units from it
+    that save any (a layer's ZeRO-3 parts save with their first)."""
+    after = [0.0] * (len(units) + 1)
+    if not offloaded:
+        for k in range(len(units) - 1, -1, -1):
+            after[k] = after[k + 1] + units[k].saved
+        return after
+    first = second = 0.0  # the saved of the next two saving units from k on
+    for k in range(len(units) - 1, -1, -1):
+        if units[k].saved:
+            first, second = units[k].saved, first
+        after[k] = first + second
+    return after
+
+
+def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float, offloaded: bool = False
+              ) -> tuple[Peak, Peak | None]:
     """One micro-batch's backward: the largest total at any unit (without ``kept``), and at its end
     (stages 0-1, whose reductions all stay in flight until the step's end; None at stages 2-3).
     ``pool``: as it was before, left as after."""
     # Suffix sums of the saved activations and the buckets indexed by the unit that opens and closes
     # them: the walk is linear in the units (the search walks every stage of thousands of plans).
-    after = [0.0] * (len(units) + 1)
-    for k in range(len(units) - 1, -1, -1):
-        after[k] = after[k + 1] + units[k].saved
+    after = _resident(units, offloaded)
     peak = Peak(0.0, 0.0, "")
     plan, pooled = buckets(units, red), red.stage >= 2 and red.pooled
     opens: dict[int, list[int]] = {}

@@ -81,10 +81,14 @@ def test_bad_offload_fails_with_the_valid_values():
 
 
 def test_the_models_price_offload():
-    """Memory: 1F1B's rank 0 at p=4 keeps the unit brought back for its next backward and the last
-    layer of the one being copied out, at most 1.5 micro-batches; nothing moves on a CPU host; under
-    full recompute the layers' kept inputs move. Cost: a copy longer than the forward it hides behind
-    adds its excess."""
+    """Memory: 1F1B's rank 0 at p=4 keeps two layers of the micro-batch it runs (one back-propagated, one
+    read ahead) and the last layer of one being copied out: under one micro-batch of its 4 layers
+    (tests/unit/test_offload_memory.py measures the engine's), under a quarter of one with 16 layers a
+    rank, and the received inputs; the host takes the rest; nothing moves on a CPU host; under
+    full recompute the layers' kept inputs move. Cost: a copy out longer than the forward it hides
+    behind adds its excess to the forward, a copy back longer than the backward to the backward."""
+    from dataclasses import replace
+
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.cost import iteration_time
     from mpformer.autoconfig.memory import Workload, plan_memory
@@ -98,7 +102,13 @@ def test_the_models_price_offload():
 
     none, every, auto = acts(), acts(offload="all"), acts(offload="auto", offload_keep=1)
     per_micro = none[0] / 4  # rank 0 of 1F1B at p=4 holds 4 micro-batches
-    assert every[0] <= 1.5 * per_micro and auto[0] <= 2.5 * per_micro < none[0]
+    assert every[0] <= 1.0 * per_micro and auto[0] <= 2.0 * per_micro < none[0]
+    deep = replace(m, num_layers=64)  # 16 layers a rank: still two layers and the inputs on the device
+    deep_none, deep_all = (plan_memory(deep, ParallelLayout(dp=1, pp=4, offload=o), w)[0].activations
+                           for o in ("none", "all"))
+    assert deep_all <= 0.25 * deep_none / 4
+    host = plan_memory(m, ParallelLayout(dp=1, pp=4, offload="all"), w)[0].host
+    assert 3.5 * per_micro < host < 4 * per_micro  # the 4 in flight, less their inputs (they stay)
     assert every[3] == none[3]  # the last stage moves nothing
     assert [s.activations for s in plan_memory(m, ParallelLayout(dp=1, pp=4, offload="all"), w, device="cpu")] == none
     full = [s.activations for s in plan_memory(m, ParallelLayout(dp=1, pp=4, recompute="full"), w)]
@@ -111,6 +121,16 @@ def test_the_models_price_offload():
     fast = c.__class__(**{**c.__dict__, "host_bandwidth": 1e15})  # a link the copies always hide behind
     t2 = iteration_time(m, ParallelLayout(dp=1, pp=4, offload="all"), w, fast, params_per_rank=n).iteration_s
     assert t1 > t0 and t2 == pytest.approx(t0, rel=1e-12)
+    from mpformer.autoconfig.layer_memory import layer_bytes
+    from mpformer.autoconfig.pipeline_cost import offload_exposed
+
+    L = ParallelLayout(dp=1, pp=4, offload="all")
+    per_layer = layer_bytes(m, L, w.seq_length, w.micro_batch_size, w.precision).saved
+    # 4 layers a stage; copies of 1.5 s: longer than a 1 s forward, shorter than a 2 s backward
+    mid = c.__class__(**{**c.__dict__, "host_bandwidth": 4 * per_layer / 1.5})
+    fs, bs = offload_exposed(m, L, w, mid, [4] * 4, [1.0] * 4, [2.0] * 4)
+    share = 1.0  # every micro-batch of stages 0-2 moves; none of the last's (its backward follows its forward)
+    assert fs[:3] == [pytest.approx(1.0 + share * 0.5)] * 3 and bs == [2.0] * 4 and fs[3] == 1.0
 
 
 def test_the_search_offloads_where_it_wins_and_host_memory_allows():
