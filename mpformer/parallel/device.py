@@ -176,15 +176,18 @@ class HostCopies:
             copy["in"].record(stream)
         copy["back"] = back
 
-    def result(self, copy: dict) -> torch.Tensor:
-        """The tensor again on the device, usable on the current stream. The record lets go of it, so that
-        autograd frees it node by node as without offload (asked again, it is copied back again)."""
+    def result(self, copy: dict, keep: bool = False) -> torch.Tensor:
+        """The tensor again on the device, usable on the current stream. Unless ``keep`` (a tensor saved
+        in more places, read again later), the record lets go of it, so that autograd frees it node by
+        node as without offload (asked again, it is copied back again)."""
         self.to_device(copy)
-        if not self.cuda:
-            copy.pop("in").result()
-            return copy.pop("back")
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(copy.pop("in"))
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(copy["in"])
+        else:
+            copy["in"].result()
+        if keep:
+            return copy["back"]
+        del copy["in"]
         return copy.pop("back")
 
 

@@ -32,7 +32,10 @@ class StorageMeter(TorchDispatchMode):
     """Bytes of the tensor storages allocated while it is on and still alive (``current``), and the most
     of them alive at once (``peak``). Storages that existed before (parameters, a view of one, an
     in-place op's output) are not counted: the count starts at zero, as ``peak - base`` does on CUDA.
-    Only ``device``'s storages count (a meta tensor, which HostCopies uses for a shape, holds no bytes)."""
+    Only ``device``'s storages count (a meta tensor holds no bytes). A storage is counted at the size it
+    has when an op first returns it: resizing a storage (``resize_``, an ``out=`` into an empty tensor,
+    ZeRO-3's freeing of gathered parameters in optim/gather.py) is not seen, so this is not a meter for
+    ZeRO-3."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()

@@ -13,7 +13,8 @@
     at the end: wait for every send (their tensors stay alive until then)
 
 Activation offload (``offload``, pipeline/offload.py): a moved unit's forward runs under saved-tensor
-hooks that copy what it saves to host memory; the compute before its backward starts the copy back.
+hooks that copy what it saves to host memory; the compute before its backward starts the copy back of
+its last layer, and its backward brings each layer back while the layer after it runs.
 
 Token slices (``schedule.slices`` = k > 1, TeraPipe): action microbatch ``u`` is slice ``u % k`` of
 batch ``u // k``; each (batch, chunk) keeps a KVSlices (context_parallel/token_slices.py) from its

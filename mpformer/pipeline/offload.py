@@ -1,6 +1,6 @@
 """Activation offload (as PipeOffload, Wan et al. 2025; Megatron-LM's activation offloading): the saved
 activations of a (micro-batch, chunk) that waits for its backward go to host memory after its forward
-and come back just before that backward, the copies beside the compute (parallel/device.py's
+and come back as that backward runs, the copies beside the compute (parallel/device.py's
 HostCopies: side streams on CUDA, a thread on CPU).
 
 Which units move is decided from the rank's action list before the step (``offload_units``):
@@ -16,14 +16,19 @@ reload does: its last layer's activations while the compute before its backward 
 of a layer asks for the layer before). So a moved unit never holds more than about two layers on the
 device, in its forward (the copies out trail the compute) as in its backward; bringing the whole unit
 back before its backward would hold one micro-batch more at that backward's start. A layer here is a
-transformer Block: what its forward saves, the embedding's joined to the first and the head's to the
-last. What moves is what autograd saves for the backward (saved-tensor hooks around the unit's forward), except
-parameters and the unit's received input (they stay on the device anyway) and tensors under
+transformer Block: what is saved from its start to the next one's start; what the embedding saves is a
+layer before the first, the head's joins the last. (Under full recompute what a Block keeps, its
+input, is saved by torch.utils.checkpoint just before the Block starts, so it sits a layer early, in
+every layer alike: the read-ahead is still one layer ahead.)
+
+What moves is what autograd saves for the backward (saved-tensor hooks around the unit's forward),
+except parameters and the unit's received input (they stay on the device anyway) and tensors under
 ``min_bytes`` (a copy's fixed cost would outweigh them). A tensor saved twice (a norm's input, the
-gate's and up projection's shared input, the rotary tables) moves once. A recomputed layer's kept
-input moves too (torch.utils.checkpoint saves it through these hooks). Not moved: the keys and values
-token slices keep (context_parallel/token_slices.py) and the zero-bubble weight pass's stash between
-BI and BW (layers/linear.py).
+gate's and up projection's shared input, the rotary tables) moves once and comes back once, with the
+last layer that saved it (the first its backward reaches), and stays on the device until its last use
+there, as it would without offload. A recomputed layer's kept input moves too. Not moved: the keys and
+values token slices keep (context_parallel/token_slices.py) and the zero-bubble weight pass's stash
+between BI and BW (layers/linear.py).
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -83,12 +87,14 @@ def prefetch_points(actions: Sequence[Action], units: set[Key]) -> dict[int, Key
     return out
 
 
-class _Moved(NamedTuple):
-    """What autograd keeps of a moved tensor: its copy, and the unit and layer it was saved in."""
+class _Saved:
+    """What autograd keeps of a moved tensor, in every place it was saved: the copy, its unit and layer
+    (the last that saved it), and how many of those places have not read it back yet."""
 
-    key: Key
-    layer: int
-    copy: dict
+    __slots__ = ("copy", "key", "layer", "uses")
+
+    def __init__(self, key: Key, layer: int, copy: dict) -> None:
+        self.key, self.layer, self.copy, self.uses = key, layer, copy, 1
 
 
 class ActivationOffload:
@@ -101,18 +107,34 @@ class ActivationOffload:
         self.copies, self.units = copies, units
         self.min_bytes = (2**20 if copies.cuda else 0) if min_bytes is None else min_bytes
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._saved: dict[Key, list[list[dict]]] = {}  # per unit, per layer: the copies, in saving order
+        self._saved: dict[Key, list[list[_Saved]]] = {}  # per unit, per layer: its tensors, in saving order
         self._next: dict[Key, int] = {}  # per unit coming back: the next layer to ask for (they go last first)
-        self._saving: list[list[dict]] | None = None  # the layers of the unit whose forward runs
+        self._saving: list[list[_Saved]] | None = None  # the layers of the unit whose forward runs
+        self._seen: dict[tuple, tuple] = {}  # in that forward: a tensor's identity -> (weakref, its _Saved)
         self.moved_bytes = 0  # the last step's bytes sent out (each comes back once): metrics' offload_bytes
         for module in model.modules():
             if isinstance(module, Block):
                 module.register_forward_pre_hook(self._new_layer)
 
-    def _new_layer(self, module: nn.Module, args: object) -> None:
+    def _new_layer(self, module: nn.Module, args: tuple) -> None:
         # A Block starts (in a moved unit's forward; not in a recompute, which runs outside ``saving``).
         if self._saving is not None and self._saving[-1]:
             self._saving.append([])
+
+    def _known(self, t: torch.Tensor) -> _Saved | None:
+        alive, saved = self._seen.get(self._ident(t), (None, None))
+        return saved if alive is not None and alive() is not None else None  # alive: not memory reused since
+
+    @staticmethod
+    def _ident(t: torch.Tensor) -> tuple:
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+    @staticmethod
+    def _move(layers: list[list[_Saved]], saved: _Saved) -> None:
+        """``saved`` to the layer whose forward runs: the last to save it, so the first to read it back."""
+        layers[saved.layer].remove(saved)
+        saved.layer = len(layers) - 1
+        layers[-1].append(saved)
 
     @contextlib.contextmanager
     def saving(self, key: Key) -> Iterator[None]:
@@ -121,36 +143,40 @@ class ActivationOffload:
             yield
             return
         layers = self._saving = self._saved.setdefault(key, [[]])
-        seen: dict[tuple, tuple] = {}  # a tensor saved again (same storage, offset, shape, strides) moves once
         try:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, layers, seen, t), self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, layers, t), self._unpack):
                 yield
         finally:
             self._saving = None
+            self._seen = {}
+            if len(layers) > 1 and not layers[-1]:  # the last Block saved nothing after it started (full
+                layers.pop()  # recompute: its input sits a layer early): the read-ahead starts there
 
-    def _pack(self, key: Key, layers: list[list[dict]], seen: dict[tuple, tuple], t: torch.Tensor) -> object:
+    def _pack(self, key: Key, layers: list[list[_Saved]], t: torch.Tensor) -> object:
         nbytes = t.numel() * t.element_size()
         # Kept as autograd would keep it: small tensors, another device's, a parameter's storage, and a
         # leaf that wants its gradient (the received activation: the engine holds it for that anyway).
         if nbytes < self.min_bytes or t.device != self.copies.device or (t.is_leaf and t.requires_grad) or \
                 t.untyped_storage().data_ptr() in self._params:
             return t
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        alive, earlier = seen.get(ident, (None, None))
-        if alive is not None and alive() is not None:  # the same tensor, still alive: not memory reused since
-            copy = earlier
-        else:
-            copy = self.copies.to_host(t.detach())
-            seen[ident] = (weakref.ref(t), copy)
-            layers[-1].append(copy)
-            self.moved_bytes += nbytes
-        return _Moved(key, len(layers) - 1, copy)  # the layer it is needed in, for the read-ahead
+        saved = self._known(t)
+        if saved is not None:  # the same tensor saved again: one copy, read where the backward meets it first
+            saved.uses += 1
+            if saved.layer != len(layers) - 1:
+                self._move(layers, saved)
+            return saved
+        saved = _Saved(key, len(layers) - 1, self.copies.to_host(t.detach()))
+        self._seen[self._ident(t)] = (weakref.ref(t), saved)
+        layers[-1].append(saved)
+        self.moved_bytes += nbytes
+        return saved
 
     def _unpack(self, packed: object) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         self._ask(packed.key, packed.layer - 1)  # the layer before comes back while this one's backward runs
-        return self.copies.result(packed.copy)
+        packed.uses -= 1
+        return self.copies.result(packed.copy, keep=packed.uses > 0)
 
     def _ask(self, key: Key, down_to: int) -> None:
         """Start bringing back ``key``'s layers, last first, down to layer ``down_to``."""
@@ -159,8 +185,8 @@ class ActivationOffload:
             return
         nxt = self._next.get(key, len(layers) - 1)
         while nxt >= max(down_to, 0):
-            for copy in layers[nxt]:
-                self.copies.to_device(copy)
+            for saved in layers[nxt]:
+                self.copies.to_device(saved.copy)
             nxt -= 1
         self._next[key] = nxt
 

@@ -126,8 +126,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool =
     ``verified``: the schedule comes from build_schedule, which verified it (peak_inflight is then
     left empty; verify() gives it). ``offload``: per rank, the units whose saved activations go to
     host memory (pipeline/offload.py); each copy takes ``costs.copy``, out during the unit's forward
-    and back during the compute before its backward, and a compute lasts at least as long as the copies
-    beside it (the cost model's rule); ``SimResult.copies`` holds them for drawing.
+    and back during its backward (a layer ahead of it: the first layer's head start during the compute
+    before is left out), and a compute lasts at least as long as the copies beside it (the cost
+    model's rule); ``SimResult.copies`` holds them for drawing.
     """
     costs = costs or Costs()
     costs.check(schedule.num_stages)
@@ -148,21 +149,15 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool =
 
 def _copy_lanes(schedule: Schedule, offload: Sequence[set[tuple[int, int]]]
                 ) -> tuple[set[Action], list[tuple[int, str, int, int, Action]]]:
-    """The computes a copy runs beside, and each copy: (rank, "out" | "back", microbatch, chunk, the compute)."""
-    from mpformer.pipeline.offload import prefetch_points
-
+    """The computes a copy runs beside, and each copy: (rank, "out" | "back", microbatch, chunk, the
+    compute): a moved unit's forward and its backward (the input-gradient pass, which reads them)."""
     beside: set[Action] = set()
     lanes: list[tuple[int, str, int, int, Action]] = []
     for r, units in enumerate(offload):
-        acts = schedule.actions[r]
-        points = prefetch_points(acts, units)
-        for i, a in enumerate(acts):
-            if a.op is Op.F and (a.microbatch, a.chunk) in units:
+        for a in schedule.actions[r]:
+            if a.op in (Op.F, Op.B, Op.BI) and (a.microbatch, a.chunk) in units:
                 beside.add(a)
-                lanes.append((r, "out", a.microbatch, a.chunk, a))
-            if i in points:
-                beside.add(a)
-                lanes.append((r, "back", *points[i], a))
+                lanes.append((r, "out" if a.op is Op.F else "back", a.microbatch, a.chunk, a))
     return beside, lanes
 
 

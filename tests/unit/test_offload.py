@@ -180,10 +180,10 @@ def test_the_simulator_and_tools_schedule_draw_the_copies(tmp_path, capsys):
     hidden = simulate(s, Costs(copy=1.0), offload=units)
     assert hidden.step_time == plain.step_time and len(hidden.copies) == 2 * sum(len(u) for u in units)
     assert simulate(s, Costs(copy=2.0), offload=units).step_time > plain.step_time
-    for r, kind, mb, _c, start, end in hidden.copies:  # out beside the unit's forward, back before its backward
+    for r, kind, mb, _c, start, end in hidden.copies:  # out beside the unit's forward, back beside its backward
         f = next(t for t in hidden.timeline[r] if t.action.op is Op.F and t.action.microbatch == mb)
         b = next(t for t in hidden.timeline[r] if t.action.op is Op.B and t.action.microbatch == mb)
-        assert (start == f.start) if kind == "out" else (start < b.start and end <= b.start)
+        assert start == (f.start if kind == "out" else b.start) and end <= (f.end if kind == "out" else b.end)
     trace = tmp_path / "t.json"
     assert main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--offload", "all", "--copy", "0.5",
                  "--trace", str(trace), "--plot", str(tmp_path / "t.png")]) == 0
