@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, device: Device) -> list[dict]:
     for mode, keep in MODES:
         model = build_model(cfg, tp=None, device=device.torch_device, seed=1, stage=plan).to(dtype)
         units = offload_units(schedule.actions[0], mode, keep)
-        offload = ActivationOffload(HostCopies(device), model, units, min_bytes=2**20) if mode != "none" else None
+        offload = ActivationOffload(HostCopies(device), model, units) if mode != "none" else None
         p2p = LoopbackP2P((args.seq, args.batch, args.hidden), dtype, device.torch_device)
         engine = PipelineEngine(model, plan, schedule, p2p, offload=offload)
         times = []

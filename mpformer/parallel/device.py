@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -121,11 +123,14 @@ class HostCopies:
     out starts once the compute stream has produced the tensor, and the device memory goes back to the
     caching allocator once it is done (``record_stream``: the caller may drop the tensor at once); a
     copy back waits for its copy out and is waited for by the compute stream where it is used.
-    CPU: the same three steps, each copy on one background thread (first in, first out, so a copy back
-    follows its copy out): the copy out is made on that thread, and the tensor a copy back fills is
-    allocated on the caller's, as on CUDA. Host memory is the device's on a CPU, so nothing is saved
-    there; what this gives is the offload's logic and timing run for real in tests, and a device-memory
-    figure where only the caller's allocations count (parallel/memory_meter.py)."""
+    CPU: the same three steps on one background thread (first in, first out, so a copy back follows its
+    copy out): the copy out is made on that thread, and the tensor a copy back fills is allocated on
+    the caller's, as on CUDA. The thread takes the copies a batch at a time: the copies out asked for
+    until ``flush`` (the offload flushes at every layer), the copies back of one ``to_device`` call;
+    each hand-over costs the caller a wake-up of the thread and a wait for the interpreter's lock, about
+    as long as a small layer's copies. Host memory is the device's on a CPU, so nothing is saved there;
+    what this gives is the offload's logic and timing run for real, and a device-memory figure where
+    only the caller's allocations count (parallel/memory_meter.py)."""
 
     def __init__(self, device: Device) -> None:
         self.cuda = device.kind == "cuda"
@@ -133,14 +138,16 @@ class HostCopies:
         if self.cuda:
             self.out_stream, self.in_stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         else:
-            from concurrent.futures import ThreadPoolExecutor
-
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="mpformer-offload")
+            self._pending: list[tuple[torch.Tensor, dict]] = []  # copies out not yet handed to the thread
 
     def to_host(self, t: torch.Tensor) -> dict:
-        """Start copying ``t`` out; returns the copy's record for ``to_device`` and ``result``."""
+        """Start copying ``t`` out (CPU: at the next ``flush``); returns the copy's record for
+        ``to_device`` and ``result``."""
         if not self.cuda:
-            return {"host": self.pool.submit(torch.Tensor.clone, t)}
+            copy: dict = {}
+            self._pending.append((t, copy))
+            return copy
         stream = self.out_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -153,16 +160,37 @@ class HostCopies:
             done.record(stream)
         return {"host": host, "out": done}
 
-    def to_device(self, copy: dict) -> None:
-        """Start bringing a copy back (prefetch); ``result`` waits for it."""
-        if "back" in copy:
+    def flush(self) -> None:
+        """CPU: hand the copies out asked for since the last flush to the thread, as one task. CUDA:
+        nothing (each is on its stream already)."""
+        if self.cuda or not self._pending:
+            return
+        tensors, copies = zip(*self._pending)
+        self._pending = []
+        done = self.pool.submit(_clones, tensors)
+        for i, copy in enumerate(copies):
+            copy["host"] = (done, i)
+
+    def to_device(self, *copies: dict) -> None:
+        """Start bringing copies back (prefetch); ``result`` waits for each."""
+        todo = [c for c in copies if "back" not in c]
+        if not todo:
             return
         if not self.cuda:
-            # The copy out's shape and strides (clone keeps a dense tensor's): it is done by now but for
-            # a unit whose backward follows at once, where this waits for it, as CUDA's stream would.
-            back = copy["back"] = torch.empty_like(copy["host"].result())
-            copy["in"] = self.pool.submit(lambda: back.copy_(copy["host"].result()))
+            self.flush()
+            for c in todo:
+                # The copy out's shape and strides (clone keeps a dense tensor's): it is done by now but
+                # for a unit whose backward follows at once, where this waits for it, as CUDA's stream would.
+                done, i = c["host"]
+                c["back"] = torch.empty_like(done.result()[i])
+            done = self.pool.submit(_copies_back, [(c["back"], *c["host"]) for c in todo])
+            for c in todo:
+                c["in"] = done
             return
+        for copy in todo:
+            self._to_device(copy)
+
+    def _to_device(self, copy: dict) -> None:
         # Allocated on the compute stream (its cached blocks are the ones the compute reuses), filled on
         # the side stream once the copy out is done.
         host, stream = copy["host"], self.in_stream
@@ -189,6 +217,16 @@ class HostCopies:
             return copy["back"]
         del copy["in"]
         return copy.pop("back")
+
+
+def _clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def _copies_back(pairs: Sequence[tuple[torch.Tensor, Future, int]]) -> None:
+    # Returns nothing: a result would keep the device tensors alive after autograd let go of them.
+    for back, done, i in pairs:
+        back.copy_(done.result()[i])
 
 
 def gpu_index(local_rank: int, local_world: int, visible: int) -> int:

@@ -117,9 +117,11 @@ class ActivationOffload:
                 module.register_forward_pre_hook(self._new_layer)
 
     def _new_layer(self, module: nn.Module, args: tuple) -> None:
-        # A Block starts (in a moved unit's forward; not in a recompute, which runs outside ``saving``).
+        # A Block starts (in a moved unit's forward; not in a recompute, which runs outside ``saving``):
+        # the layer before is done, its copies out go.
         if self._saving is not None and self._saving[-1]:
             self._saving.append([])
+            self.copies.flush()
 
     def _known(self, t: torch.Tensor) -> _Saved | None:
         alive, saved = self._seen.get(self._ident(t), (None, None))
@@ -147,6 +149,7 @@ class ActivationOffload:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, layers, t), self._unpack):
                 yield
         finally:
+            self.copies.flush()
             self._saving = None
             self._seen = {}
             if len(layers) > 1 and not layers[-1]:  # the last Block saved nothing after it started (full
@@ -185,8 +188,7 @@ class ActivationOffload:
             return
         nxt = self._next.get(key, len(layers) - 1)
         while nxt >= max(down_to, 0):
-            for saved in layers[nxt]:
-                self.copies.to_device(saved.copy)
+            self.copies.to_device(*(saved.copy for saved in layers[nxt]))
             nxt -= 1
         self._next[key] = nxt
 

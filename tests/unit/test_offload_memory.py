@@ -60,11 +60,12 @@ class _Counted(HostCopies):
         self.out += 1
         return super().to_host(t)
 
-    def to_device(self, copy: dict) -> None:
-        if "back" not in copy:
-            self.back += 1
-            copy["asked in read"] = self.read
-        super().to_device(copy)
+    def to_device(self, *copies: dict) -> None:
+        for copy in copies:
+            if "back" not in copy:
+                self.back += 1
+                copy["asked in read"] = self.read
+        super().to_device(*copies)
 
     def result(self, copy: dict, keep: bool = False) -> torch.Tensor:
         self.late += "back" not in copy or copy["asked in read"] == self.read
