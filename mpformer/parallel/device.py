@@ -178,14 +178,12 @@ class HostCopies:
             return
         if not self.cuda:
             self.flush()
-            for c in todo:
-                # The copy out's shape and strides (clone keeps a dense tensor's): it is done by now but
-                # for a unit whose backward follows at once, where this waits for it, as CUDA's stream would.
-                done, i = c["host"]
-                c["back"] = torch.empty_like(done.result()[i])
-            done = self.pool.submit(_copies_back, [(c["back"], *c["host"]) for c in todo])
-            for c in todo:
-                c["in"] = done
+            # The copies out's shapes and strides (clone keeps a dense tensor's): done by now but for a
+            # unit whose backward follows at once, where this waits for them, as CUDA's stream would.
+            backs = [torch.empty_like(c["host"][0].result()[c["host"][1]]) for c in todo]
+            done = self.pool.submit(_copies_back, [(b, *c["host"]) for b, c in zip(backs, todo)])
+            for b, c in zip(backs, todo):  # a record has both or neither
+                c["back"], c["in"] = b, done
             return
         for copy in todo:
             self._to_device(copy)

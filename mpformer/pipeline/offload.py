@@ -148,8 +148,8 @@ class ActivationOffload:
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, layers, t), self._unpack):
                 yield
-        finally:
             self.copies.flush()
+        finally:
             self._saving = None
             self._seen = {}
             if len(layers) > 1 and not layers[-1]:  # the last Block saved nothing after it started (full
@@ -187,6 +187,8 @@ class ActivationOffload:
         if layers is None:
             return
         nxt = self._next.get(key, len(layers) - 1)
+        while down_to > 0 and not layers[down_to]:  # emptied (its tensors saved again later): the one below
+            down_to -= 1
         while nxt >= max(down_to, 0):
             self.copies.to_device(*(saved.copy for saved in layers[nxt]))
             nxt -= 1
