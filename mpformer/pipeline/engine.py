@@ -123,7 +123,7 @@ class PipelineEngine:
                 a = actions[i]
                 received = self._input_of(a)  # waited for outside the compute's timing
                 if i in prefetch:  # an offloaded unit comes back while this compute runs
-                    offload.prefetch(prefetch[i])
+                    offload.prefetch(prefetch[i], during=a)
                 self._timed(a, received)
                 if i == last_grad and self.on_grads_done is not None:
                     self.on_grads_done()

@@ -12,12 +12,13 @@ Which units move is decided from the rank's action list before the step (``offlo
 
 A moved unit comes back a layer at a time, one layer ahead of its backward, as Megatron-LM's layer-wise
 reload does: its last layer's activations while the compute before its backward runs
-(``prefetch_points``), then each layer's while the backward of the layer after it runs (the unpack hook
-of a layer asks for the layer before). So a moved unit never holds more than about two layers on the
+(``prefetch_points``; when that compute is another moved unit's backward, while that backward's first
+layer runs), then each layer's while the backward of the layer after it runs (the unpack hook of a
+layer asks for the layer before). So a moved unit never holds more than about two layers on the
 device, in its forward (the copies out trail the compute) as in its backward; bringing the whole unit
 back before its backward would hold one micro-batch more at that backward's start. A layer here is a
-transformer Block: what is saved from its start to the next one's start; what the embedding saves is a
-layer before the first, the head's joins the last. (Under full recompute what a Block keeps, its
+transformer Block: what is saved from its start to the next one's start; what the embedding saves joins
+the first, the head's the last. (Under full recompute what a Block keeps, its
 input, is saved by torch.utils.checkpoint just before the Block starts, so it sits a layer early, in
 every layer alike: the read-ahead is still one layer ahead.)
 
@@ -110,6 +111,8 @@ class ActivationOffload:
         self._saved: dict[Key, list[list[_Saved]]] = {}  # per unit, per layer: its tensors, in saving order
         self._next: dict[Key, int] = {}  # per unit coming back: the next layer to ask for (they go last first)
         self._saving: list[list[_Saved]] | None = None  # the layers of the unit whose forward runs
+        self._started = False  # in that forward: a Block has started (what comes before joins the first)
+        self._then: dict[Key, Key] = {}  # a unit whose backward, at its first layer, asks for the next one's last
         self._seen: dict[tuple, tuple] = {}  # in that forward: a tensor's identity -> (weakref, its _Saved)
         self.moved_bytes = 0  # the last step's bytes sent out (each comes back once): metrics' offload_bytes
         for module in model.modules():
@@ -119,9 +122,10 @@ class ActivationOffload:
     def _new_layer(self, module: nn.Module, args: tuple) -> None:
         # A Block starts (in a moved unit's forward; not in a recompute, which runs outside ``saving``):
         # the layer before is done, its copies out go.
-        if self._saving is not None and self._saving[-1]:
+        if self._saving is not None and self._saving[-1] and self._started:
             self._saving.append([])
             self.copies.flush()
+        self._started = True
 
     def _known(self, t: torch.Tensor) -> _Saved | None:
         alive, saved = self._seen.get(self._ident(t), (None, None))
@@ -145,6 +149,7 @@ class ActivationOffload:
             yield
             return
         layers = self._saving = self._saved.setdefault(key, [[]])
+        self._started = False
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(key, layers, t), self._unpack):
                 yield
@@ -193,17 +198,30 @@ class ActivationOffload:
             self.copies.to_device(*(saved.copy for saved in layers[nxt]))
             nxt -= 1
         self._next[key] = nxt
+        if down_to < 0 and key in self._then:  # its first layer's backward runs: the next unit's last comes
+            self._last(self._then.pop(key))
 
-    def prefetch(self, key: Key) -> None:
-        """Before ``key``'s backward (during the compute before it): its last layer comes back."""
+    def _last(self, key: Key) -> None:
         layers = self._saved.get(key)
         if layers is not None:
             self._ask(key, len(layers) - 1)
+
+    def prefetch(self, key: Key, during: Action | None = None) -> None:
+        """Before ``key``'s backward, with the compute before it (``during``) about to run: ``key``'s last
+        layer comes back beside that compute. When that compute is itself a moved unit's backward, only
+        once that backward reaches its first layer: a backward's two layers and the next one's last
+        would otherwise be on the device together, one layer more than any other point holds."""
+        if during is not None and during.op in (Op.B, Op.BI) and (during.microbatch, during.chunk) in self.units:
+            self._then[during.microbatch, during.chunk] = key
+            return
+        self._last(key)
 
     def done(self, key: Key) -> None:
         """After the backward of ``key``: nothing of it is needed again."""
         self._saved.pop(key, None)
         self._next.pop(key, None)
+        if key in self._then:  # its backward read nothing of its first layer: the next one's last now
+            self._last(self._then.pop(key))
 
     def start(self) -> None:
         """A new step: nothing saved yet, no bytes moved."""
@@ -214,3 +232,4 @@ class ActivationOffload:
         """The step ended (or failed): drop what is left; ``moved_bytes`` stays readable."""
         self._saved.clear()
         self._next.clear()
+        self._then.clear()
