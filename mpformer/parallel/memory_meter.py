@@ -59,14 +59,17 @@ class StorageMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
         inputs = {StorageWeakRef(s).cdata for s in _storages((args, kwargs), self.device)}
         out = func(*args, **(kwargs or {}))
-        # Frees first, then the new storages: between two ops the count is what the allocator holds.
-        self._forget_freed()
         for storage in _storages(out, self.device):
             ref = StorageWeakRef(storage)
             if ref.cdata not in inputs and ref.cdata not in self._live:
                 self._live[ref.cdata] = (ref, storage.nbytes())
                 self._current += storage.nbytes()
-        self.peak = max(self.peak, self._current)
+        # Frees matter only where they decide a new peak: looked for then (a pass over every live storage
+        # at every op would hold the interpreter's lock long enough to slow the other threads measured,
+        # HostCopies' among them). A weak reference keeps its storage's address from being reused.
+        if self._current > self.peak:
+            self._forget_freed()
+            self.peak = max(self.peak, self._current)
         return out
 
 
