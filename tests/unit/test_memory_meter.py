@@ -38,8 +38,12 @@ def test_meter_counts_what_malloc_counts():
     """After the forward (the saved activations) and after the backward (the gradients): the meter's
     bytes equal malloc's growth within 1% (malloc adds a chunk header per block, and the interpreter's
     own small objects); the first pass warms one-time buffers up and is not compared."""
+    import gc
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no worker threads' arenas in the count
+    gc.collect()  # earlier tests' garbage, freed by a collection inside the window, would count against it
+    gc.disable()
     try:
         model, x = _model(), torch.randn(512, 256)
         for step in range(3):
@@ -60,6 +64,7 @@ def test_meter_counts_what_malloc_counts():
         grads = sum(p.numel() * 4 for p in model.parameters())
         assert end == grads and meter.peak > forward
     finally:
+        gc.enable()
         torch.set_num_threads(threads)
 
 
