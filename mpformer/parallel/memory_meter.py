@@ -1,6 +1,6 @@
 """Peak memory of a block of work on either device: what benchmarks/bench_offload.py reports.
 
-CUDA's caching allocator counts its bytes (``torch.cuda.max_memory_allocated``). CPU's allocator counts
+CUDA's caching allocator counts its bytes (read through Device.max_memory_allocated). CPU's allocator counts
 nothing, so on CPU a ``StorageMeter`` counts instead: a dispatch mode that sees every op the block runs
 (forward and backward alike: autograd carries the mode into the backward) and adds up the storages its
 outputs newly allocate, each until it is freed. That is the allocator's live count between ops; what an
