@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mpformer.core.errors import ConfigError
+from mpformer.parallel.host_buffers import HostBufferCache
 
 DEVICE_KINDS = ("auto", "cpu", "cuda")
 # What module constructors accept for their parameters' placement.
@@ -124,13 +125,14 @@ class HostCopies:
     caching allocator once it is done (``record_stream``: the caller may drop the tensor at once); a
     copy back waits for its copy out and is waited for by the compute stream where it is used.
     CPU: the same three steps on one background thread (first in, first out, so a copy back follows its
-    copy out): the copy out is made on that thread, and the tensor a copy back fills is allocated on
-    the caller's, as on CUDA. The thread takes the copies a batch at a time: the copies out asked for
-    until ``flush`` (the offload flushes at every layer), the copies back of one ``to_device`` call;
-    each hand-over costs the caller a wake-up of the thread and a wait for the interpreter's lock, about
-    as long as a small layer's copies. Host memory is the device's on a CPU, so nothing is saved there;
-    what this gives is the offload's logic and timing run for real, and a device-memory figure where
-    only the caller's allocations count (parallel/memory_meter.py)."""
+    copy out): the copy out is made on that thread, into a host buffer that an earlier copy freed where
+    one fits (as the caching host allocator gives pinned buffers on CUDA), and the tensor a copy back
+    fills is allocated on the caller's, as on CUDA. The thread takes the copies a batch at a time: the
+    copies out asked for until ``flush`` (the offload flushes at every layer), the copies back of one
+    ``to_device`` call; each hand-over costs the caller a wake-up of the thread and a wait for the
+    interpreter's lock, about as long as a small layer's copies. Host memory is the device's on a CPU,
+    so nothing is saved there; what this gives is the offload's logic and timing run for real, and a
+    device-memory figure where only the caller's allocations count (parallel/memory_meter.py)."""
 
     def __init__(self, device: Device) -> None:
         self.cuda = device.kind == "cuda"
@@ -139,6 +141,7 @@ class HostCopies:
             self.out_stream, self.in_stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         else:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="mpformer-offload")
+            self.host = HostBufferCache()  # the caching host allocator's part (parallel/host_buffers.py)
             self._pending: list[tuple[torch.Tensor, dict]] = []  # copies out not yet handed to the thread
 
     def to_host(self, t: torch.Tensor) -> dict:
@@ -152,7 +155,7 @@ class HostCopies:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             # t's own strides where it is dense (a saved transposed view comes back as it went, so the
-            # backward's GEMMs take the layout they would have; CPU's clone keeps them too); else packed
+            # backward's GEMMs take the layout they would have; CPU's cache keeps them too); else packed
             host = torch.empty_like(t, device="cpu", pin_memory=True)
             host.copy_(t, non_blocking=True)  # a non-dense t: the copy engine gathers it (a temporary on this stream)
             t.record_stream(stream)
@@ -167,7 +170,7 @@ class HostCopies:
             return
         tensors, copies = zip(*self._pending)
         self._pending = []
-        done = self.pool.submit(_clones, tensors)
+        done = self.pool.submit(_copies_out, self.host, tensors)
         for i, copy in enumerate(copies):
             copy["host"] = (done, i)
 
@@ -178,7 +181,7 @@ class HostCopies:
             return
         if not self.cuda:
             self.flush()
-            # The copies out's shapes and strides (clone keeps a dense tensor's): done by now but for a
+            # The copies out's shapes and strides (a dense tensor's kept): done by now but for a
             # unit whose backward follows at once, where this waits for them, as CUDA's stream would.
             backs = [torch.empty_like(c["host"][0].result()[c["host"][1]]) for c in todo]
             done = self.pool.submit(_copies_back, [(b, *c["host"]) for b, c in zip(backs, todo)])
@@ -217,8 +220,8 @@ class HostCopies:
         return copy.pop("back")
 
 
-def _clones(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.clone() for t in tensors]
+def _copies_out(host: HostBufferCache, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [host.empty_like(t).copy_(t) for t in tensors]
 
 
 def _copies_back(pairs: Sequence[tuple[torch.Tensor, Future, int]]) -> None:
