@@ -14,12 +14,16 @@ untimed) of ``--microbatches`` micro-batches, with tracing on. From that same ru
   from the engine's trace (mpformer.pipeline.trace.measured_costs), and the p2p time of one
   boundary tensor (half a ping-pong between ranks 0 and 1, median of 20);
 * simulated step time: ``simulate(schedule, costs)`` on the very action lists that ran;
+* the engine's gap: its median time per compute action that is neither compute nor a receive wait
+  (posting messages, waiting for sends, Python between actions: trace.measured_gap), and the
+  simulated step with it added after each compute (``Costs.gap``);
 * measured bubble: per rank, 1 - compute time / step time, mean over ranks and steps, next to the
-  simulated bubble from the same costs.
+  simulated bubble from the same costs, without and with the gap (idle time, as it is measured).
 
-The ratio measured / simulated says how much of the real step the schedule model explains; what is
-left is framework overhead between actions (autograd bookkeeping, Python dispatch, waits the
-simulator does not know of). On a machine with fewer cores than ranks (CI: 2 cores, 4 ranks) the
+The ratio measured / simulated says how much of the real step the schedule model explains from the
+operations' costs alone; with the gap, from everything the trace measures per action. What is left
+is what the model does not know of (a rank waiting for a core while it is not in a traced action,
+costs that vary from one action to the next). On a machine with fewer cores than ranks (CI: 2 cores, 4 ranks) the
 ranks also compete for cores, which the per-op medians absorb only on average.
 """
 
@@ -29,6 +33,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -133,7 +138,7 @@ def _worker(args: argparse.Namespace) -> dict:
 
 def _analyse(r: Run, run: dict, args: argparse.Namespace, p2p_s: float) -> dict:
     from mpformer.pipeline.schedules import build_schedule
-    from mpformer.pipeline.trace import measured_costs
+    from mpformer.pipeline.trace import measured_costs, measured_gap
 
     label, name, vpp, slices = r
     schedule = build_schedule(name, args.pp, args.microbatches, vpp, slices=slices)
@@ -145,6 +150,8 @@ def _analyse(r: Run, run: dict, args: argparse.Namespace, p2p_s: float) -> dict:
     costs = measured_costs(events, schedule.num_stages, args.pp, p2p=p2p_s, v=schedule.v)
     sim = simulate(schedule, costs)
     sim_blocking = simulate(schedule, costs, blocking=True)
+    gap = measured_gap(events, step_windows)
+    sim_gap = simulate(schedule, replace(costs, gap=gap))
     bubbles = []
     for (t0, t1) in step_windows:
         busy = [0.0] * args.pp
@@ -155,7 +162,9 @@ def _analyse(r: Run, run: dict, args: argparse.Namespace, p2p_s: float) -> dict:
     m = statistics.median(measured)
     return {"schedule": label, "vpp": vpp, "slices": slices, "measured_step_s": m, "simulated_step_s": sim.step_time,
             "ratio": m / sim.step_time, "simulated_blocking_step_s": sim_blocking.step_time,
+            "gap_s": gap, "simulated_with_gap_step_s": sim_gap.step_time, "ratio_with_gap": m / sim_gap.step_time,
             "measured_bubble": statistics.median(bubbles), "simulated_bubble": sim.bubble_fraction,
+            "simulated_bubble_with_gap": sim_gap.bubble_fraction,
             "measured_steps_s": measured,
             "costs_ms": {k: [1e3 * v for v in getattr(costs, k)] for k in ("f", "b", "w")}}
 
@@ -185,14 +194,17 @@ def main() -> None:
         results.append(r)
         rows.append([run[0], 1e3 * r["measured_step_s"],
                      1e3 * r["simulated_step_s"], r["ratio"], 1e3 * r["simulated_blocking_step_s"],
-                     r["measured_bubble"], r["simulated_bubble"]])
+                     1e3 * r["gap_s"], 1e3 * r["simulated_with_gap_step_s"], r["ratio_with_gap"],
+                     r["measured_bubble"], r["simulated_bubble"], r["simulated_bubble_with_gap"]])
     env = environment()
     print(f"cpu: {env['cpu_model']} ({env['cpu_capability']}), {env['cpu_count']} cores | torch {env['torch']}")
     print(f"pp={args.pp}, {args.microbatches} micro-batches of {args.batch}x{args.seq} tokens, Llama "
           f"L={args.layers} h={args.hidden} vocab={args.vocab}, {args.threads} thread(s) per rank; "
           f"p2p of one boundary tensor {1e3 * out['p2p_s']:.3f} ms")
     print(format_table(["schedule", "measured ms", "simulated ms", "measured/simulated",
-                        "simulated, blocking groups ms", "measured bubble", "simulated bubble"], rows))
+                        "simulated, blocking groups ms", "gap ms", "simulated with gap ms",
+                        "measured/simulated with gap", "measured bubble", "simulated bubble",
+                        "simulated bubble with gap"], rows))
     for r in results:
         c = r["costs_ms"]
         print(f"{r['schedule']:24s} per-stage ms  F {[round(x, 1) for x in c['f']]}  "

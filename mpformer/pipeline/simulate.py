@@ -51,6 +51,11 @@ class Costs:
     p2p: float = 0.0
     fb: float | None = None  # an overlapped F&B pair (DualPipe's F&B); None: the two run in turn
     copy: float = 0.0  # activation offload: one unit's saved activations to host memory, or back
+    # The engine's own time per compute action, outside the compute and the receive waits (posting its
+    # messages, the Python between actions; trace.measured_gap): it delays the rank's next action and
+    # is idle time, not compute, in the bubble. Small on a GPU; on a CPU, ms, and it grows with the
+    # number of actions (token slices multiply them).
+    gap: float = 0.0
 
     def check(self, num_stages: int) -> None:
         for key in ("f", "b", "w"):
@@ -61,8 +66,9 @@ class Costs:
                                   f"stage (pp*vpp = {num_stages})")
             if any(v < 0 for v in vals):
                 raise ConfigError(f"cost {key}={val} must be >= 0")
-        if self.p2p < 0:
-            raise ConfigError(f"cost p2p={self.p2p} must be >= 0")
+        for key in ("p2p", "gap"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"cost {key}={getattr(self, key)} must be >= 0")
         if self.fb is not None and self.fb < 0:
             raise ConfigError(f"cost fb={self.fb} must be >= 0")
 
@@ -135,12 +141,19 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool =
     peaks = [] if verified else verify(schedule).peak_inflight
     pp, v = schedule.pp, schedule.v
     longer, lanes = _copy_lanes(schedule, offload) if offload else ({}, [])
-    timeline = execute(schedule, lambda a: max(costs.duration(a, pp, v), costs.copy if a in longer else 0.0),
-                       costs.p2p, blocking=blocking, pair=lambda a, b: costs.pair(a, b, pp, v))
+    gap = costs.gap
+
+    def duration(a: Action) -> float:
+        if a.op.is_comm:
+            return 0.0
+        return max(costs.duration(a, pp, v), costs.copy if a in longer else 0.0) + gap
+
+    timeline = execute(schedule, duration, costs.p2p, blocking=blocking,
+                       pair=lambda a, b: costs.pair(a, b, pp, v) + 2 * gap)
     starts = {t.action: t.start for row in timeline for t in row}
     copies = [(r, kind, mb, c, starts[a], starts[a] + costs.copy) for r, kind, mb, c, a in lanes]
     step = max((t.end for row in timeline for t in row), default=0.0)
-    busy = [sum(t.end - t.start for t in row if not t.action.op.is_comm) for row in timeline]
+    busy = [sum(t.end - t.start - gap for t in row if not t.action.op.is_comm) for row in timeline]
     idle = [step - b for b in busy]
     per_rank = [i / step if step > 0 else 0.0 for i in idle]
     return SimResult(schedule, costs, timeline, step, busy, idle, per_rank, sum(per_rank) / len(per_rank), peaks,

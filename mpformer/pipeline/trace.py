@@ -62,3 +62,28 @@ def measured_costs(events: Sequence[Event], num_stages: int, pp: int, p2p: float
     b = [med(Op.BI, s) if split[s] else med(Op.B, s) for s in range(num_stages)]
     w = [med(Op.BW, s) if split[s] else 0.0 for s in range(num_stages)]
     return Costs(f=[med(Op.F, s) for s in range(num_stages)], b=b, w=w, p2p=p2p)
+
+
+def measured_gap(events: Sequence[Event], windows: Sequence[tuple[float, float]]) -> float:
+    """The engine's median time per compute action that is neither compute nor a receive wait (``Costs.gap``).
+
+    Per rank and step window: from the rank's first traced event to its last, the time left once its
+    computes and its receive waits are taken out, over its number of computes (the simulator adds the
+    gap after each). What that time is:
+    posting the messages, waiting for sends, the offload's and the slices' bookkeeping, Python between
+    actions; with more ranks than cores, also a rank waiting for a core. The idle before a rank's first
+    event and after its last is the schedule's (the simulator has it) and is left out."""
+    per: list[float] = []
+    for t0, t1 in windows:
+        ranks: dict[int, list[Event]] = {}
+        for e in events:
+            if t0 - 1e-3 <= e[1] <= t1:
+                ranks.setdefault(e[0].rank, []).append(e)
+        for evs in ranks.values():
+            computes = sum(not a.op.is_comm for a, _, _ in evs)
+            if not computes:
+                continue
+            span = max(e for _, _, e in evs) - min(s for _, s, _ in evs)
+            left = span - sum(e - s for _, s, e in evs)
+            per.append(max(0.0, left) / computes)
+    return statistics.median(per) if per else 0.0

@@ -159,3 +159,38 @@ def test_cli_runs_a_hand_written_schedule(tmp_path, capsys):
         main(["--file", str(path)])
     assert capsys.readouterr().err.strip() == ("error: rank 1 action F1 needs rF1 before it (the activation from "
                                                "the previous stage, stage 1)")
+
+
+def test_the_engines_gap_delays_each_compute_and_counts_as_idle():
+    """``Costs.gap`` is the engine's own time after each compute: the same timeline as computes that
+    long (exact at these costs), with the gap left out of the compute time; an overlapped pair carries
+    the gaps of both its halves."""
+    g = 0.25
+    s = build_schedule("1f1b", 4, 8)
+    with_gap = simulate(s, Costs(f=1.0, b=2.0, w=0.0, gap=g))
+    longer = simulate(s, Costs(f=1.0 + g, b=2.0 + g, w=0.0))
+    assert with_gap.step_time == pytest.approx(longer.step_time)
+    assert with_gap.busy == pytest.approx([8 * 3.0] * 4)
+    assert with_gap.bubble_fraction > simulate(s, Costs(f=1.0, b=2.0, w=0.0)).bubble_fraction
+    v = build_schedule("dualpipev", 4, 8, 2)
+    paired = simulate(v, Costs(f=1.0, b=1.0, w=1.0, fb=2.5, gap=g))
+    n = sum(not a.op.is_comm for a in v.actions[0])
+    assert paired.busy[0] == pytest.approx(sum(t.end - t.start for t in paired.timeline[0]
+                                               if not t.action.op.is_comm) - n * g)
+    with pytest.raises(ConfigError, match="cost gap=-1"):
+        simulate(s, Costs(gap=-1.0))
+
+
+def test_measured_gap_is_the_untraced_time_per_compute():
+    """trace.measured_gap on a hand-made trace: per rank and step, its span less its computes and
+    receive waits, over its computes; the idle before a rank's first event is the schedule's."""
+    from mpformer.pipeline.trace import measured_gap
+
+    F0, F1, B0 = Action(0, Op.F, 0), Action(0, Op.F, 1), Action(0, Op.B, 0)
+    wait = Action(0, Op.RECV_B, 0)
+    late = Action(1, Op.F, 0)
+    events = [(F0, 10.0, 11.0), (F1, 11.5, 12.5), (wait, 12.5, 13.0), (B0, 13.2, 14.0),  # rank 0: 0.7 over 3
+              (late, 12.0, 13.0), (Action(1, Op.B, 0), 13.3, 14.0)]  # rank 1 starts late: 0.3 over 2
+    assert measured_gap(events, [(10.0, 14.0)]) == pytest.approx((0.7 / 3 + 0.3 / 2) / 2)
+    second = [(a, s + 10, e + 10) for a, s, e in events[:4]]  # another step, rank 0 only
+    assert measured_gap(events + second, [(10.0, 14.0), (20.0, 24.0)]) == pytest.approx(0.7 / 3)
