@@ -7,8 +7,9 @@ the schedule that actually runs).
 
 Costs are per compute action, i.e. per (microbatch, chunk): ``f`` for F, ``b`` for BI (input
 gradients), ``w`` for BW (weight gradients) and ``b + w`` for a combined B; each is one number or a
-list with one entry per global stage (``pp * vpp``). A send/receive pair completes ``p2p`` after
-both sides are posted. By default a rank waits only for the receive its next compute consumes,
+list with one entry per global stage (``pp * vpp``); ``gap`` is the engine's own time after each
+compute action (measured by trace.measured_gap), idle in the bubble. A send/receive pair completes
+``p2p`` after both sides are posted. By default a rank waits only for the receive its next compute consumes,
 so a message produced at time t is usable at t + p2p (an engine that waits for receives at their
 consumer and for sends lazily); ``blocking=True`` models an engine that waits for every batched
 group as a whole. Both give the closed forms below at unit costs; with unequal costs the blocking
