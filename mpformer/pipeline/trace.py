@@ -69,10 +69,10 @@ def measured_gap(events: Sequence[Event], windows: Sequence[tuple[float, float]]
 
     Per rank and step window: from the rank's first traced event to its last, the time left once its
     computes and its receive waits are taken out, over its number of computes (the simulator adds the
-    gap after each). What that time is:
-    posting the messages, waiting for sends, the offload's and the slices' bookkeeping, Python between
-    actions; with more ranks than cores, also a rank waiting for a core. The idle before a rank's first
-    event and after its last is the schedule's (the simulator has it) and is left out."""
+    gap after each). That time is the engine's own: posting messages, waiting for sends, the offload's
+    and the slices' bookkeeping, Python between actions; with more ranks than cores, also a rank
+    waiting for a core. The idle before a rank's first event and after its last is the schedule's (the
+    simulator has it) and is left out."""
     per: list[float] = []
     for t0, t1 in windows:
         ranks: dict[int, list[Event]] = {}
