@@ -15,6 +15,7 @@
 3. Attention compute per cp rank (the block kernels of one rank's queries against every key, no
    communication, one process) under the zigzag split and under the contiguous split, next to the
    computed ratio of query-key products (core/sequence.py).
+The cp kernels' speed against cp=1's SDPA at 16k tokens is bench_cp_kernels.py.
 """
 
 from __future__ import annotations
@@ -140,8 +141,7 @@ def _balance(seq: int, cp: int, heads: int, kv: int, d: int, reps: int) -> dict:
         k, v = (torch.randn(1, kv, seq // cp, d, generator=gen) for _ in range(2))
         times, pairs = [], []
         for r in range(cp):
-            qp = QueryPart(torch.randn(1, kv, heads // kv, seq // cp, d, generator=gen), parts[r], None, None,
-                           d ** -0.5)
+            qp = QueryPart(torch.randn(1, heads, seq // cp, d, generator=gen), parts[r], None, None, d ** -0.5)
             blocks = [KVBlock(k, v, parts[j]) for j in range(cp)]
             runs = []
             for _ in range(reps):
@@ -149,7 +149,8 @@ def _balance(seq: int, cp: int, heads: int, kv: int, d: int, reps: int) -> dict:
                 acc = Accumulator(qp.q)
                 for blk in blocks:
                     acc.add(qp, blk)
-                saved, dq = Saved.of(acc.out, acc.lse, torch.ones_like(acc.out)), torch.zeros_like(acc.out)
+                o = acc.result(qp.q.dtype)
+                saved, dq = Saved.of(o, acc.lse, torch.ones_like(o)), torch.zeros_like(acc.out)
                 for blk in blocks:
                     block_backward(qp, blk, saved, dq)
                 runs.append(time.perf_counter() - t0)

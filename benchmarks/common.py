@@ -12,6 +12,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -125,9 +127,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def git_commit() -> str:
+    """The commit the numbers were measured on, "+dirty" when the tree had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def environment() -> dict[str, Any]:
-    """What the numbers depend on: versions, threads, the CPU's vector ISA as torch sees it."""
+    """What the numbers depend on: versions, threads, the CPU's vector ISA as torch sees it, and where
+    they came from (the commit and the command line)."""
     env: dict[str, Any] = {
+        "commit": git_commit(),
+        "command": " ".join([Path(sys.argv[0]).name if sys.argv else "", *sys.argv[1:]]),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),

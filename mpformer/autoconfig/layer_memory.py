@@ -4,14 +4,13 @@ Korthikanti et al.'s 34 s b h (autoconfig/memory.py ``activation_bytes_per_layer
 GPT layer (GeLU MLP of 4h, LayerNorm, dropout masks, attention scores); ``megatron_layer_bytes`` below
 counts the same block op by op for any width, kv heads, gate, dropout and attention kernel (the runs
 of Megatron-LM, Megatron-Core and Megatron-DeepSpeed). mpformer's block differs
-(SwiGLU, RMSNorm computed in fp32, SDPA), so the memory model counts what its modules save, per
+(SwiGLU, RMSNorm with fp32 statistics, SDPA), so the memory model counts what its modules save, per
 micro-batch and rank, in bytes (``wb``: the parameter and activation dtype's bytes; s_n = s / cp the
 rank's positions, s_r = s_n / t under sequence parallelism, else s_n; q, kv, f the rank's query,
 key/value and MLP widths, a its heads, d the head size):
 
-    norm (x2)       RMSNorm: its input in fp32 (4 s_r b h: ``x.float()``, the input itself in fp32), the
-                    1/rms rows (4 s_r b) and the normalised rows (wb s_r b h, saved by the gain's
-                    multiply); LayerNorm: its input (wb s_r b h) and mean and 1/std rows (2 wb s_r b)
+    norm (x2)       RMSNorm: its input as it came (wb s_r b h) and the 1/rms rows in fp32 (4 s_r b;
+                    layers/norm.py); LayerNorm: its input (wb s_r b h) and mean and 1/std rows (2 wb s_r b)
     linear input    the input of the qkv and of the MLP projection: the norm output, or under sequence
                     parallelism the all-gathered one (wb s_n b h each)
     attention       none: SDPA's q, k, v (wb s_n b (q + 2 kv); RoPE's outputs and contiguous copies)
@@ -88,7 +87,7 @@ def norm_bytes(m: ModelConfig, x: Shape, wb: int) -> float:
     """What one norm keeps (its output is counted where it is consumed)."""
     rows = x.s_r * x.b
     if m.norm_type == "rmsnorm":
-        return (4 + wb) * rows * x.h + 4 * rows
+        return wb * rows * x.h + 4 * rows
     return wb * rows * x.h + 2 * wb * rows
 
 
@@ -120,13 +119,11 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
 
 def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str) -> float:
     """Live above the kept input while a fully recomputed layer runs its backward: its activations again,
-    of which the kept input is one where the first norm saves the input itself (LayerNorm, or RMSNorm
-    in fp32; in 16-bit RMSNorm saves an fp32 copy)."""
+    of which the kept input is one (the first norm saves the input itself, either kind)."""
     if L.recompute != "full":
         return 0.0
     again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none").saved
-    shared = m.norm_type == "layernorm" or BYTES[precision] == 4
-    return again - (layer_bytes(m, L, seq_length, micro_batch, precision).saved if shared else 0.0)
+    return again - layer_bytes(m, L, seq_length, micro_batch, precision).saved
 
 
 def megatron_layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,

@@ -1,51 +1,58 @@
-"""Attention over blocks of keys, merged by log-sum-exp, with an exact backward (flash-attention's
-algebra, written with plain torch ops so it runs on every device and dtype).
+"""Attention over blocks of keys on torch's fused kernels, merged by log-sum-exp, with an exact backward.
 
 A query part and a key block are each a list of segments (core/sequence.py): runs of global
 positions. The causal mask, a sliding window and a document mask are all functions of the global
 positions and of the documents they fall in, so any split and any storage order is attended
-correctly; a (query segment, key segment) block no query may see is skipped.
+correctly: the attention plan (core/attention_plan.py) cuts the seen pairs into blocks, and each
+block is one call of the device's fused kernel with the log-sum-exp (fused.py). No block holds a
+score matrix or a mask larger than the plan's tile, and a block no query may see costs nothing.
 
-Shape legend: b batch, k kv heads, g query heads per kv head, q/s query/key positions, d head dim.
-Queries are ``[b, k, g, q, d]`` (grouped under their kv head: GQA without copying K/V), keys and
-values ``[b, k, s, d]``. Softmax statistics and accumulators are fp32 for 16-bit and fp32 inputs (fp64 stays fp64).
+Shape legend: b batch, n query heads, k kv heads (GQA: the kernels take fewer kv heads natively),
+q/s query/key positions, d head dim. Queries ``[b, n, q, d]``, keys and values ``[b, k, s, d]``.
+The merged output and statistics are fp32 for 16-bit and fp32 inputs (fp64 stays fp64).
 
-    forward (one block):  S = q kᵀ·scale (masked)   lse = logsumexp(S)   out = exp(S - lse) v
-    merge:                lse' = logaddexp(lse₁, lse₂)   out' = Σ exp(lseᵢ - lse') outᵢ
-    backward (one block): P = exp(S - lse_final)   dv = Pᵀ dout   dS = P ∘ (dout vᵀ - rowsum(dout ∘ out))
-                          dq = dS k·scale   dk = dSᵀ q·scale
+    forward (one block):  out_b, lse_b = kernel(q, k, v)       (softmax over the block's keys)
+    merge:                lse' = logaddexp(lse, lse_b)    out' = exp(lse - lse') out + exp(lse_b - lse') out_b
+    backward (one block): dq_b, dk_b, dv_b = kernel_backward(dout, q, k, v, out_final, lse_final)
+
+Documents are given as each batch row's document starts (host integers, ``DocStarts``): rows with
+the same starts run together, each different one by itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from mpformer.core.sequence import Segment, Segments, block_needs_mask, block_visible
+from mpformer.context_parallel.fused import block_backward as fused_backward
+from mpformer.context_parallel.fused import block_forward as fused_forward
+from mpformer.core.attention_plan import Block, DocStarts, plan
+from mpformer.core.sequence import Segments
 
 NEG_INF = float("-inf")
+Docs = tuple[DocStarts, ...] | None  # per batch row (None: no document mask)
 
 
 @dataclass(frozen=True)
 class KVBlock:
-    """Keys and values ``[b, k, s, d]`` whose positions are ``segments``; ``docs`` ``[b, s]`` (or None)."""
+    """Keys and values ``[b, k, s, d]`` whose positions are ``segments``."""
 
     k: torch.Tensor
     v: torch.Tensor
     segments: Segments
-    docs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class QueryPart:
-    """Queries ``[b, k, g, q, d]`` at ``segments``; ``docs`` ``[b, q]`` (or None); the attention's rules."""
+    """Queries ``[b, n, q, d]`` at ``segments``; the document starts of each row; the attention's rules."""
 
     q: torch.Tensor
     segments: Segments
-    docs: torch.Tensor | None
+    docs: Docs
     window: int | None
     scale: float
 
@@ -57,65 +64,48 @@ def segment_index(segments: Segments, device: torch.device) -> torch.Tensor:
     return torch.cat([torch.arange(s.start, s.stop, device=device) for s in segments])
 
 
-def doc_ids_at(docs_bs: torch.Tensor | None, segments: Segments) -> torch.Tensor | None:
-    """The document ids of ``segments``'s positions (``docs_bs``: every position of the sequence)."""
-    if docs_bs is None:
-        return None
-    return docs_bs.index_select(1, segment_index(segments, docs_bs.device))
+def doc_starts(doc_ids_bs: torch.Tensor) -> tuple[DocStarts, ...]:
+    """Each row's document starts from its document ids ``[b, s]`` (one host copy of the boundaries)."""
+    cuts = (doc_ids_bs[:, 1:] != doc_ids_bs[:, :-1]).nonzero().tolist()
+    rows: list[list[int]] = [[] for _ in range(doc_ids_bs.shape[0])]
+    for r, p in cuts:
+        rows[r].append(p + 1)
+    return tuple(tuple(r) for r in rows)
 
 
-TILE = 1024  # rows and columns of one score block: bounds the transient [b, k, g, TILE, TILE] fp32 scores
-
-
-def _tiles(segments: Segments) -> list[tuple[Segment, int]]:
-    """Every segment cut into tiles of at most TILE positions, each with its row offset in storage."""
-    out, o = [], 0
-    for seg in segments:
-        for t in range(0, seg.length, TILE):
-            out.append((Segment(seg.start + t, min(TILE, seg.length - t)), o + t))
-        o += seg.length
+def row_plans(batch: int, q_segments: Segments, k_segments: Segments, docs: Docs, window: int | None
+              ) -> list[tuple[slice, tuple[Block, ...]]]:
+    """Runs of batch rows that share one plan (the same document starts), each with it."""
+    if docs is None:
+        return [(slice(0, batch), plan(q_segments, k_segments, window))]
+    out, start = [], 0
+    for r in range(1, batch + 1):
+        if r == batch or docs[r] != docs[start]:
+            out.append((slice(start, r), plan(q_segments, k_segments, window, docs[start])))
+            start = r
     return out
 
 
-def _pairs(qp: QueryPart, kv: KVBlock):
-    """(query rows, key rows, mask or None) of every tile pair some query may see."""
-    dev = qp.q.device
-    k_tiles = _tiles(kv.segments)
-    for qs, qo in _tiles(qp.segments):
-        for ks, ko in k_tiles:
-            if not block_visible(qs, ks, qp.window):
-                continue
-            mask = None
-            if block_needs_mask(qs, ks, qp.window):
-                i = torch.arange(qs.start, qs.stop, device=dev)[:, None]
-                j = torch.arange(ks.start, ks.stop, device=dev)[None, :]
-                mask = j <= i
-                if qp.window is not None:
-                    mask = mask & (i - j < qp.window)
-                mask = mask[None, None, None]
-            if qp.docs is not None:
-                same = (qp.docs[:, qo:qo + qs.length, None] == kv.docs[:, None, ko:ko + ks.length])[:, None, None]
-                mask = same if mask is None else mask & same
-            yield slice(qo, qo + qs.length), slice(ko, ko + ks.length), mask
+def rows_disjoint(blocks: tuple[Block, ...]) -> bool:
+    """Whether every query row is in at most one block (then a block's softmax is the row's: no merge)."""
+    rows = sorted((b.q_row, b.q_row + b.q_len) for b in blocks)
+    return all(a[1] <= b[0] for a, b in itertools.pairwise(rows))
+
+
+def _row_groups(qp: QueryPart, kv: KVBlock) -> list[tuple[slice, tuple[Block, ...]]]:
+    return row_plans(qp.q.shape[0], qp.segments, kv.segments, qp.docs, qp.window)
+
+
+def _rows(qp: QueryPart, kv: KVBlock, rows_b: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch rows ``rows_b`` of q, k and v, the keys and values in the queries' dtype (16-bit K/V travel
+    as they are and meet fp32 queries here when the kernel choice computes in fp32)."""
+    q = qp.q[rows_b]
+    return q, kv.k[rows_b].to(q.dtype), kv.v[rows_b].to(q.dtype)
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """fp32 statistics for 16-bit and fp32 inputs; fp64 stays fp64 (exact tests)."""
     return torch.promote_types(t.dtype, torch.float32)
-
-
-def _up(t: torch.Tensor) -> torch.Tensor:
-    return t.to(acc_dtype(t))
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    s = torch.einsum("bkgqd,bksd->bkgqs", _up(q), _up(k)) * scale
-    return s if mask is None else s.masked_fill(~mask, NEG_INF)
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf rows (no visible key) as 0, so exp(S - lse) is 0 there rather than nan."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
 class Accumulator:
@@ -126,94 +116,89 @@ class Accumulator:
         self.lse = torch.full(q.shape[:-1], NEG_INF, dtype=acc_dtype(q), device=q.device)
 
     def add(self, qp: QueryPart, kv: KVBlock) -> None:
-        for rows, cols, mask in _pairs(qp, kv):
-            s = _scores(qp.q[..., rows, :], kv.k[..., cols, :], mask, qp.scale)
-            lse_b = torch.logsumexp(s, dim=-1)
-            out_b = torch.einsum("bkgqs,bksd->bkgqd", torch.exp(s - _finite(lse_b)[..., None]),
-                                 _up(kv.v[..., cols, :]))
-            lse_a = self.lse[..., rows]
-            lse = torch.logaddexp(lse_a, lse_b)
-            safe = _finite(lse)
-            self.out[..., rows, :] = (self.out[..., rows, :] * torch.exp(lse_a - safe)[..., None]
-                                      + out_b * torch.exp(lse_b - safe)[..., None])
-            self.lse[..., rows] = lse
+        for rows_b, blocks in _row_groups(qp, kv):
+            q, k, v = _rows(qp, kv, rows_b)
+            for blk in blocks:
+                out_b, lse_b = fused_forward(q[:, :, blk.q_rows], k[:, :, blk.k_rows], v[:, :, blk.k_rows], blk,
+                                             qp.window, qp.scale)
+                self._merge(rows_b, blk.q_rows, out_b, lse_b.to(self.lse.dtype))
+
+    def _merge(self, rows_b: slice, rows: slice, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+        lse_a = self.lse[rows_b, :, rows]
+        lse = torch.logaddexp(lse_a, lse_b)
+        out = self.out[rows_b, :, rows]
+        out.mul_(torch.exp(lse_a - lse).unsqueeze(-1)).add_(out_b * torch.exp(lse_b - lse).unsqueeze(-1))
+        lse_a.copy_(lse)
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.out.to(dtype)
 
 
 @dataclass
 class Saved:
-    """What the backward needs of the forward: the final output and statistics, and dout's row sums."""
+    """What the backward needs of the forward: the final output (the inputs' dtype) and statistics."""
 
     out: torch.Tensor
     lse: torch.Tensor
     dout: torch.Tensor
-    delta: torch.Tensor
 
     @classmethod
     def of(cls, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor) -> Saved:
-        dout = dout.to(out.dtype)
-        return cls(out, lse, dout, (dout * out).sum(-1))
+        return cls(out, lse, dout.to(out.dtype).contiguous())
 
 
 def block_backward(qp: QueryPart, kv: KVBlock, saved: Saved, dq: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adds this block's query gradients into ``dq`` (fp32); returns its (dk, dv) in fp32."""
-    dk = torch.zeros(kv.k.shape, dtype=acc_dtype(kv.k), device=kv.k.device)
+    """Adds this key block's query gradients into ``dq`` (fp32); returns its (dk, dv) in fp32."""
+    dk = torch.zeros(kv.k.shape, dtype=dq.dtype, device=kv.k.device)
     dv = torch.zeros_like(dk)
-    lse = _finite(saved.lse)
-    for rows, cols, mask in _pairs(qp, kv):
-        q, k = qp.q[..., rows, :], kv.k[..., cols, :]
-        p = torch.exp(_scores(q, k, mask, qp.scale) - lse[..., rows, None])
-        dout = saved.dout[..., rows, :]
-        dv[..., cols, :] += torch.einsum("bkgqs,bkgqd->bksd", p, dout)
-        ds = p * (torch.einsum("bkgqd,bksd->bkgqs", dout, _up(kv.v[..., cols, :])) - saved.delta[..., rows, None])
-        dq[..., rows, :] += torch.einsum("bkgqs,bksd->bkgqd", ds, _up(k)) * qp.scale
-        dk[..., cols, :] += torch.einsum("bkgqs,bkgqd->bksd", ds, _up(q)) * qp.scale
+    for rows_b, blocks in _row_groups(qp, kv):
+        q, k, v = _rows(qp, kv, rows_b)
+        out, lse, dout = saved.out[rows_b], saved.lse[rows_b], saved.dout[rows_b]
+        for blk in blocks:
+            qr, kr = blk.q_rows, blk.k_rows
+            dq_b, dk_b, dv_b = fused_backward(dout[:, :, qr], q[:, :, qr], k[:, :, kr], v[:, :, kr], out[:, :, qr],
+                                              lse[:, :, qr], blk, qp.window, qp.scale)
+            dq[rows_b, :, qr] += dq_b
+            dk[rows_b, :, kr] += dk_b
+            dv[rows_b, :, kr] += dv_b
     return dk, dv
 
 
 def no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Autocast off on ``t``'s device: the kernels upcast to fp32 themselves, and autocast would cast
-    their einsums (and logsumexp) back to 16-bit in forward but not in backward, which runs outside it."""
+    """Autocast off on ``t``'s device: the kernels take their inputs' dtype as it is (16-bit, or cast to
+    fp32 by the caller's kernel choice), and autocast would recast them."""
     return torch.autocast(t.device.type, enabled=False)
 
 
 class BlockAttention(torch.autograd.Function):
     """Queries against key blocks that are all present on this rank (all-gather CP, Ulysses' local
-    part): saves the inputs, the output and the statistics, never a score matrix."""
+    part, document masks and sliding windows without cp): saves the inputs, the output and the
+    statistics, never a score matrix."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_segments, k_segments, q_docs, k_docs, window, scale):
-        qp = QueryPart(q, q_segments, q_docs, window, scale)
-        kv = KVBlock(k, v, k_segments, k_docs)
+    def forward(ctx, q, k, v, q_segments, k_segments, docs, window, scale):
+        qp = QueryPart(q, q_segments, docs, window, scale)
         acc = Accumulator(q)
         with no_autocast(q):
-            acc.add(qp, kv)
-        ctx.save_for_backward(q, k, v, acc.out, acc.lse)
-        ctx.meta = (q_segments, k_segments, q_docs, k_docs, window, scale)
-        return acc.out.to(q.dtype)
+            acc.add(qp, KVBlock(k, v, k_segments))
+        out = acc.result(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.meta = (q_segments, k_segments, docs, window, scale)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        q_segments, k_segments, q_docs, k_docs, window, scale = ctx.meta
-        qp = QueryPart(q, q_segments, q_docs, window, scale)
+        q_segments, k_segments, docs, window, scale = ctx.meta
+        qp = QueryPart(q, q_segments, docs, window, scale)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
         with no_autocast(q):
-            dk, dv = block_backward(qp, KVBlock(k, v, k_segments, k_docs), Saved.of(out, lse, dout), dq)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
-
-
-def group_queries(q_bnsd: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[b, n, s, d]`` -> ``[b, k, n/k, s, d]`` (a view): query heads under the kv head they share."""
-    b, n, s, d = q_bnsd.shape
-    return q_bnsd.view(b, kv_heads, n // kv_heads, s, d)
+            dk, dv = block_backward(qp, KVBlock(k, v, k_segments), Saved.of(out, lse, dout), dq)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def local_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, q_segments: Segments,
-                    k_segments: Segments, docs_bs: torch.Tensor | None, window: int | None,
-                    scale: float) -> torch.Tensor:
+                    k_segments: Segments, docs: Docs, window: int | None, scale: float) -> torch.Tensor:
     """Queries at ``q_segments`` against keys at ``k_segments``, all on this rank; ``[b, n, q, d]``."""
-    qg = group_queries(q_bnsd, k_bksd.shape[1])
-    out = BlockAttention.apply(qg, k_bksd, v_bksd, q_segments, k_segments, doc_ids_at(docs_bs, q_segments),
-                               doc_ids_at(docs_bs, k_segments), window, scale)
-    return out.flatten(1, 2)
+    return BlockAttention.apply(q_bnsd, k_bksd, v_bksd, q_segments, k_segments, docs, window, scale)

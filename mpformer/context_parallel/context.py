@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mpformer.context_parallel.blockwise import group_queries, local_attention, segment_index
+from mpformer.context_parallel.blockwise import Docs, doc_starts, local_attention, segment_index
 from mpformer.context_parallel.ring import Ring, ring_attention
 from mpformer.context_parallel.token_slices import KVSlices
 from mpformer.core.sequence import Segment, Segments, concat, merge, rank_segments
 from mpformer.parallel.comm import Comm, all_gather_seq, all_to_all
+from mpformer.parallel.kernels import cpu_attention
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class SeqShard:
     """This rank's part of a micro-batch's sequence of ``total`` positions: its ``segments``, their
     positions as a tensor (``index``; None without cp: every position in order), the document id of
     every position of the whole sequence (``docs`` ``[b, total]``, document masks only; each rank
-    holds the whole micro-batch's tokens, so other ranks' ids need no communication) and the rotary
+    holds the whole micro-batch's tokens, so other ranks' ids need no communication), each row's
+    document starts (``doc_starts``, host integers: what the attention plans cut at) and the rotary
     tables at this rank's positions."""
 
     total: int
@@ -64,6 +66,13 @@ class SeqShard:
     docs: torch.Tensor | None = None
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     past: KVSlices | None = None  # token slices: the earlier slices' keys and values (token_slices.py)
+    doc_starts: Docs = None  # derived from ``docs`` when not given
+
+    def __post_init__(self) -> None:
+        if self.docs is not None and self.doc_starts is None:
+            # The attention plans cut at document starts: host integers, one copy of the boundaries
+            # per micro-batch (on CUDA a sync, as Megatron's packed-sequence cu_seqlens).
+            object.__setattr__(self, "doc_starts", doc_starts(self.docs))
 
     @property
     def key_segments(self) -> Segments:
@@ -90,17 +99,28 @@ def _sorting(received: Segments, device: torch.device) -> torch.Tensor:
     return torch.argsort(segment_index(received, device), stable=True)
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the attention kernels run in: the inputs', or fp32 for 16-bit inputs on a CPU whose
+    start-up probe found the fp32 kernel faster (parallel/kernels.py)."""
+    if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and cpu_attention(t.dtype).upcast:
+        return torch.float32
+    return t.dtype
+
+
 def attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, cp: CPContext, seq: SeqShard,
               window: int | None, scale: float) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence: ``[b, n, s/cp, d]``."""
+    """Causal attention of this rank's queries over the whole sequence: ``[b, n, s/cp, d]``. Keys and
+    values travel in their own dtype; the kernels cast them to the queries' compute dtype."""
     parts = [rank_segments(seq.total, cp.size, i) for i in range(cp.size)]
+    q = q_bnsd.to(compute_dtype(q_bnsd))
     if cp.kind == "ring":
-        ring = Ring(cp.comm, tuple(parts), seq.docs, window, scale, cp.overlap)
-        return ring_attention(group_queries(q_bnsd, k_bksd.shape[1]), k_bksd, v_bksd, ring).flatten(1, 2)
+        ring = Ring(cp.comm, tuple(parts), seq.doc_starts, window, scale, cp.overlap)
+        return ring_attention(q, k_bksd, v_bksd, ring).to(q_bnsd.dtype)
     if cp.kind == "allgather":
         kv_s = torch.stack([k_bksd, v_bksd]).movedim(3, 0)  # the sequence first: the gather concatenates it
         k_all, v_all = all_gather_seq(kv_s.contiguous(), cp.comm).movedim(0, 3).unbind(0)
-        return local_attention(q_bnsd, k_all, v_all, parts[cp.rank], concat(parts), seq.docs, window, scale)
+        out = local_attention(q, k_all, v_all, parts[cp.rank], concat(parts), seq.doc_starts, window, scale)
+        return out.to(q_bnsd.dtype)
     return _ulysses(q_bnsd, k_bksd, v_bksd, cp, seq, parts, window, scale)
 
 
@@ -123,17 +143,20 @@ def _ulysses(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, c
     received, ordered = group_part(cp.rank // u)
     order = _sorting(received, q.device)
     q, k, v = (t.index_select(2, order) for t in (q, k, v))
+    dtype, q = q.dtype, q.to(compute_dtype(q))
     if cp.kind == "ulysses":
         assert ordered == (Segment(0, seq.total),)
-        if seq.docs is None and window is None:  # the whole sequence in order: torch's fused kernel
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+        if seq.doc_starts is None and window is None:  # the whole sequence in order: torch's fused kernel
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            with torch.autocast(q.device.type, enabled=False):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                     enable_gqa=q.shape[1] != k.shape[1])
         else:
-            out = local_attention(q, k, v, ordered, ordered, seq.docs, window, scale)
+            out = local_attention(q, k, v, ordered, ordered, seq.doc_starts, window, scale)
     else:
         assert cp.ring is not None
-        ring = Ring(cp.ring, tuple(group_part(r)[1] for r in range(cp.ring.size)), seq.docs, window, scale,
+        ring = Ring(cp.ring, tuple(group_part(r)[1] for r in range(cp.ring.size)), seq.doc_starts, window, scale,
                     cp.overlap)
-        out = ring_attention(group_queries(q, k.shape[1]), k, v, ring).flatten(1, 2)
-    out = out.index_select(2, torch.argsort(order))
+        out = ring_attention(q, k, v, ring)
+    out = out.to(dtype).index_select(2, torch.argsort(order))
     return all_to_all(out, a2a, scatter_dim=2, gather_dim=1)

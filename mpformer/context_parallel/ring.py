@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from mpformer.context_parallel.blockwise import (
     Accumulator,
+    Docs,
     KVBlock,
     QueryPart,
     Saved,
     acc_dtype,
     block_backward,
-    doc_ids_at,
     no_autocast,
 )
 from mpformer.core.sequence import Segments
@@ -38,18 +38,21 @@ _KV_TAG, _DKV_TAG = 17, 18  # distinct tags: a K/V hop and a dK/dV hop may be in
 
 @dataclass(frozen=True)
 class Ring:
-    """The ring and what every member holds: ``segments[i]`` are ring rank i's positions, ``docs`` the
-    document id of every position of the sequence ``[b, s]`` (or None)."""
+    """The ring and what every member holds: ``segments[i]`` are ring rank i's positions, ``docs`` each
+    batch row's document starts over the whole sequence (or None)."""
 
     comm: Comm
     segments: tuple[Segments, ...]
-    docs: torch.Tensor | None
+    docs: Docs
     window: int | None
     scale: float
     overlap: bool = True
 
     def block(self, kv: torch.Tensor, src: int) -> KVBlock:
-        return KVBlock(kv[0], kv[1], self.segments[src], doc_ids_at(self.docs, self.segments[src]))
+        return KVBlock(kv[0], kv[1], self.segments[src])
+
+    def queries(self, q: torch.Tensor) -> QueryPart:
+        return QueryPart(q, self.segments[self.comm.rank], self.docs, self.window, self.scale)
 
 
 class _Hop:
@@ -76,7 +79,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
         r, n = ring.comm.rank, ring.comm.size
-        qp = QueryPart(q, ring.segments[r], doc_ids_at(ring.docs, ring.segments[r]), ring.window, ring.scale)
+        qp = ring.queries(q)
         acc = Accumulator(q)
         kv = torch.stack([k, v])
         for step in range(n):
@@ -87,16 +90,17 @@ class RingAttention(torch.autograd.Function):
                 acc.add(qp, ring.block(kv, (r - step) % n))
             if hop is not None:
                 kv = kv_next if not ring.overlap else hop.wait()
-        ctx.save_for_backward(q, k, v, acc.out, acc.lse)
+        out = acc.result(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.ring = ring
-        return acc.out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
         r, n = ring.comm.rank, ring.comm.size
-        qp = QueryPart(q, ring.segments[r], doc_ids_at(ring.docs, ring.segments[r]), ring.window, ring.scale)
+        qp = ring.queries(q)
         saved = Saved.of(out, lse, dout)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
         kv, partial = torch.stack([k, v]), None
@@ -116,6 +120,6 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def ring_attention(q_bkgsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, ring: Ring) -> torch.Tensor:
-    """This rank's queries (grouped under their kv heads) against every rank's keys: ``[b, k, g, s, d]``."""
-    return RingAttention.apply(q_bkgsd, k_bksd, v_bksd, ring)
+def ring_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """This rank's queries against every rank's keys: ``[b, n, s, d]``."""
+    return RingAttention.apply(q_bnsd, k_bksd, v_bksd, ring)

@@ -16,6 +16,8 @@ from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+CPU_ATTENTION = ("auto", "native", "fp32")  # parallel/kernels.py ATTENTION_CHOICES, plus auto
+CPU_DGRAD = ("auto", "nn", "transposed")
 DECAYS = ("cosine", "linear", "constant")
 WANDB_MODES = ("online", "offline", "disabled")
 ON_NAN = ("skip", "halt", "rollback")
@@ -58,6 +60,11 @@ class TrainConfig:
     threads: int | None = None  # CPU threads per rank (torch.set_num_threads); None keeps torch's default
     use_apex: bool = False  # apex fused kernels when installed (optional fast path)
     compile: bool = False  # torch.compile each transformer block (Transformer.compile_layers; benchmarks/README)
+    # 16-bit runs on CPU (parallel/kernel_choice.py): the attention core in the run's dtype (native, what a
+    # GPU runs) or in fp32; input gradients dY @ W (nn) or through a contiguous W^T (transposed). auto:
+    # the environment's MPFORMER_CPU_*, else a resumed checkpoint's, else rank 0's probe, for every rank.
+    cpu_attention: str = "auto"  # auto | native | fp32
+    cpu_dgrad: str = "auto"  # auto | nn | transposed
     deterministic: bool = False  # kernels with the same bits every run (CUDA: a bit-exact resume; slower)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
     # A rank whose heartbeat (a thread beating over the rendezvous store) stops this long counts as
@@ -228,6 +235,8 @@ def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
+    _choice("train.cpu_attention", t.cpu_attention, CPU_ATTENTION)
+    _choice("train.cpu_dgrad", t.cpu_dgrad, CPU_DGRAD)
     if t.precision == "fp16" and not (t.initial_loss_scale >= t.min_loss_scale > 0 and t.loss_scale_window >= 1):
         raise ConfigError(f"fp16 loss scaling needs initial_loss_scale >= min_loss_scale > 0 and loss_scale_window "
                           f">= 1; got {t.initial_loss_scale}, {t.min_loss_scale}, {t.loss_scale_window}")

@@ -17,15 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpformer.context_parallel.blockwise import local_attention
-from mpformer.context_parallel.context import CPContext, SeqShard
+from mpformer.context_parallel.blockwise import local_attention, row_plans, rows_disjoint
+from mpformer.context_parallel.context import CPContext, SeqShard, compute_dtype
 from mpformer.context_parallel.context import attention as cp_attention
+from mpformer.core.attention_plan import CAUSAL
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
-from mpformer.layers.kernels import cpu_attention
 from mpformer.layers.linear import Linear, WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.kernels import cpu_attention
 from mpformer.parallel.tensor_parallel import Part, TPContext
 
 
@@ -80,7 +82,7 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """torch's SDPA, on CPU with contiguous inputs (the kernel runs ~1.4x slower on the permuted
     views of the qkv projection: 30 against 21 ms fwd+bwd at b4 n8/4 s256 d32) and 16-bit cores in
-    fp32 where the start-up probe found that faster (layers/kernels.py)."""
+    fp32 where the start-up probe found that faster (parallel/kernels.py)."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, **kw)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -91,23 +93,42 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tens
 
 
 def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, *,
-                   dropout_p: float, sliding_window: int | None, docs_bs: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal SDPA; kv heads are shared by groups of n/k query heads (enable_gqa, no copies). With
-    ``docs_bs`` (the document id of every position) a query sees only keys of its own document. With
-    fewer queries than keys the queries are the last positions (a token slice after its past keys):
-    an explicit mask, since SDPA's is_causal aligns them with the first. (On CUDA a boolean mask sends
-    GQA to SDPA's math kernel; torch's causal_lower_right bias would not, but with it imported, ranks of
-    tests/distributed/test_pipeline.py ended in "terminate called without an active exception" at
-    exit: not used yet.)"""
+                   dropout_p: float, sliding_window: int | None, seq: SeqShard | None = None) -> torch.Tensor:
+    """Causal attention without context parallelism; kv heads are shared by groups of n/k query heads
+    (GQA, no copies). The whole sequence in order, the window (if any) not shorter than it: torch's
+    SDPA, fused. Otherwise (documents, a window that cuts, a token slice's queries after its past
+    keys) the blocks of the attention plan on the fused kernel with its log-sum-exp (blockwise.py):
+    no [s, s] mask or score matrix. With dropout (the fused kernels with a log-sum-exp take none on
+    CPU): documents alone are one causal block per document, each query row in one block, so each
+    block is its own SDPA call; a window or a token slice with dropout is the one path left that
+    forms a dense mask."""
     s_q, s_k = q_bnsd.shape[2], k_bksd.shape[2]
     gqa = q_bnsd.shape[1] != k_bksd.shape[1]
-    if docs_bs is None and s_q == s_k and (sliding_window is None or s_k <= sliding_window):
+    q_segments = seq.segments if seq is not None else (Segment(0, s_q),)
+    k_segments = seq.key_segments if seq is not None else (Segment(0, s_k),)
+    doc_starts = seq.doc_starts if seq is not None else None
+    if doc_starts is None and s_q == s_k and (sliding_window is None or s_k <= sliding_window):
         return _sdpa(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    scale = q_bnsd.shape[-1] ** -0.5
+    if dropout_p == 0:
+        q = q_bnsd.to(compute_dtype(q_bnsd))
+        return local_attention(q, k_bksd, v_bksd, q_segments, k_segments, doc_starts, sliding_window,
+                               scale).to(q_bnsd.dtype)
+    groups = row_plans(q_bnsd.shape[0], q_segments, k_segments, doc_starts, sliding_window)
+    if all(rows_disjoint(blocks) for _, blocks in groups):
+        out = q_bnsd.new_zeros(q_bnsd.shape)
+        for rows_b, blocks in groups:
+            for blk in blocks:
+                out[rows_b, :, blk.q_rows] = _sdpa(
+                    q_bnsd[rows_b, :, blk.q_rows], k_bksd[rows_b, :, blk.k_rows], v_bksd[rows_b, :, blk.k_rows],
+                    dropout_p=dropout_p, is_causal=blk.kind == CAUSAL, enable_gqa=gqa)
+        return out
     i = torch.arange(s_q, device=q_bnsd.device)[:, None] + (s_k - s_q)
     j = torch.arange(s_k, device=q_bnsd.device)[None, :]
     mask_ss = j <= i
     if sliding_window is not None:
         mask_ss = mask_ss & (i - j < sliding_window)
+    docs_bs = None if seq is None or seq.docs is None else seq.docs[:, :s_k]
     mask = mask_ss if docs_bs is None else mask_ss & (docs_bs[:, None, -s_q:, None] == docs_bs[:, None, None, :])
     return _sdpa(q_bnsd, k_bksd, v_bksd, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
@@ -173,14 +194,8 @@ class Attention(nn.Module):
                 raise ValueError(f"attention dropout {dropout_p} under context parallelism: the cp kernels have "
                                  "none; set model.attention_dropout=0 to train with cp")
             return cp_attention(q_bnsd, k_bksd, v_bksd, self.cp, seq, self.sliding_window, self.d ** -0.5)
-        if seq.docs is not None and dropout_p == 0:
-            # Document masks over blocks of keys (no [b, s, s] mask: O(s) memory, as under cp). With
-            # dropout, SDPA and a dense mask.
-            return local_attention(q_bnsd, k_bksd, v_bksd, seq.segments, seq.key_segments, seq.docs,
-                                   self.sliding_window, self.d ** -0.5)
-        docs = seq.docs if seq.docs is None or seq.past is None else seq.docs[:, :k_bksd.shape[2]]
         return attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, sliding_window=self.sliding_window,
-                              docs_bs=docs)
+                              seq=seq)
 
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         """q, k, v and o under ``prefix`` as separate tensors (row slices of the fused qkv: views)."""

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpformer.layers.kernels import cpu_kernels
+from mpformer.parallel.kernels import cpu_kernels
 
 _LOW = (torch.bfloat16, torch.float16)
 

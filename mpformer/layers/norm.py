@@ -7,10 +7,11 @@ apex is used only when asked for (``use_apex=True``) and importable.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mpformer.parallel.device import DeviceLike
+
+_aten = torch.ops.aten
 
 
 def _apex_norm(kind: str):  # pragma: no cover - apex is not installable on CPU machines
@@ -21,8 +22,43 @@ def _apex_norm(kind: str):  # pragma: no cover - apex is not installable on CPU 
     return FusedLayerNorm if kind == "layernorm" else FusedRMSNorm
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm keeping for backward only its input as it came (the compute dtype) and the per-row 1/rms
+    in fp32: no fp32 copy of the input and no normalised copy for the gain's gradient (torch's own
+    rms_norm on CPU is composite and autograd keeps both). Forward is torch's fused kernel (statistics
+    in fp32 whatever the input's dtype); backward recomputes the normalised rows in fp32:
+
+        x̂ = x·r   y = g·x̂   dg = Σ_rows dy·x̂   dx = r·(dx̂ - x̂·mean(dx̂·x̂))  with dx̂ = dy·g
+
+    A gain of another dtype than the input (fp32 gains under autocast) multiplies the normalised input
+    in the input's dtype, as HF's LlamaRMSNorm computes it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        same = weight.dtype == x.dtype
+        out, rstd = _aten._fused_rms_norm(x, [x.shape[-1]], weight if same else None, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out if same else weight * out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32, fp64 for fp64 (exact tests)
+        normed = x.to(acc) * rstd
+        dw = None
+        if ctx.needs_input_grad[1]:
+            rounded = normed if weight.dtype == x.dtype else normed.to(x.dtype).to(acc)
+            dw = (dout.to(acc) * rounded).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dn = dout.to(acc) * weight.to(acc)
+            dx = (rstd * (dn - normed * (dn * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, dw, None
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 like HF's LlamaRMSNorm."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32 like HF's LlamaRMSNorm; saves its input
+    and the 1/rms rows (``_RMSNormFn``)."""
 
     def __init__(self, dim: int, eps: float = 1e-6,
                  device: DeviceLike = None, dtype: torch.dtype | None = None) -> None:
@@ -31,9 +67,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * y.to(in_dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 def build_norm(kind: str, dim: int, eps: float, *, use_apex: bool = False,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 # The native kernel paths, as on a GPU: no W^T copies for 16-bit input gradients, no fp32 attention
-# cores (layers/kernels.py). Pinned, the bytes do not depend on which CPU measured them.
+# cores (parallel/kernels.py). Pinned, the bytes do not depend on which CPU measured them.
 NATIVE_KERNELS = {"MPFORMER_CPU_DGRAD": "nn", "MPFORMER_CPU_ATTENTION": "native"}
 
 

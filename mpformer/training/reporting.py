@@ -12,7 +12,6 @@ from torch import nn
 from mpformer.core.config import Config
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout
-from mpformer.layers.kernels import cpu_attention, cpu_kernels
 from mpformer.optim.engine import GradEngine
 from mpformer.optim.memory import format_report, write_report
 from mpformer.pipeline.engine import PipelineEngine
@@ -21,14 +20,13 @@ from mpformer.training.metrics import MetricsLogger
 
 
 def banner(cfg: Config, L: ParallelLayout, micro_steps: int, device_kind: str, step: int, end: int,
-           run_dir: Path) -> str:
+           run_dir: Path, kernels: str = "") -> str:
+    """The start-up line; ``kernels``: the run's CPU kernel choice (kernel_choice.py), shown where it
+    decides the speed (16-bit on CPU)."""
     t = cfg.train
     n = cfg.model.num_params()  # the whole model, not this rank's shard
     start = f"resuming at step {step}" if step else "starting at step 0"
-    kernels = ""
-    if device_kind == "cpu" and t.precision != "fp32":  # the probe's choice decides this run's speed
-        dtype = torch.float16 if t.precision == "fp16" else torch.bfloat16
-        kernels = " | " + cpu_kernels().describe() + " | " + cpu_attention(dtype).describe(dtype)
+    kernels = f" | {kernels}" if kernels and device_kind == "cpu" and t.precision != "fp32" else ""
     return (f"mpformer: {cfg.model.arch} {n / 1e6:.2f}M params | dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp} | "
             f"global batch {t.global_batch_size} x {t.seq_length} tokens, {micro_steps} micro-batches of "
             f"{t.micro_batch_size} per rank | {t.precision} on {device_kind} | {start}, training to {end} | "

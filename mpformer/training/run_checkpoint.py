@@ -70,7 +70,8 @@ class RunCheckpoint:
     def _manifest(self) -> dict:
         t = self.trainer
         out = {"model": t.cfg.model.to_dict(), "layout": t.layout.to_dict(), "has_optimizer": True,
-               "world_size": t.layout.world_size, "config": t.spec.resolved}
+               "world_size": t.layout.world_size, "config": t.spec.resolved,
+               "kernels": t.kernels.to_dict()}  # a resume takes the same CPU kernels (kernel_choice.py)
         if self.tokenizer is not None:
             out["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
         return out

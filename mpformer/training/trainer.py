@@ -32,6 +32,7 @@ from mpformer.optim.lr import LRSchedule
 from mpformer.optim.units import Zero3Settings
 from mpformer.parallel.device import HostCopies
 from mpformer.parallel.groups import ProcessGroups
+from mpformer.parallel.kernel_choice import choose, install, uninstall
 from mpformer.parallel.random import DropoutStreams
 from mpformer.pipeline.engine import PipelineEngine
 from mpformer.pipeline.offload import ActivationOffload, offload_units
@@ -60,6 +61,10 @@ class Trainer:
                           else contextlib.nullcontext())
         self.scaler = (LossScaler(t.initial_loss_scale, t.loss_scale_window, t.min_loss_scale)
                        if t.precision == "fp16" else None)
+        # The CPU kernels, once for the run and every rank (a resume takes the checkpoint's): kernel_choice.py.
+        saved = spec.manifest.get("kernels") if spec.manifest is not None else None
+        self.kernels = choose(self.device.kind, t.precision, t.cpu_attention, t.cpu_dgrad, saved)
+        install(self.kernels, t.precision)
         # Built on the meta device: the engine allocates the parameters in its buckets and fills them
         # from the blocked initialiser, a ZeRO-3 rank its shard alone (set-up memory ~ the rank's share).
         self.rank = build_rank(cfg.model, layout, groups, seq_length=t.seq_length, seed=t.seed, use_apex=t.use_apex,
@@ -252,7 +257,7 @@ class Trainer:
         t = self.cfg.train
         end = t.stop_at if t.stop_at is not None else t.steps
         self.metrics.message(banner(self.cfg, self.layout, self.micro_steps, self.device.kind, self.progress.step,
-                                    end, self.spec.run_dir))
+                                    end, self.spec.run_dir, self.kernels.describe()))
         memory_report(self.engine, self.layout, self.model, self.metrics, self.spec.run_dir, self.is_logger)
         if self.layout.offload != "none" and self.device.kind == "cpu":
             self.metrics.message(f"note: parallel.offload={self.layout.offload} on cpu: host memory is the device's, "
@@ -267,6 +272,7 @@ class Trainer:
         finally:
             self.preemption.uninstall()
             self.loader.close()
+            uninstall()  # the run's kernel choice goes with it (a process may build other models after)
         if (done := self.checkpointer.wait()) is not None:
             self.metrics.message(f"saved checkpoint {done} (in the background)")
         if losses and self._saved_step != self.progress.step:  # the final (stop_at, preempted) checkpoint;

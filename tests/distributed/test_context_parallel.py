@@ -92,6 +92,40 @@ def _attention_parity(cp: int) -> int:
     return checked
 
 
+MEMORY_S = 8192  # any [s, s] tensor of one byte an element is 64 MiB; the bound is a quarter of that
+
+
+def _attention_memory(cp: int) -> dict:
+    """The storage meter around every kind's forward and backward at s = 8192, documents and a sliding
+    window on: the most bytes live at once on this rank (no [s, s] or [s/cp, s] mask or scores)."""
+    from mpformer.context_parallel.context import SeqShard, attention, document_ids
+    from mpformer.core.layout import ParallelLayout
+    from mpformer.core.sequence import positions
+    from mpformer.models.parallelize import cp_context
+    from mpformer.parallel.device import Device
+    from mpformer.parallel.groups import ProcessGroups
+    from mpformer.parallel.memory_meter import StorageMeter
+
+    s, gen = MEMORY_S, torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 50, (1, s), generator=gen)
+    tokens[0, ::1500] = 0
+    docs = document_ids(tokens, 0)
+    peaks = {}
+    for kind, u in KINDS[cp]:
+        layout = ParallelLayout(dp=1, cp=cp, cp_kind=kind, cp_ulysses=u)
+        ctx = cp_context(layout, ProcessGroups.build(layout, Device("cpu")))
+        segs = ctx.segments(s)
+        index = torch.tensor(positions(segs))
+        for masks, window in (("causal", None), ("docs+window", 3000)):
+            q, k, v = (torch.randn(1, n, s // cp, 8, generator=gen, requires_grad=True) for n in (4, 2, 2))
+            seq = SeqShard(s, segs, index, docs if masks != "causal" else None)
+            with StorageMeter() as meter:
+                out = attention(q, k, v, ctx, seq, window, 8 ** -0.5)
+                out.backward(torch.ones_like(out))
+            peaks[(kind, masks)] = meter.peak
+    return peaks
+
+
 def _model_parity(cp: int) -> int:
     """The whole model at each kind: every cp rank's loss share sums to the single-process loss, and
     its gradients, summed over cp, equal the single-process gradients (Llama, GPT-2 with learned
@@ -184,6 +218,7 @@ def _worker(world: int, phase: int, data: str, root: str) -> dict:
     out: dict = {}
     if world > 1 and phase == 1:
         out[("attention", world)] = _attention_parity(world)
+        out[("memory", world)] = _attention_memory(world)
         out[("model", world)] = _model_parity(world)
     for name, (w, ph, kw) in RUNS.items():
         if (w, ph) == (world, phase):
@@ -205,6 +240,14 @@ def results(tiny_data, tmp_path_factory):
 def test_attention_of_every_kind_equals_full_attention(results, cp):
     # kinds x 2 head layouts x 3 masks, ring twice (with and without overlap)
     assert results[("attention", cp)] == (len(KINDS[cp]) + 1) * 2 * 3
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_no_kind_forms_a_square_mask_or_scores(results, cp):
+    peaks = results[("memory", cp)]
+    assert len(peaks) == 2 * len(KINDS[cp])
+    for what, peak in peaks.items():
+        assert peak < MEMORY_S ** 2 // 4, (what, f"{peak / 2**20:.1f} MiB live at the peak")
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -96,8 +96,34 @@ def _check_one_model(cfg, rank: int, world: int) -> dict:
             "blocked": blocked}
 
 
+def _kernel_agreement(data: str, root: Path) -> dict:
+    """The CPU kernel choice of a bf16 run (parallel/kernel_choice.py) with ranks whose environments
+    disagree: every rank takes rank 0's; a resume takes the checkpoint's unless told otherwise."""
+    import os
+
+    import torch.distributed as dist
+
+    from mpformer.checkpoint.manifest import newest_complete
+    from mpformer.parallel.kernel_choice import choose
+
+    rank = dist.get_rank()
+    os.environ["MPFORMER_CPU_ATTENTION"] = "fp32" if rank == 0 else "native"
+    os.environ["MPFORMER_CPU_DGRAD"] = "transposed" if rank == 0 else "nn"
+    out = {"chosen": choose("cpu", "bf16").to_dict()}
+    bf16 = {"train.precision": "bf16", "train.steps": 4}
+    train(_overrides(data, root / "kern_a", **bf16, **{"train.stop_at": 2}))
+    del os.environ["MPFORMER_CPU_ATTENTION"], os.environ["MPFORMER_CPU_DGRAD"]
+    load = {"checkpoint.load": str(root / "kern_a" / "checkpoints")}
+    train(_overrides(data, root / "kern_b", **bf16, **load))
+    train(_overrides(data, root / "kern_c", **bf16, **load, **{"train.cpu_attention": "native"}))
+    for run in ("kern_a", "kern_b", "kern_c"):
+        manifest = newest_complete(root / run / "checkpoints")[0]
+        out[run] = dict(manifest["kernels"])
+    return out
+
+
 def _worker_dp2(data: str, root: str) -> dict:
-    out = {"buckets": _check_grad_buckets()}
+    out = {"buckets": _check_grad_buckets(), "kernels": _kernel_agreement(data, Path(root))}
     root_p = Path(root)
     out["dp2"] = train(_overrides(data, root_p / "dp2"))
     out["dp2_resumed"] = train(_overrides(data, root_p / "dp2_resumed",
@@ -124,6 +150,19 @@ def runs(tiny_data, tmp_path_factory):
     one = run_distributed(_worker_dp1, 1, args=(tiny_data, str(root)), timeout=180)[0]
     two = run_distributed(_worker_dp2, 2, args=(tiny_data, str(root)), timeout=180)
     return root, one, two
+
+
+def test_the_kernel_choice_is_rank_0s_and_a_resume_keeps_it(runs):
+    _, _, two = runs
+    ranks = [two[r]["kernels"] for r in range(2)]
+    assert ranks[0]["chosen"] == ranks[1]["chosen"]  # rank 1's environment said otherwise
+    assert (ranks[0]["chosen"]["attention"], ranks[0]["chosen"]["dgrad"]) == ("fp32", "transposed")
+    saved, resumed, told = ranks[0]["kern_a"], ranks[0]["kern_b"], ranks[0]["kern_c"]
+    assert (saved["attention"], saved["dgrad"], saved["source"]) == ("fp32", "transposed", "MPFORMER_CPU_ATTENTION, "
+                                                                     "MPFORMER_CPU_DGRAD")
+    assert (resumed["attention"], resumed["dgrad"], resumed["source"]) == ("fp32", "transposed", "checkpoint")
+    assert (told["attention"], told["dgrad"]) == ("native", "transposed")
+    assert told["source"] == "train.cpu_attention, checkpoint"
 
 
 def test_dp2_equals_dp1_with_the_same_global_batch(runs):

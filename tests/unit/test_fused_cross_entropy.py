@@ -184,3 +184,20 @@ def test_model_loss_and_every_gradient_equal_the_unfused_head(arch):
         ref = runs[False][1][name].grad
         err = (p.grad - ref).abs().max().item()
         assert err <= 1e-5 * ref.abs().max().item() + 1e-9, (name, err)
+
+
+def test_no_host_sync_in_forward_or_backward():
+    """Ignored labels are masked arithmetically: no op that would wait for a GPU (a boolean index is
+    a nonzero), in fp32 and bf16, whole and chunked, with ignored labels in every chunk."""
+    from mpformer.testing.syncs import HostSyncs
+
+    for dtype, chunk in ((torch.float32, 8), (torch.bfloat16, DEFAULT_CHUNK)):
+        x, w, labels = _inputs()
+        with HostSyncs() as syncs, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = fused_linear_cross_entropy(x, w, labels, chunk=chunk)
+            loss.backward()
+        assert syncs.ops == [], syncs.ops
+    with HostSyncs() as syncs:  # the oracle that it sees one: a boolean index
+        x[labels != -100].sum()
+    assert syncs.ops
+

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mpformer.layers import kernels
 from mpformer.layers.linear import Linear
+from mpformer.parallel import kernels
 
 
 def _forcing(monkeypatch, var: str, chosen):
@@ -25,8 +25,8 @@ def _forcing(monkeypatch, var: str, chosen):
 
 @pytest.fixture
 def dgrad(monkeypatch):
-    yield _forcing(monkeypatch, "MPFORMER_CPU_DGRAD", kernels.cpu_kernels)
-    kernels.cpu_kernels.cache_clear()
+    yield _forcing(monkeypatch, "MPFORMER_CPU_DGRAD", kernels.process_kernels)
+    kernels.process_kernels.cache_clear()
 
 
 def test_probe_measures_both_layouts_and_describes_its_choice():
@@ -88,9 +88,9 @@ def test_causal_attention_runs_on_sdpas_flash_kernel(arch, dtype):
 @pytest.fixture
 def attention_way(monkeypatch):
     bf16 = lambda: kernels.cpu_attention(torch.bfloat16)
-    bf16.cache_clear = kernels.cpu_attention.cache_clear
+    bf16.cache_clear = kernels.process_attention.cache_clear
     yield _forcing(monkeypatch, "MPFORMER_CPU_ATTENTION", bf16)
-    kernels.cpu_attention.cache_clear()
+    kernels.process_attention.cache_clear()
 
 
 def test_attention_probe_times_both_ways_and_overrides_are_checked(attention_way):

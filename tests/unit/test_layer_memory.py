@@ -3,8 +3,8 @@
 Oracle: torch's saved-tensor hooks on one block of mpformer's Transformer (every distinct storage
 autograd saves for backward, the parameters and the rotary tables excepted: those are not the
 layer's, the tables are shared by every layer of a micro-batch), in fp32 and in bf16 under autocast
-(as the trainer runs it), for GPT-2 (LayerNorm, GeLU, biases) and Llama (RMSNorm in fp32, SwiGLU,
-GQA, RoPE) blocks, under each recompute mode. Exact to 1e-9 relative: the count is op by op. Also
+(as the trainer runs it), for GPT-2 (LayerNorm, GeLU, biases) and Llama (RMSNorm with fp32
+statistics, SwiGLU, GQA, RoPE) blocks, under each recompute mode. Exact to 1e-9 relative: the count is op by op. Also
 what one block's backward adds above what it keeps (profiler memory events), and the bucket
 arithmetic of the walk (step_memory.py) against the engine's own (core/buffers.py).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpformer.autoconfig.layer_memory import layer_bytes, recompute_bytes
+from mpformer.autoconfig.layer_memory import Shape, layer_bytes, norm_bytes, recompute_bytes
 from mpformer.autoconfig.memory import layer_param_sizes, layer_params_per_rank, layer_part_sizes
 from mpformer.autoconfig.step_memory import Reduction, Unit, buckets
 from mpformer.core.buffers import plan_buckets
@@ -32,16 +32,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @pytest.fixture(autouse=True)
 def native_kernels(monkeypatch):
-    """The native CPU paths (as on a GPU): no W^T copies, no fp32 attention cores (layers/kernels.py)."""
-    from mpformer.layers import kernels
+    """The native CPU paths (as on a GPU): no W^T copies, no fp32 attention cores (parallel/kernels.py)."""
+    from mpformer.parallel import kernels
 
     monkeypatch.setenv("MPFORMER_CPU_DGRAD", "nn")
     monkeypatch.setenv("MPFORMER_CPU_ATTENTION", "native")
-    kernels.cpu_kernels.cache_clear()
-    kernels.cpu_attention.cache_clear()
+    kernels.process_kernels.cache_clear()
+    kernels.process_attention.cache_clear()
     yield
-    kernels.cpu_kernels.cache_clear()
-    kernels.cpu_attention.cache_clear()
+    kernels.process_kernels.cache_clear()
+    kernels.process_attention.cache_clear()
 
 
 def _block(cfg: ModelConfig, precision: str, recompute: str):
@@ -73,6 +73,29 @@ def _saved_bytes(cfg: ModelConfig, precision: str, recompute: str) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("precision,autocast", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_rmsnorm_keeps_its_input_and_the_row_statistics(precision, autocast):
+    """RMSNorm alone: autograd keeps its input as it came and the fp32 1/rms rows, no fp32 copy (the
+    model's norm_bytes, exactly); under autocast with an fp32 gain too."""
+    from mpformer.layers.norm import RMSNorm
+
+    dtype = DTYPES[precision]
+    norm = RMSNorm(LLAMA.hidden_size, dtype=dtype if not autocast else torch.float32)
+    x = torch.randn(S, B, LLAMA.hidden_size, dtype=dtype, requires_grad=True)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() != norm.weight.untyped_storage().data_ptr():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast), hooks:
+        norm(x)
+    shape = Shape(S, S, B, LLAMA.hidden_size, 0, 0, 0, 0, 0)
+    assert sum(seen.values()) == norm_bytes(LLAMA, shape, x.element_size())
+
+
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -85,13 +108,11 @@ def test_saved_bytes_are_what_autograd_keeps(cfg, precision, recompute):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_full_recompute_brings_the_layer_back(precision):
     """In a recomputed layer's backward its activations live again; the input it kept is one of them
-    only where the first norm keeps the input itself (fp32 RMSNorm, or LayerNorm)."""
+    (the first norm keeps the input itself, RMSNorm and LayerNorm alike, in every precision)."""
     for cfg in (LLAMA, GPT2):
         none = layer_bytes(cfg, ParallelLayout(), S, B, precision).saved
         full = layer_bytes(cfg, ParallelLayout(recompute="full"), S, B, precision).saved
-        shared = precision == "fp32" or cfg.norm_type == "layernorm"
-        assert recompute_bytes(cfg, ParallelLayout(recompute="full"), S, B, precision) == \
-            pytest.approx(none - (full if shared else 0.0))
+        assert recompute_bytes(cfg, ParallelLayout(recompute="full"), S, B, precision) == pytest.approx(none - full)
 
 
 class _Sink:

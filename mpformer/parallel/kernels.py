@@ -17,6 +17,11 @@ win; a second probe times both on a small causal problem and takes fp32 only whe
 
     MPFORMER_CPU_DGRAD=nn | transposed    overrides the input-gradient probe (tests run both paths)
     MPFORMER_CPU_ATTENTION=native | fp32  overrides the attention probe
+
+A training run does not probe per process: its choice is made once, agreed by every rank, printed and
+kept in its checkpoints (parallel/kernel_choice.py, ``train.cpu_attention`` / ``train.cpu_dgrad``),
+then installed here, where the layers read it. Without an installed choice (a model used directly)
+each process decides for itself on first use, as below.
 """
 
 from __future__ import annotations
@@ -72,8 +77,17 @@ def probe(dtype: torch.dtype = torch.bfloat16, shape: tuple[int, int, int] = PRO
     return CpuKernels(nn_s > WIN_FACTOR * tr_s, flops / nn_s / 1e9, flops / tr_s / 1e9, "probe")
 
 
-@functools.lru_cache(maxsize=1)
+_installed: dict[str, object] = {}  # the run's agreed choice (kernel_choice.install), read by the layers
+
+
 def cpu_kernels() -> CpuKernels:
+    """The input-gradient choice: the run's agreed one when installed, else this process's own."""
+    run = _installed.get("dgrad")
+    return run if isinstance(run, CpuKernels) else process_kernels()
+
+
+@functools.lru_cache(maxsize=1)
+def process_kernels() -> CpuKernels:
     """This process's choice: the environment's if set, else the probe's (run once, on first use)."""
     forced = os.environ.get("MPFORMER_CPU_DGRAD")
     if forced:
@@ -121,8 +135,15 @@ def probe_attention(dtype: torch.dtype, shape: tuple[int, int, int, int] = ATTEN
     return CpuAttention(native > WIN_FACTOR * fp32, 1e3 * native, 1e3 * fp32, "probe")
 
 
-@functools.lru_cache(maxsize=4)
 def cpu_attention(dtype: torch.dtype) -> CpuAttention:
+    """How 16-bit attention cores run on CPU: the run's agreed choice for ``dtype`` when installed, else
+    this process's own."""
+    run = _installed.get(f"attention:{dtype}")
+    return run if isinstance(run, CpuAttention) else process_attention(dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def process_attention(dtype: torch.dtype) -> CpuAttention:
     """How this process computes 16-bit attention cores on CPU (the probe runs once per dtype)."""
     forced = os.environ.get("MPFORMER_CPU_ATTENTION")
     if forced:
