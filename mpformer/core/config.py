@@ -135,6 +135,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
+    enabled: bool = True  # false: the run writes no checkpoint at all (benchmarks, throwaway runs)
     save_dir: str | None = None  # default: <run dir>/checkpoints
     save_interval: int = 0  # 0: only at the end (and at stop_at)
     load: str | None = None  # a step directory, a save_dir with a `latest` pointer, or auto (see LOAD_AUTO)
@@ -300,6 +301,12 @@ def check_training_config(cfg: Config) -> None:
                               f"0 <= start < end, e.g. data.skip_ranges=[[1024,1056]]")
     if cfg.checkpoint.save_interval < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.save_interval and checkpoint.keep must be >= 0")
+    ck = cfg.checkpoint
+    if not ck.enabled and (ck.save_interval or ck.async_save or ck.keep or t.on_nan == "rollback"):
+        what = ("checkpoint.save_interval" if ck.save_interval else "checkpoint.async" if ck.async_save
+                else "checkpoint.keep" if ck.keep else "train.on_nan=rollback")
+        raise ConfigError(f"checkpoint.enabled=false with {what}: a run that writes no checkpoint has nothing to "
+                          "save, keep or roll back to; valid: checkpoint.enabled=true, or drop that setting")
     if cfg.model.learned_positions and t.seq_length > cfg.model.max_position_embeddings:
         raise ConfigError(f"train.seq_length={t.seq_length} exceeds model.max_position_embeddings="
                           f"{cfg.model.max_position_embeddings} (learned positions); valid: <= "

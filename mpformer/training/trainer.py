@@ -351,7 +351,9 @@ class Trainer:
         # end of each step): a checkpoint now, then a clean end
         if step != end and self.stop_agreed:
             self.metrics.message(f"SIGTERM: stopping after step {self.progress.step} with a checkpoint; resume with "
-                                 "checkpoint.load=auto")
+                                 "checkpoint.load=auto" if self.cfg.checkpoint.enabled else
+                                 f"SIGTERM: stopping after step {self.progress.step} (checkpoint.enabled=false: "
+                                 "none written)")
             return True
         timer.restart()
         return False
@@ -365,7 +367,10 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def save(self, background: bool = False) -> Path | None:
-        """A checkpoint of this step (collective); in the background, committed at a later step boundary."""
+        """A checkpoint of this step (collective); in the background, committed at a later step boundary.
+        None without one (checkpoint.enabled=false: nothing is written, a SIGTERM stop included)."""
+        if not self.cfg.checkpoint.enabled:
+            return None
         self.on_phase(f"the checkpoint save after step {self.progress.step}")
         if (done := self.checkpointer.wait()) is not None:  # at most one in flight: the previous one first
             self.metrics.message(f"saved checkpoint {done} (in the background)")
