@@ -17,7 +17,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPFORMER_DEMO_DIR := $(DEMO_DATA)
 
-.PHONY: venv demo test lint clean gpu-wheels
+.PHONY: venv demo test lint clean gpu-wheels gpu-wheels-check
 
 venv: $(VENV)/.installed
 
@@ -45,13 +45,26 @@ lint: venv
 	$(BIN)/lint-imports
 	$(BIN)/hadolint docker/Dockerfile
 
-# Pure-Python dependencies for an offline GPU machine whose image has torch and transformers but not
-# these (benchmarks/gpu_check.sh installs .whl/ when it finds it). antlr4 4.9 ships only as an sdist.
+# What benchmarks/gpu_check.sh needs beyond torch on an offline GPU machine (it installs, from .whl/, only
+# those the machine lacks), with everything they require, pinned to the versions installed here; antlr4
+# 4.9 ships only as an sdist and is built. gpu-wheels-check installs the set with --no-index into a
+# clean venv beside the CPU torch and runs the check's dry run there: the set is complete.
+GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime PyYAML pytest numpy transformers safetensors
+WHEEL_VENV ?= /tmp/mpformer-wheel-venv
+
 gpu-wheels: venv
-	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: -d .whl \
-		"hydra-core==$$($(BIN)/python -c 'import hydra; print(hydra.__version__)')" \
-		"omegaconf==$$($(BIN)/python -c 'import omegaconf; print(omegaconf.__version__)')"
-	$(BIN)/python -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python benchmarks/gpu_wheels.py $(GPU_WHEELS) > .whl/requirements.txt
+	grep -v '^antlr4' .whl/requirements.txt | xargs $(BIN)/python -m pip download --quiet --no-deps \
+		--only-binary=:all: -d .whl
+	$(BIN)/python -m pip wheel --quiet --no-deps -w .whl $$(grep '^antlr4' .whl/requirements.txt)
+	du -sh .whl
+
+gpu-wheels-check: gpu-wheels
+	rm -rf $(WHEEL_VENV) && $(PYTHON) -m venv $(WHEEL_VENV)
+	if [ -n "$(TORCH_SPEC)" ]; then $(WHEEL_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"; fi
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-index --find-links .whl -r .whl/requirements.txt
+	PYTHON=$(WHEEL_VENV)/bin/python bash benchmarks/gpu_check.sh --dry-run $(WHEEL_VENV)/out
 
 clean:
 	rm -rf $(DEMO_RUN) .pytest_cache .ruff_cache

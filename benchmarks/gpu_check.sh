@@ -1,43 +1,128 @@
 #!/usr/bin/env bash
-# The prepared GPU check, under 10 minutes on one GPU (its three timeouts add to 570 s): the tests
-# marked `gpu` (HF parity on cuda, cuda against cpu, flash attention, bf16 training, deterministic
-# resume, pinned loading, activation offload's copies), then a 1B Llama
-# in bf16 for 30 steps printing MFU and peak memory beside the memory model's prediction
-# (benchmarks/gpu_check.py), then activation offload's peak and step time on one pipeline rank
-# (benchmarks/bench_offload.py). Without a GPU it says so and exits 0; CI never needs one.
+# The prepared GPU check: four parts, each with its own timeout (at most 420 s together, under 8 minutes
+# with the start), each writing its log and JSON under OUT, and OUT/summary.json over all of them:
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]      (OUT_DIR: where the logs and JSON go; default $OUT when the
-#                                                 environment sets it, as the device tool does, else gpu_check_out)
+#   tests     the tests marked gpu: HF parity on cuda, cuda against cpu, flash attention, bf16 training,
+#             deterministic resume, pinned loading, offload's copies (tests/gpu/test_cuda.py) and the
+#             block kernels on CUDA's fused ops, the merged log-sum-exp, no host sync in the fused cross
+#             entropy, RMSNorm's saved bytes (tests/gpu/test_cuda_kernels.py)            150 s
+#   train     a 1B Llama, bf16, 30 steps, no checkpoint: MFU, peak memory, each beside the cost and
+#             memory models' prediction (benchmarks/gpu_check.py)                          150 s
+#   kernels   one cp=2 ring rank's attention blocks and a document-masked layer at 16k tokens against
+#             SDPA: time, parity, the cost model's time (benchmarks/gpu_kernels.py)         60 s
+#   offload   activation offload's peak and step time on one pipeline rank (bench_offload.py)  60 s
 #
-# Offline GPU machines without the project's pure-Python dependencies (hydra-core, omegaconf): `make
-# gpu-wheels` here puts them in .whl/ (git-ignored: carry it to the machine), which this script installs
-# into a private folder when it finds one; without them the CLI runs fail on the missing import.
+#   bash benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]
+#
+# OUT_DIR defaults to $OUT when the environment sets it (the device tool does), else gpu_check_out.
+# It finds a Python whose torch sees a GPU ($PYTHON, python3, python, .venv/bin/python, in that order)
+# or fails in one line saying how to provide one. The project's pure-Python dependencies that the
+# machine lacks (hydra-core, omegaconf, antlr4 on an offline GPU image) come from .whl/: `make
+# gpu-wheels` here fills it (git-ignored: carry it). --dry-run runs the same four parts on this CPU with
+# tiny sizes (make test does, tests/integration/test_gpu_check.py), so a typo costs no GPU minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUT"
-PY="${PYTHON:-}"
-if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+
+has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+torch_of() { "$1" -c 'import torch; print("torch", torch.__version__ + ", no GPU visible")' 2>/dev/null || echo "no torch"; }
+if [ $DRY = 1 ]; then
+  PY="${PYTHON:-}"
+  [ -n "$PY" ] || { [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3; }
+else
+  PY="" tried=""
+  for c in ${PYTHON:-} python3 python .venv/bin/python; do
+    command -v "$c" >/dev/null 2>&1 || continue
+    if has_cuda "$c"; then PY="$c"; break; fi
+    tried="$tried $c ($(torch_of "$c"))"
+  done
+  if [ -z "$PY" ]; then
+    echo "gpu_check: no Python here has a torch that sees a GPU (tried:${tried:- none found}); install a CUDA" \
+         "build (pip install torch --index-url https://download.pytorch.org/whl/cu128) or set PYTHON=/path/to/python;" \
+         "--dry-run checks this script on the CPU" >&2
+    exit 2
+  fi
 fi
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  echo "gpu_check: no CUDA device visible to $PY (torch: $("$PY" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)); nothing to check"
-  exit 0
-fi
-if ! "$PY" -c 'import hydra, omegaconf' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/mpformer-site .whl/*.whl || exit 1
+
+# The modules the check imports, by the package that provides them.
+missing() {
+  "$PY" - <<'EOF'
+import importlib.util
+need = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML",
+        "pytest": "pytest", "numpy": "numpy", "transformers": "transformers", "safetensors": "safetensors"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+EOF
+}
+lack="$(missing)"
+if [ -n "$lack" ]; then
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "gpu_check: $PY lacks $lack and there is no .whl/: run make gpu-wheels on a machine with an index and" \
+         "carry .whl/ here" >&2
+    exit 2
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target /tmp/mpformer-site $lack \
+    || { echo "gpu_check: installing $lack from .whl/ failed (pip's error above); run make gpu-wheels again" >&2; exit 2; }
   export PYTHONPATH="/tmp/mpformer-site${PYTHONPATH:+:$PYTHONPATH}"
+  lack="$(missing)"
+  [ -z "$lack" ] || { echo "gpu_check: still missing after .whl/: $lack; add them to make gpu-wheels" >&2; exit 2; }
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
-"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+[ $DRY = 1 ] && export MPFORMER_GPU_DRY_RUN=1
 
-status=0
-echo "== tests marked gpu =="
-timeout 240 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || status=1
-echo "== 1B Llama, bf16, 30 steps =="
-timeout 240 "$PY" benchmarks/gpu_check.py --steps 30 --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/train.log" || status=1
-echo "== activation offload: rank 0 of a pp=4 1F1B, none / auto / all (issue 17: <= 1.5 micro-batches, <= 10% time) =="
-timeout 90 "$PY" benchmarks/bench_offload.py --device cuda --json "$OUT/offload.json" 2>&1 | tee "$OUT/offload.log" || status=1
-echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) (logs in $OUT)"
-exit $status
+if [ $DRY = 1 ]; then  # the same parts, tiny, on this CPU
+  TRAIN=(--device cpu --model tiny-llama --steps 3 --skip 1 --seq 64 --micro-batch 2 --global-batch 4 --sustain 0)
+  KERNELS=(--device cpu --seq 1024 --heads 8 --kv-heads 2 --head-dim 32 --doc 200 --reps 1)
+  OFFLOAD=(--device cpu --pp 2 --microbatches 2 --steps 1 --layers 2 --hidden 64 --heads 4 --vocab 256 --seq 64)
+else
+  TRAIN=(--steps 30)
+  KERNELS=(--device cuda)
+  OFFLOAD=(--device cuda)
+fi
+
+parts=()
+part() {  # name, seconds, command...: its log under OUT, its rc and time for the summary
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  echo "== $name (timeout ${limit}s) =="
+  t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$OUT/$name.log"
+  parts+=("$name:$rc:$(( $(date +%s) - t0 ))")
+}
+part tests 150 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+part train 150 "$PY" benchmarks/gpu_check.py "${TRAIN[@]}" --json "$OUT/train.json"
+part kernels 60 "$PY" benchmarks/gpu_kernels.py "${KERNELS[@]}" --json "$OUT/kernels.json"
+part offload 60 "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}" --json "$OUT/offload.json"
+
+"$PY" - "$OUT" "$DRY" "${parts[@]}" <<'EOF'
+import json, subprocess, sys
+from pathlib import Path
+
+import torch
+
+out, dry, parts = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=20).stdout.strip()
+except (OSError, subprocess.TimeoutExpired) as e:
+    gpu = f"nvidia-smi: {e}"
+summary = {"dry_run": dry, "python": sys.executable, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "nvidia_smi": gpu,
+           "parts": []}
+for p in parts:
+    name, rc, seconds = p.split(":")
+    f = out / f"{name}.json"
+    summary["parts"].append({"name": name, "passed": rc == "0", "exit": int(rc), "seconds": int(seconds),
+                             "timed_out": rc in ("124", "137"),
+                             "result": json.loads(f.read_text()) if f.exists() else None})
+summary["passed"] = all(p["passed"] for p in summary["parts"])
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print("gpu_check:", "passed" if summary["passed"] else "FAILED", "|", ", ".join(
+    f"{p['name']} {'ok' if p['passed'] else 'exit ' + str(p['exit'])} {p['seconds']}s" for p in summary["parts"]),
+    f"| {out}/summary.json")
+sys.exit(0 if summary["passed"] else 1)
+EOF

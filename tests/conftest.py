@@ -1,4 +1,10 @@
-"""Shared fixtures: a small random-token dataset; hub access off, wandb off unless a test asks."""
+"""Shared fixtures: a small random-token dataset; hub access off, wandb off unless a test asks.
+
+16-bit runs take the path a GPU takes (parallel/kernel_choice.py): attention in the run's dtype and
+input gradients dY @ W, whatever this CPU's probe would choose, so that the bf16 tests exercise the
+GPU's numerics on every CPU kind; the CPU's own speed choices are tested where a test asks for them
+(train.cpu_attention / train.cpu_dgrad, or these variables set by the test).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("MPFORMER_CPU_ATTENTION", "native")
+os.environ.setdefault("MPFORMER_CPU_DGRAD", "nn")
 
 
 @pytest.fixture(scope="session")

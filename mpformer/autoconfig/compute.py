@@ -95,7 +95,7 @@ def gemm_time(c: Cluster, dtype: str, g: Gemm) -> float:
     flops = 2.0 * g.m * g.n * g.k * g.batch
     t = flops / (c.peak(dtype) * gemm_efficiency(c, dtype, g.m, g.n, g.k, g.batch))
     if c.sm_count:  # roofline: inputs read once, the output written (and read when it accumulates)
-        a = FP32 if dtype == "fp32" else 2
+        a = FP32 if dtype in ("fp32", "tf32") else 2  # TF32 reads fp32 operands
         nbytes = g.batch * ((g.m * g.k + g.k * g.n) * a + g.m * g.n * g.out_bytes * (2 if g.accumulate else 1))
         t = max(t, nbytes / stream_rate(c))
     return t
@@ -138,9 +138,17 @@ class PassTime:
         return max(self.gemm + self.attention + self.memory, self.launch_floor)
 
 
-def pass_time(c: Cluster, dtype: str, p: Pass, attention_s: float | None = None, backward: bool = False) -> PassTime:
-    """One pass's kernels; ``attention_s`` replaces the flash FLOPs' time when a profile measured it."""
-    gemm = sum(gemm_time(c, dtype, g) for g in p.gemms)
+def matmul_dtype(c: Cluster, precision: str, tf32: bool) -> str:
+    """The rate fp32 GEMMs run at: TF32 where the runtime enables it and the device has it (not the
+    attention kernel, which keeps its own)."""
+    return "tf32" if precision == "fp32" and tf32 and "tf32" in c.peak_flops else precision
+
+
+def pass_time(c: Cluster, dtype: str, p: Pass, attention_s: float | None = None, backward: bool = False,
+              gemm_dtype: str | None = None) -> PassTime:
+    """One pass's kernels; ``attention_s`` replaces the flash FLOPs' time when a profile measured it;
+    ``gemm_dtype``: the GEMMs' rate when it is not ``dtype``'s (TF32)."""
+    gemm = sum(gemm_time(c, gemm_dtype or dtype, g) for g in p.gemms)
     attn = attention_s if attention_s is not None else flash_time(c, dtype, p.attention_flops, backward)
     return PassTime(gemm, attn, p.stream_bytes / stream_rate(c), p.launches * c.launch_s)
 
@@ -159,13 +167,16 @@ class LayerTimes:
     f_memory: float = 0.0  # the forward's memory-bound kernels
 
 
-def layer_times_from(c: Cluster, dtype: str, work: LayerWork, measured_attn: float | None = None) -> LayerTimes:
+def layer_times_from(c: Cluster, dtype: str, work: LayerWork, measured_attn: float | None = None,
+                     gemm_dtype: str | None = None) -> LayerTimes:
     """``measured_attn``: the profile's forward + backward of the attention core (a third forward)."""
-    af = pass_time(c, dtype, work.attn_f, None if measured_attn is None else measured_attn / 3)
-    ab = pass_time(c, dtype, work.attn_b, None if measured_attn is None else 2 * measured_attn / 3, backward=True)
-    f, bi, bw = (pass_time(c, dtype, p, backward=k > 0) for k, p in enumerate((work.f, work.bi, work.bw)))
+    af = pass_time(c, dtype, work.attn_f, None if measured_attn is None else measured_attn / 3, gemm_dtype=gemm_dtype)
+    ab = pass_time(c, dtype, work.attn_b, None if measured_attn is None else 2 * measured_attn / 3, backward=True,
+                   gemm_dtype=gemm_dtype)
+    f, bi, bw = (pass_time(c, dtype, p, backward=k > 0, gemm_dtype=gemm_dtype)
+                 for k, p in enumerate((work.f, work.bi, work.bw)))
     parts = {"gemm": f.gemm + bi.gemm + bw.gemm + af.gemm + ab.gemm, "gemm_forward": f.gemm,
              "attention": af.attention + ab.attention, "memory_bound": f.memory + bi.memory + bw.memory
              + af.memory + ab.memory}
-    f_gemms = tuple(gemm_time(c, dtype, g) for g in work.f.gemms)
+    f_gemms = tuple(gemm_time(c, gemm_dtype or dtype, g) for g in work.f.gemms)
     return LayerTimes(f.total + af.total, bi.total + ab.total, bw.total, af.total, parts, f_gemms, f.memory)

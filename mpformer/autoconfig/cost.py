@@ -39,10 +39,10 @@ from dataclasses import dataclass, field, replace
 
 from mpformer.autoconfig.calibration import Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
-from mpformer.autoconfig.compute import LayerTimes, layer_times_from, measured_attention, pass_time
+from mpformer.autoconfig.compute import LayerTimes, layer_times_from, matmul_dtype, measured_attention, pass_time
 from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
-from mpformer.autoconfig.kernels import dims, embedding_work, head_work, layer_work
+from mpformer.autoconfig.kernels import attention_kernel, dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  # noqa: F401  (RING_FACTOR: re-exported)
 from mpformer.autoconfig.memory import BYTES, Workload
 from mpformer.autoconfig.pipeline_cost import offload_exposed, pipeline_bound, pipeline_time
@@ -104,12 +104,17 @@ def _cluster_key(c: Cluster) -> str:
     return repr(replace(c, measured={}))
 
 
+def fused_attention(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> bool:
+    """Whether the runtime's attention core is a fused kernel on this device (kernels.attention_kernel)."""
+    return attention_kernel(m, L, w.seq_length, w.runtime.name, w.flash_attention, c.cores is not None) == "fused"
+
+
 def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> LayerTimes:
-    dt = w.precision
-    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, w.flash_attention)
+    dt, flash = w.precision, fused_attention(m, L, w, c)
+    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, flash)
     x = dims(m, L, w.seq_length, w.micro_batch_size)
-    measured = measured_attention(c, dt, x["s"], x["s_k"], x["d"], x["b"] * x["heads"]) if w.flash_attention else None
-    return layer_times_from(c, dt, work, measured)
+    measured = measured_attention(c, dt, x["s"], x["s_k"], x["d"], x["b"] * x["heads"]) if flash else None
+    return layer_times_from(c, dt, work, measured, matmul_dtype(c, dt, w.runtime.tf32))
 
 
 def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
@@ -177,7 +182,9 @@ def _edge_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, he
     dt = w.precision
     work = (head_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, w.fused_cross_entropy) if head
             else embedding_work(m, L, w.seq_length, w.micro_batch_size, dt))
-    f, bi, bw_ = (pass_time(c, dt, p, backward=k > 0).total for k, p in enumerate((work.f, work.bi, work.bw)))
+    mm = matmul_dtype(c, dt, w.runtime.tf32)
+    f, bi, bw_ = (pass_time(c, dt, p, backward=k > 0, gemm_dtype=mm).total
+                  for k, p in enumerate((work.f, work.bi, work.bw)))
     return f, bi, bw_
 
 

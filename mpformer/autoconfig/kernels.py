@@ -102,6 +102,25 @@ def _norm(p_f: Pass, p_b: Pass, n: float, a: int, kernels: str, rms: bool) -> No
     p_b.add(2 * fwd, 2 * (5 + 2 * cast))
 
 
+def attention_kernel(m: ModelConfig, L: ParallelLayout, seq_length: int, runtime: str, flash: bool,
+                     cpu_host: bool) -> str:
+    """Which kernel the attention core runs: "fused" (a flash-style kernel: SDPA, or the attention plan's
+    blocks on the fused ops with their log-sum-exp, layers/attention.py, context_parallel/) or "math"
+    (two batched GEMMs and the score matrix between them). Another framework's published run: as
+    published (``flash``). mpformer's: fused, but with attention dropout where no fused kernel takes
+    it: everywhere on a CPU (torch's CPU flash kernel has no dropout: SDPA's math), and on a GPU where
+    dropout meets a mask (a window that cuts the sequence, a token slice's queries after its past
+    keys: SDPA with a dense mask and GQA falls to math); documents alone run per document, fused."""
+    if not flash:
+        return "math"
+    if runtime != "mpformer" or m.attention_dropout == 0:
+        return "fused"
+    if cpu_host:
+        return "math"
+    cuts = m.sliding_window is not None and m.sliding_window < seq_length
+    return "math" if cuts or L.pp_token_slices > 1 else "fused"
+
+
 def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
                kernels: str = "eager", flash: bool = True, main_grad_fp32: bool = True) -> LayerWork:
     """Every kernel of one decoder layer (pre-norm attention + MLP blocks, as models/transformer.py)."""

@@ -70,6 +70,7 @@ class Runtime:
     post_validation: bool = False  # train.post_validation: a copy of the optimizer's shard during the step
     overlap_validation: bool = False  # train.overlap_validation: that copy and the gradients', through the next step
     kernels: str = "eager"  # elementwise ops: fused | eager | composite (kernels.py)
+    tf32: bool = False  # fp32 GEMMs at the device's TF32 rate (mpformer: train.tf32, on by default)
     overlap_grad_reduce: bool = True  # buckets reduced during the backward
     overlap_p2p: bool = True  # False: each send/receive group blocks its rank until it completes
     tp_comm_overlap: bool = False  # tensor-parallel collectives chunked into the adjacent GEMMs
@@ -93,7 +94,7 @@ class Runtime:
         return max(1, math.ceil(params * reduce_bytes / (self.bucket_mb * 2**20)))
 
 
-MPFORMER = Runtime("mpformer")
+MPFORMER = Runtime("mpformer", tf32=True)
 TORCHTITAN = Runtime("torchtitan", units="layer", reduce_bytes=4, pooled=False, shard_bytes=(0, 4, 4, 8),
                      selective="op", kernels="composite")  # December 2024's eager torch; compiled: fused
 DEEPSPEED = Runtime("deepspeed", block="megatron", units="module", pooled=False, max_live=1e9, prefetch_bucket=5e7,
@@ -118,7 +119,7 @@ def mpformer_runtime(t: TrainConfig) -> Runtime:
     """mpformer's runtime as a training config sets it up (its train.zero3_* settings)."""
     return replace(MPFORMER, unit_numel=t.zero3_unit_numel, prefetch_numel=t.zero3_prefetch_numel,
                    reduce_numel=t.zero3_reduce_numel, bucket_mb=t.grad_bucket_mb, post_validation=t.post_validation,
-                   overlap_validation=t.overlap_validation)
+                   overlap_validation=t.overlap_validation, tf32=t.tf32)
 
 
 def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: list[bool], wb: int,

@@ -40,6 +40,7 @@ def run_pretraining(composed: Composed) -> list[float]:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:
         device.make_deterministic()
+    device.set_tf32(cfg.train.tf32)
     owns_group = not dist.is_initialized()  # tests spawn ranks with a group already up
     init_distributed(device, cfg.train.dist_timeout_s)
     # torchrun workers: a dead rank stops every rank within heartbeat_timeout_s (parallel/watchdog.py).

@@ -198,7 +198,9 @@ class BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
+@torch.compiler.disable
 def local_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, q_segments: Segments,
                     k_segments: Segments, docs: Docs, window: int | None, scale: float) -> torch.Tensor:
-    """Queries at ``q_segments`` against keys at ``k_segments``, all on this rank; ``[b, n, q, d]``."""
+    """Queries at ``q_segments`` against keys at ``k_segments``, all on this rank; ``[b, n, q, d]``.
+    Opaque to torch.compile, as context.attention."""
     return BlockAttention.apply(q_bnsd, k_bksd, v_bksd, q_segments, k_segments, docs, window, scale)

@@ -107,10 +107,13 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+@torch.compiler.disable
 def attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, cp: CPContext, seq: SeqShard,
               window: int | None, scale: float) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence: ``[b, n, s/cp, d]``. Keys and
-    values travel in their own dtype; the kernels cast them to the queries' compute dtype."""
+    values travel in their own dtype; the kernels cast them to the queries' compute dtype. Opaque to
+    torch.compile (train.compile): a compiled block breaks its graph here once, around the collectives
+    and the per-block kernel calls, rather than tracing the plan's Python into many small graphs."""
     parts = [rank_segments(seq.total, cp.size, i) for i in range(cp.size)]
     q = q_bnsd.to(compute_dtype(q_bnsd))
     if cp.kind == "ring":

@@ -65,6 +65,7 @@ class TrainConfig:
     # the environment's MPFORMER_CPU_*, else a resumed checkpoint's, else rank 0's probe, for every rank.
     cpu_attention: str = "auto"  # auto | native | fp32
     cpu_dgrad: str = "auto"  # auto | nn | transposed
+    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (as torchtitan, Megatron-LM); nothing on CPU
     deterministic: bool = False  # kernels with the same bits every run (CUDA: a bit-exact resume; slower)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails instead of hanging
     # A rank whose heartbeat (a thread beating over the rendezvous store) stops this long counts as

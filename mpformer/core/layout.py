@@ -235,9 +235,9 @@ def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
                               f"{format_choices(valid_pp_values(model))} (or give {alternatives})")
         vpps = [v for v in range(2, layers // L.pp + 1) if layers % (L.pp * v) == 0]
         pps = [p for p in valid_pp_values(model, L.vpp) if p > 1]
-        valid = "; ".join(x for x in (f"vpp in {format_choices(vpps)} at pp={L.pp}" if vpps else "",
-                                      f"pp in {format_choices(pps)} at vpp={L.vpp}" if pps else "",
-                                      f"or give {alternatives}") if x)
+        items = [x for x in (f"vpp in {format_choices(vpps)} at pp={L.pp}" if vpps else "",
+                             f"pp in {format_choices(pps)} at vpp={L.vpp}" if pps else "") if x]
+        valid = "; ".join(items) + ("; or " if items else "") + f"give {alternatives}"
         raise ConfigError(f"num_layers={layers} cannot be split into pp*vpp={stages} equal stages; valid: {valid}")
 
 

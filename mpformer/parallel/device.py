@@ -47,6 +47,13 @@ class Device:
             torch.backends.cudnn.deterministic = True
         torch.use_deterministic_algorithms(True)
 
+    def set_tf32(self, enabled: bool) -> None:
+        """fp32 matmuls and convolutions on TF32 tensor cores (train.tf32: on by default, as torchtitan and
+        Megatron-LM run): 10 mantissa bits in the products, fp32 accumulation. Nothing on a CPU."""
+        if self.kind == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = enabled
+            torch.backends.cudnn.allow_tf32 = enabled
+
     def synchronize(self) -> None:
         if self.kind == "cuda":
             torch.cuda.synchronize(self.index)

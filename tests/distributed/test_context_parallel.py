@@ -195,6 +195,8 @@ RUNS = {  # name -> (world size, phase, overrides); phase 2 resumes checkpoints 
     "bf16_tp2_sp": (2, 1, {"parallel.tp": 2, "parallel.sequence_parallel": True, **BF16}),
     "fp32_cp2": (2, 1, {**_cp(2), **TEN}),
     "bf16_cp2": (2, 1, {**_cp(2), **BF16}),
+    # the CPU's speed choices (conftest.py makes the GPU's path the default): fp32 attention cores, W^T copies
+    "bf16_cp2_cpu": (2, 1, {**_cp(2), **BF16, "train.cpu_attention": "fp32", "train.cpu_dgrad": "transposed"}),
     "fp32_cp2_allgather": (2, 1, {**_cp(2, "allgather"), **TEN}),
     "bf16_cp2_allgather": (2, 1, {**_cp(2, "allgather"), **BF16}),
     "fp32_pp2": (2, 1, {"parallel.pp": 2, **TEN}),
@@ -293,9 +295,10 @@ def test_checkpoints_resume_under_another_cp(results, run):
     _same(results[run], results["ref"], start=2)
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2", "cp2_allgather", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2", "cp2_allgather", "pp2", "cp2_cpu"])
 def test_bf16_tracks_fp32_under_model_parallelism(results, layout):
-    fp32, bf16 = results[f"fp32_{layout}"]["losses"], results[f"bf16_{layout}"]["losses"]
+    fp32 = results[f"fp32_{layout.removesuffix('_cpu')}"]["losses"]
+    bf16 = results[f"bf16_{layout}"]["losses"]
     assert len(bf16) == len(fp32) == 10
     torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=BF16_RTOL, atol=0)
     assert fp32[-1] < fp32[0]  # it trains: the comparison is not between two flat lines

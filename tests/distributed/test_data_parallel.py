@@ -106,16 +106,19 @@ def _kernel_agreement(data: str, root: Path) -> dict:
     from mpformer.checkpoint.manifest import newest_complete
     from mpformer.parallel.kernel_choice import choose
 
-    rank = dist.get_rank()
+    rank, keys = dist.get_rank(), ("MPFORMER_CPU_ATTENTION", "MPFORMER_CPU_DGRAD")
+    before = {k: os.environ.get(k) for k in keys}
     os.environ["MPFORMER_CPU_ATTENTION"] = "fp32" if rank == 0 else "native"
     os.environ["MPFORMER_CPU_DGRAD"] = "transposed" if rank == 0 else "nn"
     out = {"chosen": choose("cpu", "bf16").to_dict()}
     bf16 = {"train.precision": "bf16", "train.steps": 4}
     train(_overrides(data, root / "kern_a", **bf16, **{"train.stop_at": 2}))
-    del os.environ["MPFORMER_CPU_ATTENTION"], os.environ["MPFORMER_CPU_DGRAD"]
+    for k in keys:
+        del os.environ[k]
     load = {"checkpoint.load": str(root / "kern_a" / "checkpoints")}
     train(_overrides(data, root / "kern_b", **bf16, **load))
     train(_overrides(data, root / "kern_c", **bf16, **load, **{"train.cpu_attention": "native"}))
+    os.environ.update({k: v for k, v in before.items() if v is not None})
     for run in ("kern_a", "kern_b", "kern_c"):
         manifest = newest_complete(root / run / "checkpoints")[0]
         out[run] = dict(manifest["kernels"])

@@ -6,7 +6,7 @@ import pytest
 
 from mpformer.autoconfig.cluster import cluster_dir, load_cluster
 from mpformer.autoconfig.compute import gemm_efficiency
-from mpformer.autoconfig.cost import _collective, iteration_time, layer_times, tp_step_time
+from mpformer.autoconfig.cost import _collective, iteration_time, layer_compute, layer_times, tp_step_time
 from mpformer.autoconfig.memory import Workload
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -34,6 +34,46 @@ def test_gemm_efficiency_grows_with_size_and_uses_a_measured_table():
         {"dtype": "bf16", "m": 64, "n": 64, "k": 64, "flops_per_s": 1e14},
         {"dtype": "bf16", "m": 4096, "n": 4096, "k": 4096, "flops_per_s": 7e14}]}})
     assert gemm_efficiency(measured, "bf16", 4000, 4000, 4000) == pytest.approx(7e14 / 989e12)
+
+
+def test_fp32_gemms_run_at_the_tf32_rate_where_the_runtime_enables_it():
+    """train.tf32 (on by default): fp32 GEMMs priced at the device's TF32 peak, the attention kernel at
+    its own; off, or on a device without TF32 (a CPU preset), at the fp32 rate."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.runtimes import MPFORMER
+
+    fp32 = replace(W, precision="fp32")
+    off = replace(fp32, runtime=replace(MPFORMER, tf32=False))
+    h100 = load_cluster("dgx-h100")
+    on_parts, off_parts = (layer_compute(GPT, ParallelLayout(), w, h100).parts for w in (fp32, off))
+    assert on_parts["gemm"] < off_parts["gemm"] / 3  # 494 against 67 TFLOP/s dense (memory-bound ones aside)
+    assert on_parts["attention"] == pytest.approx(off_parts["attention"])
+    cpu = load_cluster("local-cpu")
+    assert layer_compute(GPT, ParallelLayout(), fp32, cpu).parts == layer_compute(GPT, ParallelLayout(), off, cpu).parts
+
+
+def test_the_attention_kernel_priced_is_the_one_the_runtime_runs():
+    """mpformer's attention core is fused but where no fused kernel takes its attention dropout: on a
+    CPU everywhere, on a GPU where the dropout meets a mask that cuts (kernels.attention_kernel); the
+    math kernel is priced by its GEMMs and score passes, dearer than the flash FLOPs at long sequences."""
+    from dataclasses import replace
+
+    from mpformer.autoconfig.cost import fused_attention
+
+    drop = ModelConfig(**{**GPT.to_dict(), "attention_dropout": 0.1})
+    window = ModelConfig(**{**drop.to_dict(), "arch": "mistral", "sliding_window": 1024, "activation": "swiglu",
+                            "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 4096})
+    gpu, cpu = load_cluster("dgx-h100"), load_cluster("local-cpu")
+    L = ParallelLayout()
+    assert fused_attention(GPT, L, W, gpu) and fused_attention(GPT, L, W, cpu)
+    assert fused_attention(drop, L, W, gpu) and not fused_attention(drop, L, W, cpu)
+    assert not fused_attention(window, L, W, gpu)  # dropout with a window that cuts the 2048 positions
+    assert not fused_attention(GPT, L, replace(W, flash_attention=False), gpu)  # a published run without flash
+    fused_s = layer_compute(GPT, L, W, gpu).parts["attention"]
+    math = layer_compute(window, L, W, gpu)
+    assert math.parts["attention"] == 0.0 and math.parts["gemm"] > layer_compute(GPT, L, W, gpu).parts["gemm"]
+    assert fused_s > 0
 
 
 def test_sequence_parallel_moves_the_same_bytes_and_tp_splits_compute():

@@ -21,6 +21,9 @@ from mpformer.autoconfig.search import search
 
 CASES = published_cases()
 TOLERANCE, MEDIAN_TOLERANCE = 0.15, 0.10
+# The median today (11.4% over 51 rows, benchmarks/README bench_published) is above the 10% target; the
+# test asserts it does not get worse than this ceiling, and reports where it stands against the target.
+MEDIAN_CEILING = 0.12
 
 # Rows the model misses by more than TOLERANCE, and why as far as it is known (issue 16). Errors as
 # benchmarks/bench_published.py printed them when the list was written.
@@ -105,9 +108,9 @@ def test_published_row_fits(case, results):
 def test_median_error(results):
     errs = [abs(e) if e is not None else float("inf") for e, _ in results.values()]  # no plan: the worst error
     med = statistics.median(errs)
-    if med > MEDIAN_TOLERANCE:
-        pytest.xfail(f"median |error| {med:.1%} over {len(errs)} rows (target {MEDIAN_TOLERANCE:.0%})")
-    assert med <= MEDIAN_TOLERANCE
+    assert med <= MEDIAN_CEILING, f"median |error| {med:.1%} over {len(errs)} rows, above the ceiling " \
+                                  f"{MEDIAN_CEILING:.0%} (target {MEDIAN_TOLERANCE:.0%})"
+    print(f"median |error| {med:.1%} over {len(errs)} rows (target {MEDIAN_TOLERANCE:.0%})")
 
 
 def test_misses_are_rows():

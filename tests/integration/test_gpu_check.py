@@ -1,0 +1,52 @@
+"""The prepared GPU check (benchmarks/gpu_check.sh) on this CPU: its dry run passes every part, and
+without a GPU the real run fails in one line instead of passing having checked nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def test_dry_run_passes_every_part(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    res = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dry_run"] and summary["passed"]
+    assert [p["name"] for p in summary["parts"]] == ["tests", "train", "kernels", "offload"]
+    assert all(p["passed"] for p in summary["parts"])
+    assert all(p["result"] is not None for p in summary["parts"] if p["name"] != "tests")
+    assert "passed" in (tmp_path / "tests.log").read_text()  # the kernel tests ran, not only skipped
+    kernels = summary["parts"][2]["result"]["results"]
+    assert kernels["ring_rank"]["error"] < 1e-5 and kernels["documents"]["error"] < 1e-5
+    # at most 8 files come back from a device run's $OUT
+    assert len(list(tmp_path.iterdir())) <= 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the real run would run")
+def test_without_a_gpu_the_real_run_fails_in_one_line(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no Python here has a torch that sees a GPU" in lines[0] and "PYTHON=" in lines[0]
+
+
+def test_the_wheel_set_covers_what_the_check_imports():
+    """Every package gpu_check.sh may install from .whl/ is one make gpu-wheels fetches."""
+    need = re.search(r"need = \{(.*?)\}", SCRIPT.read_text(), re.S).group(1)
+    packages = set(re.findall(r'"[\w.]+": "([\w.-]+)"', need))
+    wheels = re.search(r"^GPU_WHEELS\s*:?=(.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+    assert packages <= set(wheels), packages - set(wheels)
