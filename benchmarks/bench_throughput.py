@@ -11,7 +11,15 @@ views into its flat buffers, zeroed in place (dp=1, so no communication).
 Steps alternate between the two models (ABBA order, one step each per round) so that load from
 other processes on the machine hits both alike; medians are reported. The matmul peak of each
 dtype is measured in the same run, before and after the training rounds, on square GEMMs in all
-three operand layouts that training uses.
+three operand layouts that training uses. The fraction of peak counts each FLOP at the peak of the
+dtype it ran in: the matmuls at the run's dtype's, the attention core's at fp32's where the CPU
+kernel choice computes 16-bit attention in fp32 (parallel/kernels.py), so a bf16 run whose attention
+ran in fp32 is not measured against a bf16 rate it never used.
+
+Same training, checked: after the timed rounds the two models' losses, step by step over at least
+``MIN_GUARD_STEPS`` steps, agree within the precision's tolerance (a model that ignores its input, or
+trains differently, fails however fast it is). ``--compile`` compiles both alike, block by block
+(mpformer's train.compile, HF's decoder layers one by one, as torchtitan compiles).
 
     python benchmarks/bench_throughput.py [--quick] [--json out.json] [--hidden 256 --layers 4 ...]
 """
@@ -57,13 +65,17 @@ from mpformer.parallel.comm import Comm, CommLedger
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # --quick: a model small enough that fp32 and bf16 together finish in well under a minute.
 QUICK = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 4096, "seq": 128, "batch": 2,
-         "steps": 12, "bf16_steps": 3, "warmup": 1, "bf16_warmup": 1, "peak_sizes": [512], "bf16_peak_sizes": [256]}
+         "steps": 12, "bf16_steps": 10, "warmup": 1, "bf16_warmup": 1, "peak_sizes": [512], "bf16_peak_sizes": [256]}
 FLOPS_FORMULA = ("model FLOPs/step = (6 * N_matmul + 12 * L * s * n_heads * head_dim) * b * s, "
                  "N_matmul = weights of q,k,v,o,gate,up,down in every layer + the LM head "
                  "(embedding lookup and norm gains excluded); attention counted without the causal halving "
                  "(Megatron/PaLM accounting)")
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs [b, s], next-token labels [b, s])
 PARITY_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # bf16: rounding of the fused vs separate projections differs
+# The losses of every step (warm-up and timed) must agree this closely: the same weights, batches and
+# optimizer, summed in other orders (fp32), rounded in other places (bf16), drift apart slowly.
+GUARD_RTOL = {"fp32": 1e-3, "bf16": 5e-2}
+MIN_GUARD_STEPS = 10
 
 
 class Runner:
@@ -112,9 +124,14 @@ def build_pair(cfg: ModelConfig, seed: int, attn_impl: str | None) -> tuple[Tran
     return mp, hf
 
 
-def make_runners(cfg: ModelConfig, precision: str, seed: int, attn_impl: str | None) -> tuple[dict[str, Runner], str]:
+def make_runners(cfg: ModelConfig, precision: str, seed: int, attn_impl: str | None,
+                 compile_blocks: bool = False) -> tuple[dict[str, Runner], str]:
     """The two runners, and the attention implementation HF ended up using."""
     mp, hf = build_pair(cfg, seed, attn_impl)
+    if compile_blocks:  # both alike: every decoder block compiled on its own (regional compilation)
+        mp.compile_layers()
+        for layer in hf.model.layers:
+            layer.compile()
     ocfg = OptimConfig()
     dtype = DTYPES[precision]
 
@@ -164,18 +181,28 @@ def check_parity(runners: dict[str, Runner], batch: Batch, precision: str) -> di
     return {**losses, "rel_diff": rel}
 
 
-def flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, int]:
-    """Model FLOPs of one training step (see FLOPS_FORMULA) and N_matmul."""
+def flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, int, float]:
+    """Model FLOPs of one training step (see FLOPS_FORMULA), N_matmul, and the attention core's share."""
     h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_size
     q, kv = cfg.num_attention_heads * d, cfg.kv_heads * d
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * f
     n_matmul = cfg.num_layers * per_layer + h * cfg.vocab_size
-    per_token = 6 * n_matmul + 12 * cfg.num_layers * seq * q
-    return float(per_token * batch * seq), n_matmul
+    attention = 12 * cfg.num_layers * seq * q
+    return float((6 * n_matmul + attention) * batch * seq), n_matmul, float(attention * batch * seq)
+
+
+def ideal_seconds(precision: str, flops: float, attention: float, peaks: dict[str, float]) -> dict[str, float]:
+    """Per model, the step's FLOPs at the peak of the dtype each ran in: matmuls at the run's dtype's;
+    mpformer's attention at fp32's where its CPU kernel choice computes 16-bit attention in fp32."""
+    from mpformer.parallel.kernels import cpu_attention
+
+    run = peaks[precision]
+    mp_attn = peaks.get("fp32", run) if precision != "fp32" and cpu_attention(DTYPES[precision]).upcast else run
+    return {"mpformer": (flops - attention) / run + attention / mp_attn, "hf": flops / run}
 
 
 def measure(args: argparse.Namespace, cfg: ModelConfig, precision: str) -> dict:
-    runners, attn = make_runners(cfg, precision, args.seed, args.hf_attn)
+    runners, attn = make_runners(cfg, precision, args.seed, args.hf_attn, args.compile)
     g = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, cfg.vocab_size, (4, args.batch, args.seq + 1), generator=g)
     # Inputs and next-token labels, split once and contiguous (HF's loss .view()s its labels).
@@ -193,10 +220,27 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, precision: str) -> dict:
     for r in runners.values():
         r.phases.clear()
     times = interleave({n: (lambda n=n: one_step(n)) for n in runners}, steps)
-    return {"runners": runners, "times": times, "parity": parity, "steps": steps, "warmup": warmup, "attn": attn}
+    guard = same_training(runners, precision)
+    return {"runners": runners, "times": times, "parity": parity, "steps": steps, "warmup": warmup, "attn": attn,
+            "guard": guard}
 
 
-def summarize(precision: str, m: dict, tokens: int, flops: float, peak: float) -> list[dict]:
+def same_training(runners: dict[str, Runner], precision: str) -> dict:
+    """Both models' losses, step by step: at least MIN_GUARD_STEPS, each within GUARD_RTOL."""
+    mp, hf = runners["mpformer"].losses, runners["hf"].losses
+    if len(mp) < MIN_GUARD_STEPS:
+        raise SystemExit(f"{precision}: {len(mp)} steps per model are too few to check the two train alike "
+                         f"(at least {MIN_GUARD_STEPS}: raise --steps / --bf16-steps)")
+    rel = [abs(a - b) / abs(b) for a, b in zip(mp, hf)]
+    if max(rel) > GUARD_RTOL[precision]:
+        worst = max(range(len(rel)), key=rel.__getitem__)
+        raise AssertionError(f"{precision}: the losses part at step {worst + 1}: mpformer {mp[worst]:.6f} vs HF "
+                             f"{hf[worst]:.6f} (rel {rel[worst]:.2e} > {GUARD_RTOL[precision]})")
+    return {"steps": len(mp), "max_rel_diff": max(rel), "mpformer": mp, "hf": hf}
+
+
+def summarize(precision: str, m: dict, tokens: int, flops: float, ideal_s: dict[str, float]) -> list[dict]:
+    """``ideal_s``: per model, the step's FLOPs each at the peak of the dtype it ran in (seconds)."""
     times, runners = m["times"], m["runners"]
     hf_med = median(times["hf"])
     paired = [h / t for h, t in zip(times["hf"], times["mpformer"])]  # per round: drift cancels
@@ -210,7 +254,7 @@ def summarize(precision: str, m: dict, tokens: int, flops: float, peak: float) -
             "step_ms": 1e3 * med, "step_ms_q25": 1e3 * q25, "step_ms_q75": 1e3 * q75,
             "ratio_vs_hf": hf_med / med,
             "paired_ratio_median": median(paired) if name == "mpformer" else 1.0,
-            "model_tflops": flops / med / 1e12, "fraction_of_peak": flops / med / peak,
+            "model_tflops": flops / med / 1e12, "fraction_of_peak": ideal_s[name] / med,
             "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * bwd, "clip_step_zero_ms": 1e3 * upd,
             "initial_loss": m["parity"][name], "final_loss": runners[name].losses[-1],
         })
@@ -229,7 +273,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256, help="tokens per sample the model sees")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=30, help="timed fp32 steps per model (interleaved)")
-    p.add_argument("--bf16-steps", type=int, default=3, help="timed bf16 steps per model (bf16 is slow on CPUs "
+    p.add_argument("--compile", action="store_true", help="both models' blocks under torch.compile")
+    p.add_argument("--bf16-steps", type=int, default=10, help="timed bf16 steps per model (bf16 is slow on CPUs "
                                                              "without AVX512-BF16/AMX)")
     p.add_argument("--warmup", type=int, default=2, help="untimed fp32 steps per model")
     p.add_argument("--bf16-warmup", type=int, default=1, help="untimed bf16 steps per model")
@@ -257,13 +302,16 @@ def main(argv: list[str] | None = None) -> dict:
                       num_kv_heads=args.kv_heads, ffn_hidden_size=ffn, vocab_size=args.vocab,
                       max_position_embeddings=max(args.seq, 128)).validate()
     tokens = args.batch * args.seq
-    flops, n_matmul = flops_per_step(cfg, args.batch, args.seq)
+    flops, n_matmul, attention = flops_per_step(cfg, args.batch, args.seq)
     sizes = {"fp32": args.peak_sizes, "bf16": args.bf16_peak_sizes}
+    peak_dtypes = sorted({*args.precision, "fp32"})  # fp32's too: a 16-bit run's attention may run in it
     t_start, env = time.perf_counter(), environment()
-    before = {p: matmul_flops(DTYPES[p], sizes[p]) for p in args.precision}
+    before = {p: matmul_flops(DTYPES[p], sizes[p]) for p in peak_dtypes}
     measured = {p: measure(args, cfg, p) for p in args.precision}
-    peaks = {p: merge_peaks(before[p], matmul_flops(DTYPES[p], sizes[p])) for p in args.precision}
-    rows = [r for p in args.precision for r in summarize(p, measured[p], tokens, flops, max(peaks[p].values()))]
+    peaks = {p: merge_peaks(before[p], matmul_flops(DTYPES[p], sizes[p])) for p in peak_dtypes}
+    best = {p: max(peaks[p].values()) for p in peak_dtypes}
+    rows = [r for p in args.precision
+            for r in summarize(p, measured[p], tokens, flops, ideal_seconds(p, flops, attention, best))]
     attn = next(iter(measured.values()))["attn"]
     load_end = os.getloadavg()[0]
 
@@ -273,14 +321,18 @@ def main(argv: list[str] | None = None) -> dict:
           f"HF attn_implementation={attn}, use_cache=False | threads={torch.get_num_threads()} | "
           f"load avg (1 min) at start {env['load_avg_1m']:.2f}, at end {load_end:.2f}")
     print(FLOPS_FORMULA + f" = {flops / 1e9:.2f} GFLOP/step")
-    for p in args.precision:
-        best = max(peaks[p], key=peaks[p].get)
+    for p in peak_dtypes:
+        top = max(peaks[p], key=peaks[p].get)
         detail = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks[p].items())
-        print(f"{p} matmul peak {peaks[p][best] / 1e9:.1f} GFLOP/s ({best}); GFLOP/s by size_layout: {detail}")
+        print(f"{p} matmul peak {peaks[p][top] / 1e9:.1f} GFLOP/s ({top}); GFLOP/s by size_layout: {detail}")
+    for p in args.precision:
+        g = measured[p]["guard"]
+        print(f"{p}: the same training, {g['steps']} steps of losses within {g['max_rel_diff']:.1e} relative "
+              f"(bound {GUARD_RTOL[p]:g}); compiled: {args.compile}")
     print()
     print(format_table(
         ["precision", "impl", "tokens/s (median)", "step ms", "ratio vs HF", "model TFLOP/s",
-         "fraction of matmul peak"],
+         "fraction of peak (each FLOP at its dtype's)"],
         [[r["precision"], r["impl"], r["tokens_per_s"], r["step_ms"], r["ratio_vs_hf"], r["model_tflops"],
           r["fraction_of_peak"]] for r in rows]))
     print()
@@ -297,9 +349,10 @@ def main(argv: list[str] | None = None) -> dict:
         "model": cfg.to_dict(),
         "hf_attn_implementation": attn, "tokens_per_step": tokens, "flops_per_step": flops,
         "n_matmul_params": n_matmul, "flops_formula": FLOPS_FORMULA,
-        "matmul_peak_flops": {p: {"best": max(peaks[p].values()), "by_size_layout": peaks[p]}
-                              for p in args.precision},
+        "matmul_peak_flops": {p: {"best": best[p], "by_size_layout": peaks[p]} for p in peak_dtypes},
+        "attention_flops_per_step": attention,
         "parity": {p: measured[p]["parity"] for p in args.precision},
+        "same_training": {p: measured[p]["guard"] for p in args.precision},
         "results": rows,
     }
     if args.json:

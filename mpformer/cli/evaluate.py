@@ -45,12 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     eos = document_eos(replace(cfg, model=model_cfg))
     if layout.pp > 1:
         check_pipeline_eval(layout, tokens.shape[0], cfg.eval.micro_batch_size)
+    import torch.distributed as dist
+
     from mpformer.checkpoint.io import load_checkpoint
     from mpformer.models.parallelize import build_rank
     from mpformer.parallel.device import resolve_device
     from mpformer.parallel.groups import ProcessGroups
 
     device = resolve_device(cfg.train.device)
+    owns_group = not dist.is_initialized()  # tests call main() in ranks spawned with a group already up
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
         groups = ProcessGroups.build(layout, device)
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if groups.is_logging_rank:
             print(json.dumps({"loss": loss, "tokens": count}), flush=True)
     finally:
-        shutdown()
+        if owns_group:
+            shutdown()
     return 0
 
 

@@ -228,36 +228,83 @@ def test_bad_inputs_exit_2_with_one_error_line(hf_dirs, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name,ranks,tp,pp,cp", [
+EVAL_CASES = [
     ("gpt2", None, 1, 1, ""), ("llama", 2, 1, 1, ""), ("mistral-window8", None, 1, 1, ""), ("qwen2", None, 1, 1, ""),
     ("llama", 4, 4, 1, ""), ("gpt2", 2, 2, 1, ""), ("qwen2", 4, 4, 1, ""), ("llama", 2, 1, 2, ""),
     ("gpt2", 4, 2, 2, ""), ("llama", 2, 1, 1, "2 ring"), ("mistral-window8", 2, 1, 1, "2 allgather"),
-    ("qwen2", 4, 2, 1, "2 ulysses"), ("gpt2", 4, 1, 2, "2 ring"), ("llama", 4, 1, 1, "4 hybrid")])
-def test_evaluate_cli_gives_the_hf_loss(name, ranks, tp, pp, cp, hf_dirs, tmp_path):
+    ("qwen2", 4, 2, 1, "2 ulysses"), ("gpt2", 4, 1, 2, "2 ring"), ("llama", 4, 1, 1, "4 hybrid")]
+# Through the documented command (torchrun, a process per rank) at each world size; the other cases run
+# the same main() inside ranks spawned once per world size (the launch is the only difference).
+CLI_CASES = {EVAL_CASES[0], EVAL_CASES[5], EVAL_CASES[13]}
+
+
+def _eval_args(name: str, tp: int, pp: int, cp: str, ckpt: Path, np_path: Path) -> list[str]:
+    args = [f"checkpoint.load={ckpt}", f"eval.tokens={np_path}", f"eval.micro_batch_size={2 if pp == 1 else 1}",
+            f"parallel.tp={tp}", f"parallel.pp={pp}"]
+    if cp:
+        n, kind = cp.split()
+        args += [f"parallel.cp={n}", f"parallel.cp_kind={kind}", f"parallel.cp_ulysses={2 if kind == 'hybrid' else 1}"]
+    return args
+
+
+def _eval_in_ranks(cases: list[list[str]]) -> list[str]:
+    """Each case's evaluate main() in these ranks; rank 0's printed lines."""
+    import contextlib
+    import io
+
+    from mpformer.cli.evaluate import main as evaluate_main
+
+    out = []
+    for args in cases:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert evaluate_main(args) == 0
+        out.append(buf.getvalue())
+    return out
+
+
+@pytest.fixture(scope="module")
+def evaluated(hf_dirs, tmp_path_factory) -> dict:
+    """Every case's checkpoint (converted from HF), HF's loss on its tokens, and evaluate's last line."""
+    import numpy as np
+
+    from mpformer.parallel.spawn import run_distributed
+    from mpformer.testing.cli import run_cli
+
+    root = tmp_path_factory.mktemp("evaluate")
+    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=torch.Generator().manual_seed(11))
+    np_path = root / "tokens.npy"
+    np.save(np_path, tokens.numpy().astype(np.int64))
+    refs, args, lines = {}, {}, {}
+    for name in {c[0] for c in EVAL_CASES}:
+        assert main(["hf-to-mpformer", "--hf", str(hf_dirs[name]), "--out", str(root / name)]) == 0
+        hf = T.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
+        with torch.no_grad():
+            refs[name] = hf(input_ids=tokens, labels=tokens).loss.item()
+    for case in EVAL_CASES:
+        name, ranks, tp, pp, cp = case
+        args[case] = _eval_args(name, tp, pp, cp, root / name, np_path)
+        if case in CLI_CASES:
+            res = run_cli(["tools/evaluate.py", *args[case]], torchrun=ranks, timeout=120)
+            assert res.returncode == 0, res.stderr[-3000:]
+            lines[case] = res.stdout
+    for world in sorted({c[1] or 1 for c in EVAL_CASES}):
+        group = [c for c in EVAL_CASES if (c[1] or 1) == world and c not in CLI_CASES]
+        if group:
+            printed = run_distributed(_eval_in_ranks, world, args=([args[c] for c in group],), timeout=300)[0]
+            lines.update(zip(group, printed))
+    return {"refs": refs, "lines": lines}
+
+
+@pytest.mark.parametrize("name,ranks,tp,pp,cp", EVAL_CASES)
+def test_evaluate_cli_gives_the_hf_loss(name, ranks, tp, pp, cp, evaluated):
     """The documented evaluate interface on a converted checkpoint: the last line's loss is HF's (rtol 1e-5),
     also under tensor parallelism with a vocabulary (123) that tp does not divide and, for tp=4,
     fewer kv heads (2) than tp ranks, through a 2-stage pipeline (also with tp=2 and tied GPT-2
     embeddings split between the first and last stage), and under context parallelism ("cp kind":
-    each kind, with Mistral's sliding window, with tp and with pp)."""
-    from mpformer.testing.cli import run_cli
-
-    ckpt = tmp_path / "ckpt"
-    assert main(["hf-to-mpformer", "--hf", str(hf_dirs[name]), "--out", str(ckpt)]) == 0
-    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=torch.Generator().manual_seed(11))
-    np_path = tmp_path / "tokens.npy"
-    import numpy as np
-
-    np.save(np_path, tokens.numpy().astype(np.int64))
-    hf = T.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
-    with torch.no_grad():
-        ref = hf(input_ids=tokens, labels=tokens).loss.item()
-    args = ["tools/evaluate.py", f"checkpoint.load={ckpt}", f"eval.tokens={np_path}",
-            f"eval.micro_batch_size={2 if pp == 1 else 1}", f"parallel.tp={tp}", f"parallel.pp={pp}"]
-    if cp:
-        n, kind = cp.split()
-        args += [f"parallel.cp={n}", f"parallel.cp_kind={kind}", f"parallel.cp_ulysses={2 if kind == 'hybrid' else 1}"]
-    res = run_cli(args, torchrun=ranks, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    each kind, with Mistral's sliding window, with tp and with pp). Three cases go through the command
+    itself under torchrun (CLI_CASES), the others through its main() in spawned ranks."""
+    out = json.loads(evaluated["lines"][(name, ranks, tp, pp, cp)].strip().splitlines()[-1])
+    ref = evaluated["refs"][name]
     assert out["tokens"] == 3 * SEQ
     assert abs(out["loss"] - ref) <= RTOL * abs(ref), (out, ref)
