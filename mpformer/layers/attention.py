@@ -20,6 +20,8 @@ from torch import nn
 from mpformer.context_parallel.blockwise import local_attention, row_plans, rows_disjoint
 from mpformer.context_parallel.context import CPContext, SeqShard, compute_dtype
 from mpformer.context_parallel.context import attention as cp_attention
+from mpformer.context_parallel.dropout_tiles import dropout_attention
+from mpformer.core import attention_plan
 from mpformer.core.attention_plan import CAUSAL
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.sequence import Segment
@@ -97,40 +99,40 @@ def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
     """Causal attention without context parallelism; kv heads are shared by groups of n/k query heads
     (GQA, no copies). The whole sequence in order, the window (if any) not shorter than it: torch's
     SDPA, fused. Otherwise (documents, a window that cuts, a token slice's queries after its past
-    keys) the blocks of the attention plan on the fused kernel with its log-sum-exp (blockwise.py):
-    no [s, s] mask or score matrix. With dropout (the fused kernels with a log-sum-exp take none on
-    CPU): documents alone are one causal block per document, each query row in one block, so each
-    block is its own SDPA call; a window or a token slice with dropout is the one path left that
-    forms a dense mask."""
+    keys) the blocks of the attention plan on the fused kernel with its log-sum-exp (blockwise.py).
+    With attention dropout, which those fused kernels take only on CUDA without a mask: SDPA there for
+    a whole causal sequence, SDPA per block where every query row is in one block (documents), and
+    otherwise, as on every CPU path, the plan's blocks a tile at a time (dropout_tiles.py). No path
+    forms an [s, s] mask or score matrix but SDPA's own math kernel on at most TILE x TILE scores."""
     s_q, s_k = q_bnsd.shape[2], k_bksd.shape[2]
     gqa = q_bnsd.shape[1] != k_bksd.shape[1]
     q_segments = seq.segments if seq is not None else (Segment(0, s_q),)
     k_segments = seq.key_segments if seq is not None else (Segment(0, s_k),)
     doc_starts = seq.doc_starts if seq is not None else None
-    if doc_starts is None and s_q == s_k and (sliding_window is None or s_k <= sliding_window):
-        return _sdpa(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    plain = doc_starts is None and s_q == s_k and (sliding_window is None or s_k <= sliding_window)
     scale = q_bnsd.shape[-1] ** -0.5
     if dropout_p == 0:
+        if plain:
+            return _sdpa(q_bnsd, k_bksd, v_bksd, is_causal=True, enable_gqa=gqa)
         q = q_bnsd.to(compute_dtype(q_bnsd))
         return local_attention(q, k_bksd, v_bksd, q_segments, k_segments, doc_starts, sliding_window,
                                scale).to(q_bnsd.dtype)
+    cuda, small = q_bnsd.device.type == "cuda", s_q * s_k <= attention_plan.TILE ** 2
+    if plain and (cuda or small):
+        return _sdpa(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     groups = row_plans(q_bnsd.shape[0], q_segments, k_segments, doc_starts, sliding_window)
-    if all(rows_disjoint(blocks) for _, blocks in groups):
-        out = q_bnsd.new_zeros(q_bnsd.shape)
-        for rows_b, blocks in groups:
+    out = q_bnsd.new_zeros(q_bnsd.shape)
+    per_block = cuda and all(rows_disjoint(blocks) for _, blocks in groups)
+    for rows_b, blocks in groups:
+        q, k, v = q_bnsd[rows_b], k_bksd[rows_b], v_bksd[rows_b]
+        if per_block:  # each block is its rows' whole softmax: SDPA's fused kernel with dropout
             for blk in blocks:
-                out[rows_b, :, blk.q_rows] = _sdpa(
-                    q_bnsd[rows_b, :, blk.q_rows], k_bksd[rows_b, :, blk.k_rows], v_bksd[rows_b, :, blk.k_rows],
-                    dropout_p=dropout_p, is_causal=blk.kind == CAUSAL, enable_gqa=gqa)
-        return out
-    i = torch.arange(s_q, device=q_bnsd.device)[:, None] + (s_k - s_q)
-    j = torch.arange(s_k, device=q_bnsd.device)[None, :]
-    mask_ss = j <= i
-    if sliding_window is not None:
-        mask_ss = mask_ss & (i - j < sliding_window)
-    docs_bs = None if seq is None or seq.docs is None else seq.docs[:, :s_k]
-    mask = mask_ss if docs_bs is None else mask_ss & (docs_bs[:, None, -s_q:, None] == docs_bs[:, None, None, :])
-    return _sdpa(q_bnsd, k_bksd, v_bksd, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+                out[rows_b, :, blk.q_rows] = _sdpa(q[:, :, blk.q_rows], k[:, :, blk.k_rows], v[:, :, blk.k_rows],
+                                                   dropout_p=dropout_p, is_causal=blk.kind == CAUSAL,
+                                                   enable_gqa=gqa)
+        else:
+            out[rows_b] = dropout_attention(q, k, v, blocks, sliding_window, scale, dropout_p)
+    return out
 
 
 class Attention(nn.Module):
