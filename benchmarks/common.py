@@ -165,7 +165,10 @@ def environment() -> dict[str, Any]:
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` (plus nothing else) as indented JSON, creating parent folders."""
+    """Write ``payload`` as indented JSON, creating parent folders; with the environment (the CPU, the
+    commit, the command) added when the payload does not carry it, so every result file names them."""
+    if "environment" not in payload and "env" not in payload:
+        payload = {**payload, "environment": environment()}
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
