@@ -131,8 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--table needs --pp P --microbatches M")
         from mpformer.pipeline.compare import markdown, schedule_table
 
-        print(markdown(schedule_table(args.pp, args.microbatches, args.f, args.b, args.w, args.fb), args.pp,
-                       args.microbatches), end="")
+        rows = schedule_table(args.pp, args.microbatches, args.f, args.b, args.w, args.fb)
+        print(markdown(rows, args.pp, args.microbatches), end="")
+        if args.json:  # the table's rows, with the arguments that made them
+            Path(args.json).write_text(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "f": args.f,
+                                                   "b": args.b, "w": args.w, "fb": args.fb, "rows": rows},
+                                                  indent=1) + "\n")
         return 0
     if args.file:
         schedule = load_schedule(args.file)

@@ -1,0 +1,50 @@
+"""The README's computed tables as JSON: the schedules side by side and the auto-configurator's example.
+
+    python benchmarks/bench_readme_tables.py --out benchmarks/results     # a few seconds
+
+Neither is a measurement (the simulator and the cost model compute them), but each is a figure the
+README shows, so each has its file: ``schedule_table_pp4_m16.json`` (``tools/schedule.py --table --pp 4
+--microbatches 16``) and ``autoconfig_example_plan.json`` (the README's ``tools/autoconfig.py
+model=llama3-8b cluster=dgx-h100 autoconfig.nodes=4 ...`` with ``autoconfig.explain=true``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+AUTOCONFIG = ["model=llama3-8b", "cluster=dgx-h100", "autoconfig.nodes=4", "train.global_batch_size=512",
+              "train.seq_length=4096", "train.precision=bf16", "autoconfig.explain=true"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpformer.pipeline.compare import schedule_table
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    a = ap.parse_args(argv)
+    write_json(a.out / "schedule_table_pp4_m16.json", {"pp": 4, "microbatches": 16, "rows": schedule_table(4, 16)})
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = Path(tmp) / "plan.json"
+        cmd = [sys.executable, str(ROOT / "tools" / "autoconfig.py"), *AUTOCONFIG, f"autoconfig.output={plan}"]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"tools/autoconfig.py failed:\n{res.stderr[-2000:]}")
+        lines = [x for x in res.stdout.splitlines() if x.startswith(("the runner-up is", "the baseline is"))]
+        write_json(a.out / "autoconfig_example_plan.json", {"command": "tools/autoconfig.py " + " ".join(AUTOCONFIG),
+                                                            "explain_lines": lines,
+                                                            "plan": json.loads(plan.read_text())})
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
