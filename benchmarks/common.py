@@ -128,13 +128,15 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
-    """The commit the numbers were measured on, "+dirty" when the tree had uncommitted changes."""
+    """The commit the numbers were measured on, "+dirty" when the tree had uncommitted changes (to code:
+    results files written beside it do not count)."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
