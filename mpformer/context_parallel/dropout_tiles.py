@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from mpformer.context_parallel.fused import repeat_kv
 from mpformer.core.attention_plan import CAUSAL, FULL, Block
 
 NEG_INF = float("-inf")
@@ -78,17 +79,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, seen: torch.Tensor | None, scale: 
     return s if seen is None else s.masked_fill(~seen, NEG_INF)
 
 
-def _rep(t: torch.Tensor, heads: int) -> torch.Tensor:
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
 class DropoutTiles(torch.autograd.Function):
     """Attention of queries over keys by the plan's blocks, tile by tile, with attention dropout ``p``."""
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, window, scale, p, seed):
         acc = torch.promote_types(q.dtype, torch.float32)
-        qf, kf, vf = (_rep(t, q.shape[1]).to(acc) for t in (q, k, v))
+        qf, kf, vf = (repeat_kv(t, q.shape[1]).to(acc) for t in (q, k, v))
         out = torch.zeros(qf.shape, dtype=acc, device=q.device)
         lse = torch.full(qf.shape[:-1], NEG_INF, dtype=acc, device=q.device)
         for t in (x for b in blocks for x in _tiles(b, window)):
@@ -113,7 +110,7 @@ class DropoutTiles(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         blocks, window, scale, p, seed = ctx.meta
         acc, n = out.dtype, q.shape[1]
-        qf, kf, vf = (_rep(t, n).to(acc) for t in (q, k, v))
+        qf, kf, vf = (repeat_kv(t, n).to(acc) for t in (q, k, v))
         do = dout.to(acc)
         delta = (do * out).sum(-1)
         dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)

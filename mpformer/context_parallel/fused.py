@@ -49,7 +49,8 @@ def _mask(q: torch.Tensor, block: Block, window: int | None) -> torch.Tensor | N
     return block_mask(block.q_pos - block.k_pos, block.q_len, block.k_len, window, q.dtype, q.device)
 
 
-def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv heads ``[b, k, s, d]`` repeated to ``heads`` (each query head's own), for kernels without GQA."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
@@ -74,7 +75,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Bloc
         n = q.shape[1]
         bias = None if mask is None else mask.expand(q.shape[0], n, -1, -1)
         out, lse = _aten._scaled_dot_product_efficient_attention(
-            q, _repeat_kv(k, n), _repeat_kv(v, n), bias, True, 0.0, causal, scale=scale)[:2]
+            q, repeat_kv(k, n), repeat_kv(v, n), bias, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., :q.shape[2]]
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse
@@ -93,7 +94,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                 dout, q, k, v, out, lse.contiguous(), None, None, sq, k.shape[2], 0.0, causal, empty, empty,
                 scale=scale)
         bias = None if mask is None else mask.expand(b, n, -1, -1)
-        kr, vr = _repeat_kv(k, n), _repeat_kv(v, n)
+        kr, vr = repeat_kv(k, n), repeat_kv(v, n)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
             dout, q, kr, vr, bias, out, _padded_lse(lse.contiguous()), empty, empty, 0.0, [True, True, True, False],
             causal, scale=scale)

@@ -29,7 +29,6 @@ from mpformer.core.shards import Shard
 from mpformer.layers.linear import Linear, WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike
-from mpformer.parallel.kernels import cpu_attention
 from mpformer.parallel.tensor_parallel import Part, TPContext
 
 
@@ -84,13 +83,14 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """torch's SDPA, on CPU with contiguous inputs (the kernel runs ~1.4x slower on the permuted
     views of the qkv projection: 30 against 21 ms fwd+bwd at b4 n8/4 s256 d32) and 16-bit cores in
-    fp32 where the start-up probe found that faster (parallel/kernels.py)."""
+    the run's kernel choice's dtype (context.compute_dtype: fp32 where the probe found that faster)."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, **kw)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if q.dtype in (torch.bfloat16, torch.float16) and cpu_attention(q.dtype).upcast:
+    dtype = compute_dtype(q)
+    if dtype != q.dtype:
         with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs straight back
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+            return F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), **kw).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
@@ -121,8 +121,10 @@ def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
     if plain and (cuda or small):
         return _sdpa(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     groups = row_plans(q_bnsd.shape[0], q_segments, k_segments, doc_starts, sliding_window)
-    out = q_bnsd.new_zeros(q_bnsd.shape)
     per_block = cuda and all(rows_disjoint(blocks) for _, blocks in groups)
+    if len(groups) == 1 and not per_block:  # every row one plan: the tiles' output is the whole
+        return dropout_attention(q_bnsd, k_bksd, v_bksd, groups[0][1], sliding_window, scale, dropout_p)
+    out = q_bnsd.new_zeros(q_bnsd.shape)
     for rows_b, blocks in groups:
         q, k, v = q_bnsd[rows_b], k_bksd[rows_b], v_bksd[rows_b]
         if per_block:  # each block is its rows' whole softmax: SDPA's fused kernel with dropout
