@@ -94,6 +94,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tens
     return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
+def fused_dropout(device: torch.device) -> bool:
+    """Whether SDPA on ``device`` has a fused kernel that takes dropout (CUDA's flash and efficient
+    kernels do; the CPU's flash kernel does not, and SDPA falls back to its math kernel there)."""
+    return device.type == "cuda"
+
+
 def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, *,
                    dropout_p: float, sliding_window: int | None, seq: SeqShard | None = None) -> torch.Tensor:
     """Causal attention without context parallelism; kv heads are shared by groups of n/k query heads
@@ -117,11 +123,11 @@ def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
         q = q_bnsd.to(compute_dtype(q_bnsd))
         return local_attention(q, k_bksd, v_bksd, q_segments, k_segments, doc_starts, sliding_window,
                                scale).to(q_bnsd.dtype)
-    cuda, small = q_bnsd.device.type == "cuda", s_q * s_k <= attention_plan.TILE ** 2
-    if plain and (cuda or small):
+    fused, small = fused_dropout(q_bnsd.device), s_q * s_k <= attention_plan.TILE ** 2
+    if plain and (fused or small):
         return _sdpa(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     groups = row_plans(q_bnsd.shape[0], q_segments, k_segments, doc_starts, sliding_window)
-    per_block = cuda and all(rows_disjoint(blocks) for _, blocks in groups)
+    per_block = fused and all(rows_disjoint(blocks) for _, blocks in groups)
     if len(groups) == 1 and not per_block:  # every row one plan: the tiles' output is the whole
         return dropout_attention(q_bnsd, k_bksd, v_bksd, groups[0][1], sliding_window, scale, dropout_p)
     out = q_bnsd.new_zeros(q_bnsd.shape)
