@@ -5,7 +5,7 @@
 Each configuration trains a small Llama (h=256, 4 layers, ffn 704, 8/4 heads, vocab 8192; 256-token
 sequences) for ``--steps`` steps on gloo ranks through the real trainer, in fresh processes. Per rank,
 torch.profiler's memory events (``profile_memory=True``) are summed from the start of
-Trainer.__init__ to the end of training (mpformer/testing/memory.py ``train_measured``): the live CPU
+build_run to the end of training (mpformer/testing/memory.py ``train_measured``): the live CPU
 tensor bytes at every allocation and free. From them:
 
 * set-up peak: the largest sum until training starts (model built, engine filled, optimizer state

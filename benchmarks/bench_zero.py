@@ -10,7 +10,7 @@ alike). Per layout and rank:
 * model-state bytes counted from the tensors the optimizer holds (memory.json), next to
   docs/formulas.md's ZeRO table for fp32 (w = g = 4, no separate masters, k = 8 for Adam's m and v;
   tp=4: the stage-0 figure over 4);
-* set-up peak of live tensor bytes, from the start of Trainer.__init__ until training starts
+* set-up peak of live tensor bytes, from the start of build_run (training/build.py) until training starts
   (optimizer state created): every allocation and free of c10's CPU allocator, as torch.profiler's
   memory profiling reports them (``profile_memory``), summed in order, and its maximum. It counts
   every tensor byte the set-up allocates, touched or not, and nothing else (no interpreter, no gloo
@@ -93,15 +93,16 @@ def _worker(args: argparse.Namespace, data: str, run_dir: str, layout: dict) -> 
     base = {**model, "data.paths": f"[{data}]", "train.seq_length": args.seq, "train.steps": args.steps,
             "train.global_batch_size": 4 * args.micro_batch, "train.micro_batch_size": args.micro_batch,
             "train.device": "cpu", "optim.warmup_steps": 0, "logging.progress": False, "train.threads": 1}
+    import mpformer.training.build as build_module
     import mpformer.training.trainer as trainer_module
 
     marks: dict[str, int] = {"before": _vm("VmRSS")}
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    report, init = trainer_module.memory_report, trainer_module.Trainer.__init__
+    report, build = trainer_module.memory_report, build_module.build_run
 
-    def init_profiled(self, *a, **kw) -> None:  # instrumentation: set-up starts with the trainer
+    def build_profiled(*a, **kw):  # instrumentation: set-up starts with the run's parts
         prof.start()
-        init(self, *a, **kw)
+        return build(*a, **kw)
 
     def report_then_mark(*a, **kw) -> None:  # ... and ends once the model state is complete
         report(*a, **kw)  # creates the optimizer state the first step would
@@ -112,7 +113,7 @@ def _worker(args: argparse.Namespace, data: str, run_dir: str, layout: dict) -> 
         marks["start"] = _vm("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak) to the current RSS
 
-    trainer_module.Trainer.__init__, trainer_module.memory_report = init_profiled, report_then_mark
+    build_module.build_run, trainer_module.memory_report = build_profiled, report_then_mark
     train(overrides(base, Path(run_dir), **layout))
     out = {"rank": dist.get_rank(), "peak_rss": _vm("VmHWM"), "rss_before": marks["before"],
            "rss_start": marks["start"], "setup_peak": marks["setup_peak"], "setup_tensors": marks["setup_tensors"]}

@@ -252,9 +252,7 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     from mpformer.models.parallelize import build_rank
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
-    from mpformer.pipeline.engine import PipelineEngine
-    from mpformer.pipeline.p2p import P2P
-    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.build import build_pipeline
 
     world, rank, device, t_build = dist.get_world_size(), dist.get_rank(), Device("cpu"), time.perf_counter()
     cfg, (x, y) = ModelConfig(**REFERENCE), _reference_tokens()
@@ -265,11 +263,10 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
         groups = ProcessGroups.build(layout, device)
         part = build_rank(cfg, layout, groups, seq_length=REFERENCE_SEQ, seed=1)
         model, plan = part.model, part.plan
-        boundary = (layout.local_positions(REFERENCE_SEQ), 1, cfg.hidden_size)
-        p2p = P2P(groups.pp, groups.ledger, boundary, torch.float32, device.torch_device) if layout.pp > 1 else None
         micro = 2 * world // layout.dp
-        schedule = build_schedule(layout.schedule, layout.pp, micro, 1)
-        runs[name] = (model, PipelineEngine(model, plan, schedule, p2p, store=part.store), [(x, y)] * micro)
+        engine = build_pipeline(model, plan, layout, groups, micro_batches=micro, seq_length=REFERENCE_SEQ,
+                                micro_batch_size=1, dtype=torch.float32, store=part.store)
+        runs[name] = (model, engine, [(x, y)] * micro)
         ledgers[name] = groups.ledger
     shared: dict[int, list[float]] = {k: [] for k in ks}
     layouts: dict[str, list[float]] = {name: [] for name in runs}

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from mpformer.checkpoint.io import load_checkpoint
+    from mpformer.core.model_options import ModelOptions
     from mpformer.models.parallelize import build_rank
     from mpformer.parallel.device import resolve_device
     from mpformer.parallel.groups import ProcessGroups
@@ -57,9 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(device, cfg.train.dist_timeout_s)
     try:
         groups = ProcessGroups.build(layout, device)
-        rank = build_rank(model_cfg, layout, groups, seq_length=tokens.shape[1] - 1, seed=0, document_eos=eos,
-                          fused_cross_entropy=cfg.train.fused_cross_entropy,
-                          cross_entropy_chunk=cfg.train.cross_entropy_chunk)
+        options = ModelOptions.for_run(layout, cfg.train, eos)
+        rank = build_rank(model_cfg, layout, groups, options, seq_length=tokens.shape[1] - 1, seed=0)
         model, plan = rank.model.eval(), rank.plan if layout.pp > 1 else None
         load_checkpoint(manifest.path, model)
         if plan is None:

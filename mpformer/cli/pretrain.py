@@ -31,6 +31,7 @@ def run_pretraining(composed: Composed) -> list[float]:
     from mpformer.parallel.groups import ProcessGroups
     from mpformer.parallel.launch import broadcast_str, init_distributed, shutdown
     from mpformer.parallel.watchdog import Heartbeat
+    from mpformer.training.build import build_run
     from mpformer.training.trainer import Trainer
 
     device = resolve_device(cfg.train.device)
@@ -56,7 +57,7 @@ def run_pretraining(composed: Composed) -> list[float]:
                 (run_dir / "autoconfig.json").write_text(json.dumps(prediction.to_dict(), indent=1))
                 print(prediction.summary(), flush=True)
         t0 = time.perf_counter()
-        trainer = Trainer(spec, groups)
+        trainer = Trainer(build_run(spec, groups))
         if heartbeat is not None:
             trainer.on_phase = heartbeat.set_phase
         losses = trainer.fit()

@@ -21,9 +21,7 @@ the same starts run together, each different one by itself.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,7 @@ from mpformer.context_parallel.fused import block_backward as fused_backward
 from mpformer.context_parallel.fused import block_forward as fused_forward
 from mpformer.core.attention_plan import Block, DocStarts, plan
 from mpformer.core.sequence import Segments
+from mpformer.parallel.device import no_autocast
 
 NEG_INF = float("-inf")
 Docs = tuple[DocStarts, ...] | None  # per batch row (None: no document mask)
@@ -55,6 +54,7 @@ class QueryPart:
     docs: Docs
     window: int | None
     scale: float
+    dropout: float = 0.0  # CUDA's fused kernels only (fused.py); each block call draws its own mask
 
 
 @functools.lru_cache(maxsize=256)
@@ -86,12 +86,6 @@ def row_plans(batch: int, q_segments: Segments, k_segments: Segments, docs: Docs
     return out
 
 
-def rows_disjoint(blocks: tuple[Block, ...]) -> bool:
-    """Whether every query row is in at most one block (then a block's softmax is the row's: no merge)."""
-    rows = sorted((b.q_row, b.q_row + b.q_len) for b in blocks)
-    return all(a[1] <= b[0] for a, b in itertools.pairwise(rows))
-
-
 def _row_groups(qp: QueryPart, kv: KVBlock) -> list[tuple[slice, tuple[Block, ...]]]:
     return row_plans(qp.q.shape[0], qp.segments, kv.segments, qp.docs, qp.window)
 
@@ -114,13 +108,15 @@ class Accumulator:
     def __init__(self, q: torch.Tensor) -> None:
         self.out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
         self.lse = torch.full(q.shape[:-1], NEG_INF, dtype=acc_dtype(q), device=q.device)
+        self.rng: list = []  # with dropout: each block call's kernel state, in call order, for the backward
 
     def add(self, qp: QueryPart, kv: KVBlock) -> None:
         for rows_b, blocks in _row_groups(qp, kv):
             q, k, v = _rows(qp, kv, rows_b)
             for blk in blocks:
-                out_b, lse_b = fused_forward(q[:, :, blk.q_rows], k[:, :, blk.k_rows], v[:, :, blk.k_rows], blk,
-                                             qp.window, qp.scale)
+                out_b, lse_b, rng = fused_forward(q[:, :, blk.q_rows], k[:, :, blk.k_rows], v[:, :, blk.k_rows],
+                                                  blk, qp.window, qp.scale, qp.dropout)
+                self.rng.append(rng)
                 self._merge(rows_b, blk.q_rows, out_b, lse_b.to(self.lse.dtype))
 
     def _merge(self, rows_b: slice, rows: slice, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
@@ -141,10 +137,11 @@ class Saved:
     out: torch.Tensor
     lse: torch.Tensor
     dout: torch.Tensor
+    rng: list | None = None  # the forward's block calls' dropout states, in call order (Accumulator.rng)
 
     @classmethod
-    def of(cls, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor) -> Saved:
-        return cls(out, lse, dout.to(out.dtype).contiguous())
+    def of(cls, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, rng: list | None = None) -> Saved:
+        return cls(out, lse, dout.to(out.dtype).contiguous(), rng)
 
 
 def block_backward(qp: QueryPart, kv: KVBlock, saved: Saved, dq: torch.Tensor
@@ -152,23 +149,18 @@ def block_backward(qp: QueryPart, kv: KVBlock, saved: Saved, dq: torch.Tensor
     """Adds this key block's query gradients into ``dq`` (fp32); returns its (dk, dv) in fp32."""
     dk = torch.zeros(kv.k.shape, dtype=dq.dtype, device=kv.k.device)
     dv = torch.zeros_like(dk)
+    rngs = iter(saved.rng or ())
     for rows_b, blocks in _row_groups(qp, kv):
         q, k, v = _rows(qp, kv, rows_b)
         out, lse, dout = saved.out[rows_b], saved.lse[rows_b], saved.dout[rows_b]
         for blk in blocks:
             qr, kr = blk.q_rows, blk.k_rows
             dq_b, dk_b, dv_b = fused_backward(dout[:, :, qr], q[:, :, qr], k[:, :, kr], v[:, :, kr], out[:, :, qr],
-                                              lse[:, :, qr], blk, qp.window, qp.scale)
+                                              lse[:, :, qr], blk, qp.window, qp.scale, qp.dropout, next(rngs, None))
             dq[rows_b, :, qr] += dq_b
             dk[rows_b, :, kr] += dk_b
             dv[rows_b, :, kr] += dv_b
     return dk, dv
-
-
-def no_autocast(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Autocast off on ``t``'s device: the kernels take their inputs' dtype as it is (16-bit, or cast to
-    fp32 by the caller's kernel choice), and autocast would recast them."""
-    return torch.autocast(t.device.type, enabled=False)
 
 
 class BlockAttention(torch.autograd.Function):
@@ -177,30 +169,33 @@ class BlockAttention(torch.autograd.Function):
     statistics, never a score matrix."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_segments, k_segments, docs, window, scale):
-        qp = QueryPart(q, q_segments, docs, window, scale)
+    def forward(ctx, q, k, v, q_segments, k_segments, docs, window, scale, dropout):
+        qp = QueryPart(q, q_segments, docs, window, scale, dropout)
         acc = Accumulator(q)
         with no_autocast(q):
             acc.add(qp, KVBlock(k, v, k_segments))
         out = acc.result(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.meta = (q_segments, k_segments, docs, window, scale)
+        ctx.meta = (q_segments, k_segments, docs, window, scale, dropout)
+        ctx.rng = acc.rng
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        q_segments, k_segments, docs, window, scale = ctx.meta
-        qp = QueryPart(q, q_segments, docs, window, scale)
+        q_segments, k_segments, docs, window, scale, dropout = ctx.meta
+        qp = QueryPart(q, q_segments, docs, window, scale, dropout)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
         with no_autocast(q):
-            dk, dv = block_backward(qp, KVBlock(k, v, k_segments), Saved.of(out, lse, dout), dq)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+            dk, dv = block_backward(qp, KVBlock(k, v, k_segments), Saved.of(out, lse, dout, ctx.rng), dq)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 @torch.compiler.disable
 def local_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, q_segments: Segments,
-                    k_segments: Segments, docs: Docs, window: int | None, scale: float) -> torch.Tensor:
+                    k_segments: Segments, docs: Docs, window: int | None, scale: float,
+                    dropout: float = 0.0) -> torch.Tensor:
     """Queries at ``q_segments`` against keys at ``k_segments``, all on this rank; ``[b, n, q, d]``.
-    Opaque to torch.compile, as context.attention."""
-    return BlockAttention.apply(q_bnsd, k_bksd, v_bksd, q_segments, k_segments, docs, window, scale)
+    ``dropout``: on CUDA's fused kernels only (the CPU's: dropout_tiles.py). Opaque to torch.compile, as
+    context.attention."""
+    return BlockAttention.apply(q_bnsd, k_bksd, v_bksd, q_segments, k_segments, docs, window, scale, dropout)

@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from mpformer.context_parallel.blockwise import Docs, doc_starts, local_attention, segment_index
+from mpformer.context_parallel.fused import causal_attention
 from mpformer.context_parallel.ring import Ring, ring_attention
 from mpformer.context_parallel.token_slices import KVSlices
 from mpformer.core.sequence import Segment, Segments, concat, merge, rank_segments
 from mpformer.parallel.comm import Comm, all_gather_seq, all_to_all
+from mpformer.parallel.device import kernel_device, no_autocast
 from mpformer.parallel.kernels import cpu_attention
 
 
@@ -149,11 +151,14 @@ def _ulysses(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, c
     dtype, q = q.dtype, q.to(compute_dtype(q))
     if cp.kind == "ulysses":
         assert ordered == (Segment(0, seq.total),)
-        if seq.doc_starts is None and window is None:  # the whole sequence in order: torch's fused kernel
+        if seq.doc_starts is None and window is None:  # the whole sequence in order: one fused kernel
             k, v = k.to(q.dtype), v.to(q.dtype)
-            with torch.autocast(q.device.type, enabled=False):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                     enable_gqa=q.shape[1] != k.shape[1])
+            with no_autocast(q):
+                if kernel_device(q) == "cuda":  # the kernel fused.attention_kernel picks (GQA: never math)
+                    out = causal_attention(q, k, v, scale=scale)
+                else:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                         enable_gqa=q.shape[1] != k.shape[1])
         else:
             out = local_attention(q, k, v, ordered, ordered, seq.doc_starts, window, scale)
     else:

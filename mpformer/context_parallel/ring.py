@@ -28,10 +28,10 @@ from mpformer.context_parallel.blockwise import (
     Saved,
     acc_dtype,
     block_backward,
-    no_autocast,
 )
 from mpformer.core.sequence import Segments
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.device import no_autocast
 
 _KV_TAG, _DKV_TAG = 17, 18  # distinct tags: a K/V hop and a dK/dV hop may be in flight together
 

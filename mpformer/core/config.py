@@ -211,6 +211,16 @@ class AutoconfigConfig:
 
 
 @dataclass
+class RehearseConfig:
+    """mpformer-rehearse (rehearsal/): which GPU, which ranks, how many steps, where the JSON goes."""
+
+    device: str = "h100-80gb"  # one of rehearsal/devices.py's presets
+    ranks: list[int] | None = None  # None: one rank of each distinct shape (every stage, first and last tp/cp rank)
+    steps: int = 1
+    json: str | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -221,6 +231,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     autoconfig: AutoconfigConfig = field(default_factory=AutoconfigConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:

@@ -19,10 +19,28 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-Batches = list[torch.Tensor]
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """A micro-batch's token ids ``[b, seq + 1]`` and, under document masks, each row's document starts
+    in its inputs (host integers, found here on the host copy: on a GPU, finding them from the device's
+    tokens would wait for it every micro-batch)."""
+
+    tokens: torch.Tensor
+    doc_starts: tuple[tuple[int, ...], ...] | None = None
+
+    def pin_memory(self) -> MicroBatch:
+        return MicroBatch(self.tokens.pin_memory(), self.doc_starts)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
+        return MicroBatch(self.tokens.to(device, non_blocking=non_blocking), self.doc_starts)
+
+
+Batches = list[torch.Tensor] | list[MicroBatch]  # a read's result: plain tensors, or micro-batches with their starts
 
 
 class StepLoader:

@@ -17,18 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpformer.context_parallel.blockwise import local_attention, row_plans, rows_disjoint
+from mpformer.context_parallel.blockwise import local_attention, row_plans
 from mpformer.context_parallel.context import CPContext, SeqShard, compute_dtype
 from mpformer.context_parallel.context import attention as cp_attention
 from mpformer.context_parallel.dropout_tiles import dropout_attention
+from mpformer.context_parallel.fused import causal_attention
 from mpformer.core import attention_plan
-from mpformer.core.attention_plan import CAUSAL
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.linear import Linear, WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
-from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.device import DeviceLike, kernel_device
 from mpformer.parallel.tensor_parallel import Part, TPContext
 
 
@@ -81,11 +81,11 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
-    """torch's SDPA, on CPU with contiguous inputs (the kernel runs ~1.4x slower on the permuted
-    views of the qkv projection: 30 against 21 ms fwd+bwd at b4 n8/4 s256 d32) and 16-bit cores in
-    the run's kernel choice's dtype (context.compute_dtype: fp32 where the probe found that faster)."""
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, **kw)
+    """torch's SDPA on CPU (its flash kernel; math with dropout), with contiguous inputs (the kernel runs
+    ~1.4x slower on the permuted views of the qkv projection: 30 against 21 ms fwd+bwd at b4 n8/4 s256
+    d32) and 16-bit cores in the run's kernel choice's dtype (context.compute_dtype: fp32 where the probe
+    found that faster). A GPU never calls it: its kernels are chosen by fused.attention_kernel."""
+    assert kernel_device(q) == "cpu", "CUDA attention runs fused.causal_attention or the plan's blocks"
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dtype = compute_dtype(q)
     if dtype != q.dtype:
@@ -94,22 +94,16 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tens
     return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
-def fused_dropout(device: torch.device) -> bool:
-    """Whether SDPA on ``device`` has a fused kernel that takes dropout (CUDA's flash and efficient
-    kernels do; the CPU's flash kernel does not, and SDPA falls back to its math kernel there)."""
-    return device.type == "cuda"
-
-
 def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, *,
                    dropout_p: float, sliding_window: int | None, seq: SeqShard | None = None) -> torch.Tensor:
     """Causal attention without context parallelism; kv heads are shared by groups of n/k query heads
-    (GQA, no copies). The whole sequence in order, the window (if any) not shorter than it: torch's
-    SDPA, fused. Otherwise (documents, a window that cuts, a token slice's queries after its past
-    keys) the blocks of the attention plan on the fused kernel with its log-sum-exp (blockwise.py).
-    With attention dropout, which those fused kernels take only on CUDA without a mask: SDPA there for
-    a whole causal sequence, SDPA per block where every query row is in one block (documents), and
-    otherwise, as on every CPU path, the plan's blocks a tile at a time (dropout_tiles.py). No path
-    forms an [s, s] mask or score matrix but SDPA's own math kernel on at most TILE x TILE scores."""
+    (GQA, no copies). The whole sequence in order, the window (if any) not shorter than it: one fused
+    kernel (CUDA: fused.causal_attention, the kernel fused.attention_kernel picks; CPU: torch's SDPA).
+    Otherwise (documents, a window that cuts, a token slice's queries after its past keys) the blocks
+    of the attention plan on the fused kernel with its log-sum-exp (blockwise.py). Attention dropout:
+    CUDA's fused kernels take it, on either path; on a CPU, whose flash kernel does not, SDPA's math
+    kernel for at most a tile of scores, else the plan's blocks a tile at a time (dropout_tiles.py). No
+    path forms an [s, s] mask or score matrix."""
     s_q, s_k = q_bnsd.shape[2], k_bksd.shape[2]
     gqa = q_bnsd.shape[1] != k_bksd.shape[1]
     q_segments = seq.segments if seq is not None else (Segment(0, s_q),)
@@ -117,29 +111,26 @@ def attention_core(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
     doc_starts = seq.doc_starts if seq is not None else None
     plain = doc_starts is None and s_q == s_k and (sliding_window is None or s_k <= sliding_window)
     scale = q_bnsd.shape[-1] ** -0.5
+    if kernel_device(q_bnsd) == "cuda":
+        if plain:
+            return causal_attention(q_bnsd, k_bksd, v_bksd, dropout=dropout_p, scale=scale)
+        return local_attention(q_bnsd, k_bksd, v_bksd, q_segments, k_segments, doc_starts, sliding_window, scale,
+                               dropout_p)
     if dropout_p == 0:
         if plain:
             return _sdpa(q_bnsd, k_bksd, v_bksd, is_causal=True, enable_gqa=gqa)
         q = q_bnsd.to(compute_dtype(q_bnsd))
         return local_attention(q, k_bksd, v_bksd, q_segments, k_segments, doc_starts, sliding_window,
                                scale).to(q_bnsd.dtype)
-    fused, small = fused_dropout(q_bnsd.device), s_q * s_k <= attention_plan.TILE ** 2
-    if plain and (fused or small):
+    if plain and s_q * s_k <= attention_plan.TILE ** 2:
         return _sdpa(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     groups = row_plans(q_bnsd.shape[0], q_segments, k_segments, doc_starts, sliding_window)
-    per_block = fused and all(rows_disjoint(blocks) for _, blocks in groups)
-    if len(groups) == 1 and not per_block:  # every row one plan: the tiles' output is the whole
+    if len(groups) == 1:  # every row one plan: the tiles' output is the whole
         return dropout_attention(q_bnsd, k_bksd, v_bksd, groups[0][1], sliding_window, scale, dropout_p)
     out = q_bnsd.new_zeros(q_bnsd.shape)
     for rows_b, blocks in groups:
-        q, k, v = q_bnsd[rows_b], k_bksd[rows_b], v_bksd[rows_b]
-        if per_block:  # each block is its rows' whole softmax: SDPA's fused kernel with dropout
-            for blk in blocks:
-                out[rows_b, :, blk.q_rows] = _sdpa(q[:, :, blk.q_rows], k[:, :, blk.k_rows], v[:, :, blk.k_rows],
-                                                   dropout_p=dropout_p, is_causal=blk.kind == CAUSAL,
-                                                   enable_gqa=gqa)
-        else:
-            out[rows_b] = dropout_attention(q, k, v, blocks, sliding_window, scale, dropout_p)
+        out[rows_b] = dropout_attention(q_bnsd[rows_b], k_bksd[rows_b], v_bksd[rows_b], blocks, sliding_window,
+                                        scale, dropout_p)
     return out
 
 

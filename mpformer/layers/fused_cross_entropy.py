@@ -50,15 +50,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mpformer.core.model_options import DEFAULT_CHUNK
 from mpformer.layers.linear import WeightGradStore, _accumulate
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.device import autocast_dtype, no_autocast
 from mpformer.parallel.kernels import cpu_kernels
 
-# Tokens per chunk, measured (benchmarks/bench_cross_entropy.py, 2048 tokens, h 512, v 32000, CPU):
-# 1024 took the least CPU time in fp32 (256: +14%, 512: +5%, 2048: +3%) and was within 3% of the
-# best in bf16; a chunk's transient grows linearly with it (fp32 logits, and under bf16 their
-# 16-bit original and the 16-bit gradient: 4-8 bytes x v a token, 125-250 MiB at 1024 x 32000).
-DEFAULT_CHUNK = 1024
+# DEFAULT_CHUNK tokens per chunk (core/model_options.py), measured (benchmarks/bench_cross_entropy.py,
+# 2048 tokens, h 512, v 32000, CPU): 1024 took the least CPU time in fp32 (256: +14%, 512: +5%, 2048:
+# +3%) and was within 3% of the best in bf16; a chunk's transient grows linearly with it (fp32 logits,
+# and under bf16 their 16-bit original and the 16-bit gradient: 4-8 bytes x v a token, 125-250 MiB at
+# 1024 x 32000).
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -229,13 +231,12 @@ def fused_linear_cross_entropy(x_nh: torch.Tensor, weight_vh: torch.Tensor, labe
     (``weight_vh`` must then be a leaf). GEMMs run in the autocast dtype when autocast is on."""
     if chunk < 1:
         raise ValueError(f"cross entropy chunk={chunk} must be >= 1")
-    dev = x_nh.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_nh.dtype
+    dtype = autocast_dtype(x_nh) or x_nh.dtype
     sp = _Spec(comm if comm is not None and comm.size > 1 else None, start,
                weight_vh.shape[0] if valid is None else valid, chunk, dtype, store)
     grad = torch.is_grad_enabled()
     want_x, want_w = grad and x_nh.requires_grad, grad and weight_vh.requires_grad
-    with torch.autocast(dev, enabled=False):
+    with no_autocast(x_nh):
         if not (want_x or want_w):  # no_grad or frozen: the loss alone, no Function, no buffers
             return _forward(x_nh, weight_vh, labels_n, sp, False, False)[0]
         return _FusedLinearCrossEntropy.apply(x_nh, weight_vh, labels_n, sp, want_x, want_w)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.parallel.device import autocast_dtype, no_autocast
 from mpformer.parallel.kernels import cpu_kernels
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -202,8 +203,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if store is not None or sink is not None:
         assert store is None or sink is None, "a deferred weight gradient has no ZeRO-3 unit buffer to go to"
         assert bias is None or grad_sink(bias) is sink, "a weight and its bias go to the same sink"
-        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-        with torch.autocast(x.device.type, enabled=False):
+        dt = autocast_dtype(x)
+        with no_autocast(x):
             return _SplitLinear.apply(x, weight, bias, store, sink, dt)
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dt = torch.get_autocast_dtype("cpu")

@@ -25,14 +25,15 @@ from torch import nn
 from mpformer.core.shards import Shard
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.parallel.comm import all_gather_seq, copy_to_region, reduce_from_region, reduce_scatter_seq
+from mpformer.parallel.device import autocast_dtype
 from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext, vocab_block
 
 
 def gather_input(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """Enter a tensor-parallel region: all-gather the sequence (SP) or mark the identity copy. Under
     autocast the input is cast first, so the collective (and its backward dual) moves 16-bit data."""
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+    if (dt := autocast_dtype(x)) is not None:
+        x = x.to(dt)
     return all_gather_seq(x, tp.comm) if tp.sequence_parallel else copy_to_region(x, tp.comm)
 
 

@@ -72,6 +72,8 @@ class ModelInit:
         """Write the block of ``name`` (a tensor of ``global_shape``) that starts at ``offsets`` and has
         ``out``'s shape into ``out`` (any dtype: drawn in fp32, then cast)."""
         assert out.dim() == len(global_shape) <= 2, (name, tuple(out.shape), tuple(global_shape))
+        if out.is_meta:  # a rehearsal's data-free tensor: nothing to draw
+            return
         std = self.std(name)
         if std is None:
             out.fill_(0.0 if name.endswith(".bias") else 1.0)
@@ -106,12 +108,13 @@ def init_weights(model: nn.Module, init: ModelInit) -> None:
 
 def materialise_buffers(model: nn.Module, device: DeviceLike) -> None:
     """The non-parameter buffers of a meta-built module, re-created on ``device`` (each module that
-    holds one computes it in ``reset_buffers``); none may be left on meta."""
+    holds one computes it in ``reset_buffers``); none may be left on meta unless ``device`` is meta (a
+    rehearsal)."""
     for m in model.modules():
         reset = getattr(m, "reset_buffers", None)
         if reset is not None:
             reset(device)
-    left = [n for n, b in model.named_buffers() if b.is_meta]
+    left = [n for n, b in model.named_buffers() if b.is_meta and torch.device(device).type != "meta"]
     assert not left, f"buffers left on the meta device (give their module a reset_buffers): {left}"
 
 

@@ -21,7 +21,7 @@ shard alone).
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -29,8 +29,8 @@ from torch import nn
 from mpformer.context_parallel.context import CPContext
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import DEFAULT_OPTIONS, ModelOptions
 from mpformer.core.pipeline_plan import StagePlan, stage_plan
-from mpformer.layers.fused_cross_entropy import DEFAULT_CHUNK
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from mpformer.models.init import ModelInit, materialise, materialise_buffers
@@ -85,24 +85,18 @@ def grad_specs(model: nn.Module) -> list[GradSpec]:
     return specs
 
 
-def build_model(cfg: ModelConfig, *, tp: TPContext | None, device: torch.device, seed: int,
-                recompute: str = "none", recompute_layers: int | None = None, use_apex: bool = False,
-                stage: StagePlan | None = None, store: WeightGradStore | None = None, cp: CPContext | None = None,
-                document_eos: int | None = None, fused_cross_entropy: bool = True,
-                cross_entropy_chunk: int = DEFAULT_CHUNK, deferred: bool = False) -> nn.Module:
+def build_model(cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS, *, tp: TPContext | None,
+                device: torch.device, seed: int, stage: StagePlan | None = None, store: WeightGradStore | None = None,
+                cp: CPContext | None = None, deferred: bool = False) -> nn.Module:
     """The model for this rank: its pipeline stage's layers, embedding and head (``stage``), its
     tensor-parallel blocks (``tp``), built on the meta device and then allocated and initialised
     block by block (only this rank's blocks are ever drawn) with the single-device model's values;
-    ``store`` for a zero-bubble pipeline's split backward; ``fused_cross_entropy`` /
-    ``cross_entropy_chunk``: the head's loss (Transformer). ``deferred``: the parameters stay on the
-    meta device (the buffers are real) for the gradient engine to place and fill with
-    ``ModelInit(cfg, seed)``; such a model runs nothing before that."""
-    part = {} if stage is None else {"layer_ids": stage.layer_ids, "embedding": stage.has_embedding,
-                                     "head": stage.has_head}
+    ``store`` for a zero-bubble pipeline's split backward; ``options``: how it is built
+    (core/model_options.py). ``deferred``: the parameters stay on the meta device (the buffers are
+    real) for the gradient engine to place and fill with ``ModelInit(cfg, seed)``; such a model runs
+    nothing before that."""
     tp = tp if tp is not None and tp.size > 1 else None
-    model = Transformer(cfg, recompute=recompute, recompute_layers=recompute_layers, use_apex=use_apex, tp=tp, cp=cp,
-                        store=store, document_eos=document_eos, device="meta", seed=None,
-                        fused_cross_entropy=fused_cross_entropy, cross_entropy_chunk=cross_entropy_chunk, **part)
+    model = Transformer(cfg, options, tp=tp, cp=cp, store=store, stage=stage, device="meta", seed=None)
     if tp is not None:
         check_tp_plan(model, tp)
     if deferred:
@@ -138,18 +132,18 @@ def cp_context(layout: ParallelLayout, groups: ProcessGroups) -> CPContext | Non
                      ring=comm if layout.cp_kind == "ring" else None)
 
 
-def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups, *, seq_length: int, seed: int = 0,
-               use_apex: bool = False, document_eos: int | None = None, fused_cross_entropy: bool = True,
-               cross_entropy_chunk: int = DEFAULT_CHUNK, deferred: bool = False) -> RankModel:
+def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups,
+               options: ModelOptions = DEFAULT_OPTIONS, *, seq_length: int, seed: int = 0,
+               deferred: bool = False) -> RankModel:
     """This rank's part of the model for ``layout``, built the one way the trainer, evaluation and the
     profile share: tp and cp contexts (collective), stage plan, store, then the model (``deferred``:
-    its parameters on meta, for the gradient engine to allocate and fill from ``RankModel.init``)."""
+    its parameters on meta, for the gradient engine to allocate and fill from ``RankModel.init``).
+    The layout's recompute mode is the model's: ``options`` carries the rest."""
+    options = replace(options, recompute=layout.recompute, recompute_layers=layout.recompute_layers)
     tp = groups.tp_context(kv_replicas(layout.tp, cfg.kv_heads), seed=seed)
     cp = cp_context(layout, groups)
     plan = stage_plan(cfg, layout, groups.coords["pp"], seq_length)
     store = WeightGradStore() if layout.pp > 1 and layout.schedule in SPLIT_BACKWARD else None
-    model = build_model(cfg, tp=tp, device=groups.device.torch_device, seed=seed, recompute=layout.recompute,
-                        recompute_layers=layout.recompute_layers, use_apex=use_apex, stage=plan, store=store, cp=cp,
-                        document_eos=document_eos, fused_cross_entropy=fused_cross_entropy,
-                        cross_entropy_chunk=cross_entropy_chunk, deferred=deferred)
+    model = build_model(cfg, options, tp=tp, device=groups.device.torch_device, seed=seed, stage=plan, store=store,
+                        cp=cp, deferred=deferred)
     return RankModel(model, tp, plan, store, cp, ModelInit(model.cfg, seed) if deferred else None)

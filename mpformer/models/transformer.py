@@ -28,13 +28,15 @@ from torch.utils.checkpoint import checkpoint
 from mpformer.context_parallel.blockwise import segment_index
 from mpformer.context_parallel.context import CPContext, SeqShard, document_ids
 from mpformer.context_parallel.token_slices import KVSlices
-from mpformer.core.layout import RECOMPUTE
+from mpformer.core.attention_plan import DocStarts
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import DEFAULT_OPTIONS, ModelOptions
+from mpformer.core.pipeline_plan import StagePlan
 from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.attention import Attention, RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
-from mpformer.layers.fused_cross_entropy import DEFAULT_CHUNK, fused_linear_cross_entropy
+from mpformer.layers.fused_cross_entropy import fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm
@@ -102,33 +104,25 @@ class RegionHooks(Protocol):
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward(tokens_bs)`` gives logits ``[b, s, v]``; with labels, the mean loss."""
 
-    def __init__(self, cfg: ModelConfig, *, recompute: str = "none", recompute_layers: int | None = None,
-                 use_apex: bool = False, tp: TPContext | None = None, cp: CPContext | None = None,
-                 store: WeightGradStore | None = None, document_eos: int | None = None,
-                 device: DeviceLike = None, dtype: torch.dtype | None = None,
-                 seed: int | None = 1234, layer_ids: list[int] | None = None, embedding: bool = True,
-                 head: bool = True, fused_cross_entropy: bool = True,
-                 cross_entropy_chunk: int = DEFAULT_CHUNK) -> None:
-        """``layer_ids``, ``embedding`` and ``head`` pick the part a pipeline rank holds (default: all).
+    def __init__(self, cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS, *, tp: TPContext | None = None,
+                 cp: CPContext | None = None, store: WeightGradStore | None = None, stage: StagePlan | None = None,
+                 device: DeviceLike = None, dtype: torch.dtype | None = None, seed: int | None = 1234) -> None:
+        """``options``: how the model is built (core/model_options.py: recompute, document masks, the
+        loss path). ``stage`` picks the layers, embedding and head a pipeline rank holds (default: all).
         Layers keep their global indices in canonical names; with tied embeddings the last stage
         holds its own copy of the embedding for the head (kept equal by the gradient engine).
         ``tp``: every module builds its tensor-parallel layers (models/parallelize.py checks the plan);
         ``store``: the zero-bubble pipeline's WeightGradStore for every linear layer's weights.
         ``cp``: this rank holds its context-parallel part of every sequence (it is given whole micro-batches
-        and picks its positions itself); ``document_eos``: attention stays inside each document of a
-        packed sequence (documents end with this token). ``recompute`` (none | selective | full) applies
-        to the first ``recompute_layers`` layers of each pipeline chunk (None: all of them).
-        ``fused_cross_entropy``: the loss through layers/fused_cross_entropy.py, ``cross_entropy_chunk``
-        tokens at a time, never forming the full logits (False: logits, then the cross entropy)."""
+        and picks its positions itself)."""
         super().__init__()
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
-        if cross_entropy_chunk < 1:
-            raise ValueError(f"cross_entropy_chunk={cross_entropy_chunk} must be >= 1")
         self.cfg = cfg.validate()
         kw = {"device": device, "dtype": dtype}
+        embedding, head = (True, True) if stage is None else (stage.has_embedding, stage.has_head)
         self.has_embedding, self.has_head = embedding, head
-        self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        self.layer_ids = list(range(cfg.num_layers)) if stage is None else stage.layer_ids
+        self.options = options
+        use_apex = options.use_apex
         need_embed = embedding or (head and cfg.tie_embeddings)
         h, v = cfg.hidden_size, cfg.vocab_size
         self.embed = None
@@ -145,11 +139,8 @@ class Transformer(nn.Module):
         self.lm_head = None
         if head and not cfg.tie_embeddings:
             self.lm_head = nn.Linear(h, v, bias=False, **kw) if tp is None else VocabParallelHead(h, v, tp, **kw)
-        self.recompute, self.recompute_layers = recompute, recompute_layers
         self.tp, self.store = tp, store
         self.cp = cp if cp is not None and cp.size > 1 else None
-        self.document_eos = document_eos
-        self.fused_cross_entropy, self.cross_entropy_chunk = fused_cross_entropy, cross_entropy_chunk
         self.region_hooks: RegionHooks | None = None  # set by ZeRO-3 (optim/gather.py)
         if seed is not None and (device is None or torch.device(device).type != "meta"):
             self.init_weights(seed)
@@ -165,11 +156,14 @@ class Transformer(nn.Module):
             layer.forward = torch.compile(layer.forward, **options)
 
     # ---- forward ---------------------------------------------------------------------------
-    def sequence(self, tokens_bs: torch.Tensor, past: KVSlices | None = None, part: int = 0) -> SeqShard:
+    def sequence(self, tokens_bs: torch.Tensor, past: KVSlices | None = None, part: int = 0, *,
+                 doc_starts: tuple[DocStarts, ...] | None = None) -> SeqShard:
         """What this rank holds of the micro-batch's sequence: its context-parallel positions (all of
         them without cp), the document ids (document masks) and the rotary tables at its positions.
         ``past``: token slices (context_parallel/token_slices.py), this is slice ``part`` of
-        ``past.slices`` equal ones; as under cp, its positions are ``index`` and its loss is its share."""
+        ``past.slices`` equal ones; as under cp, its positions are ``index`` and its loss is its share.
+        ``doc_starts``: each row's document starts as the loader found them on the host (training);
+        without them they are read from the tokens' document ids (a host copy: on a GPU, a sync)."""
         s = tokens_bs.shape[1]
         if past is not None:
             assert self.cp is None, "token slices under context parallelism (layout.validate rejects it)"
@@ -178,11 +172,11 @@ class Transformer(nn.Module):
         else:
             segments = self.cp.segments(s) if self.cp is not None else (Segment(0, s),)
         index = segment_index(segments, tokens_bs.device) if self.cp is not None or past is not None else None
-        docs = document_ids(tokens_bs, self.document_eos) if self.document_eos is not None else None
+        docs = document_ids(tokens_bs, self.options.document_eos) if self.options.document_eos is not None else None
         rope = None
         if self.rotary is not None:
             rope = self.rotary(s) if index is None else self.rotary.at(index)
-        return SeqShard(s, segments, index, docs, rope, past)
+        return SeqShard(s, segments, index, docs, rope, past, doc_starts if docs is not None else None)
 
     def hidden_states(self, tokens_bs: torch.Tensor) -> torch.Tensor:
         """Final-norm output ``[s, b, h]`` (the whole model on one pipeline stage; cp: this rank's positions)."""
@@ -223,9 +217,9 @@ class Transformer(nn.Module):
     def recompute_mode(self, n: int) -> str:
         """How the ``n``-th layer of a chunk recomputes in training (none | selective | full); "full" runs
         its forward again inside its backward (ZeRO-3 gathers its units again there)."""
-        if not self.training or (self.recompute_layers is not None and n >= self.recompute_layers):
+        if not self.training or (self.options.recompute_layers is not None and n >= self.options.recompute_layers):
             return "none"
-        return self.recompute
+        return self.options.recompute
 
     def head_output(self, x_sbh: torch.Tensor, labels_bs: torch.Tensor | None, seq: SeqShard) -> torch.Tensor:
         """The last stage: final norm, then the loss (or logits ``[b, s, v]`` without labels; under cp
@@ -234,7 +228,7 @@ class Transformer(nn.Module):
         token count): the shares sum to the mean, and their gradients sum over cp to its gradient."""
         hidden_sbh = self.final_norm(x_sbh)
         local = labels_bs if labels_bs is None or seq.index is None else labels_bs.index_select(1, seq.index)
-        if labels_bs is not None and self.fused_cross_entropy:
+        if labels_bs is not None and self.options.fused_cross_entropy:
             return self._fused_loss(hidden_sbh, local, labels_bs)
         if self.tp is not None:
             loss = self._tp_output(hidden_sbh, local)
@@ -262,16 +256,18 @@ class Transformer(nn.Module):
             hidden_sbh = gather_input(hidden_sbh, tp)  # backward: dX summed over tp (reduce-scattered under SP)
             kw = {"comm": tp.comm, "start": head.start, "valid": head.valid}
         total = fused_linear_cross_entropy(hidden_sbh.flatten(0, 1), self.output_weight(), local_bs.t().reshape(-1),
-                                           chunk=self.cross_entropy_chunk, store=self.store, **kw)
+                                           chunk=self.options.cross_entropy_chunk, store=self.store, **kw)
         count = (labels_bs != -100).sum()
         return total / (count.clamp(min=1) if tp is not None and self.cp is None else count)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole model (a module holding every layer, the embedding and the head)."""
-        seq = self.sequence(tokens_bs)
+    def forward(self, tokens_bs: torch.Tensor, labels_bs: torch.Tensor | None = None,
+                doc_starts: tuple[DocStarts, ...] | None = None) -> torch.Tensor:
+        """The whole model (a module holding every layer, the embedding and the head); ``doc_starts``: the
+        rows' document starts found on the host (``sequence``)."""
+        seq = self.sequence(tokens_bs, doc_starts=doc_starts)
         x_sbh = self._region("embedding", self.embed_tokens, tokens_bs, seq)
         x_sbh = self.run_layers(x_sbh, range(len(self.layers)), seq)
         return self._region("head", self.head_output, x_sbh, labels_bs, seq)

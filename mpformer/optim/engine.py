@@ -151,7 +151,8 @@ class GradEngine(EngineStep):
         self.pool = None if self.persistent else GradPool(MAX_IN_FLIGHT) if stage == 2 else \
             GradPool(None, zero3.reduce_numel * grad_bytes)
         self.buckets = [self._materialise(k, layout, module) for k, (module, layout) in enumerate(plan)]
-        left = [n for n, p in model.named_parameters() if p.is_meta]
+        # (a rehearsal's engine keeps them there)
+        left = [n for n, p in model.named_parameters() if p.is_meta and self.device.type != "meta"]
         assert not left, f"parameters left on the meta device (no gradient, so in no bucket): {left}"
         self._where = {id(p): (k, s) for k, b in enumerate(self.buckets) for p, s in zip(b.params, b.layout.slots)}
         self.shards = self._shard_params()
@@ -320,7 +321,7 @@ class GradEngine(EngineStep):
             self.gather.reset()
         for g, spec in self.shard_grads([s for s in self.red.specs if s.sync is not None]):
             spec.sync.all_reduce(g)  # tp ranks share dp rank and layout: the same shards
-        scaler, self.skipped, self._coeff = self.red.scaler, False, None
+        scaler, self.skipped, self._coeff, self._clipped = self.red.scaler, False, None, False
         if scaler is not None:
             self.skipped = scaler.update(self._unscale(1.0 / scaler.scale))
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from mpformer.optim.speculate import Speculation
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.host_syncs import REPORT_BOUNDARY
 from mpformer.parallel.tensor_parallel import GradSpec
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ class EngineStep:
     skipped: bool
     steps_taken: int
     _coeff: torch.Tensor | None
+    _clipped: bool
     _norm_comm: Comm
     _norm_specs: list[GradSpec]
     shard_grads: Callable[[Sequence[GradSpec]], list[tuple[torch.Tensor, GradSpec]]]
@@ -72,16 +75,22 @@ class EngineStep:
             return float("nan")
         total = self.norm_square()
         self._world_reduce(total)
-        return self.take_norm(total.sqrt(), max_norm, speculation=speculation)
+        norm = total.sqrt()
+        return self.take_norm(norm, max_norm, float(norm), speculation=speculation)
 
-    def take_norm(self, norm: torch.Tensor, max_norm: float, *, speculation: Speculation | None = None) -> float:
-        """``clip`` given the global norm, reduced elsewhere (the trainer's one collective per step)."""
+    def take_norm(self, norm: torch.Tensor, max_norm: float, value: float, *,
+                  speculation: Speculation | None = None) -> float:
+        """``clip`` given the global norm, reduced elsewhere (the trainer's one collective per step):
+        ``norm`` on the device, ``value`` its host copy (read once with the step's other values). The
+        gradients are scaled on the device; whether they were is decided on the host from ``value``, in
+        the device's fp32 arithmetic, so the two agree and no second read is needed."""
         if self.skipped:
             return float("nan")
         self._coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
+        self._clipped = max_norm > 0 and bool(np.float32(max_norm) / (np.float32(value) + np.float32(1e-6)) < 1)
         if self._coeff is not None and speculation is None:
             torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
-        return float(norm)
+        return value
 
     def speculate(self, *, publish: bool = False) -> Speculation | None:
         """Optimizer post-validation (speculate.py): the step taken now, on unclipped gradients, the
@@ -102,8 +111,7 @@ class EngineStep:
         """A published speculative step after its check (``take_norm``): kept, or undone and, unless
         ``skip``, redone on its clipped gradients, its parameters written and gathered again. True when
         the parameters changed: what ran on them since must run again."""
-        clipped = self._coeff is not None and float(self._coeff) < 1.0
-        if not skip and not clipped:
+        if not skip and not self._clipped:
             return False
         self.wait_params()  # the speculative gather must not land on the restored parameters
         speculation.restore(self.optimizer)
@@ -123,13 +131,15 @@ class EngineStep:
             speculation.restore(self.optimizer)
 
     def _unscale(self, inv_scale: float) -> bool:
-        """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
+        """Divide the gradient shards by the loss scale; True if any rank found an inf or nan (fp16's
+        overflow flag: read on the host here, the step's reporting boundary's other value)."""
         found = torch.zeros((), device=self.buckets[0].grad_shard.device)
         for b in self.buckets:
             b.grad_shard.mul_(inv_scale)
             found = torch.maximum(found, (~torch.isfinite(b.grad_shard)).any().float())
         self._world_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found)
+        with torch.profiler.record_function(REPORT_BOUNDARY):
+            return bool(found)
 
     def write_back(self) -> None:
         """16-bit parameters: the masters cast into this rank's part of them."""
@@ -146,7 +156,7 @@ class EngineStep:
             return
         if speculation is None:
             self.optimizer.step()
-        elif self._coeff is not None and float(self._coeff) < 1.0:
+        elif self._clipped:
             speculation.restore(self.optimizer)
             torch._foreach_mul_([b.grad_shard for b in self.buckets], self._coeff)
             self.optimizer.step()

@@ -1,16 +1,27 @@
-"""Device abstraction: cpu + gloo, or cuda + nccl. The only module that touches torch.cuda."""
+"""Device abstraction: cpu + gloo, or cuda + nccl. The only module that touches torch.cuda.
+
+A rehearsal (training/rehearsal.py) runs a GPU's rank on one CPU process: ``Device("cuda",
+rehearsal=True)`` keeps every decision made by device on its CUDA branch while the tensors live on the
+meta device (shapes and dtypes, no data) and nothing touches the CUDA runtime. Code that chooses by a
+tensor's device asks ``kernel_device(t)`` (a meta tensor stands for a GPU's), and reads or switches
+autocast through ``autocast_dtype`` / ``no_autocast`` (meta tensors have no autocast of their own:
+parallel/meta_autocast.py applies CUDA's policy to them).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mpformer.core.errors import ConfigError
+from mpformer.parallel import meta_autocast
 from mpformer.parallel.host_buffers import HostBufferCache
 
 DEVICE_KINDS = ("auto", "cpu", "cuda")
@@ -18,22 +29,68 @@ DEVICE_KINDS = ("auto", "cpu", "cuda")
 DeviceLike = torch.device | str | None
 
 
+def kernel_device(t: torch.Tensor) -> str:
+    """The device kind whose kernels and rules apply to ``t``: its own, but "cuda" for a meta tensor (only a
+    rehearsal runs them, and its target is a GPU)."""
+    return "cuda" if t.device.type == "meta" else t.device.type
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts ``t``'s GEMMs to where it is on for ``t``'s device, else None."""
+    if t.device.type == "meta":
+        mode = meta_autocast.active()
+        return mode.dtype if mode is not None and mode.enabled else None
+    return torch.get_autocast_dtype(t.device.type) if torch.is_autocast_enabled(t.device.type) else None
+
+
+@contextlib.contextmanager
+def no_autocast(t: torch.Tensor) -> Iterator[None]:
+    """Autocast off for ``t``'s device inside the block (the kernels take their inputs' dtypes as they are)."""
+    if t.device.type != "meta":
+        with torch.autocast(t.device.type, enabled=False):
+            yield
+        return
+    mode = meta_autocast.active()
+    was = mode.enabled if mode is not None else False
+    if mode is not None:
+        mode.enabled = False
+    try:
+        yield
+    finally:
+        if mode is not None:
+            mode.enabled = was
+
+
 @dataclass(frozen=True)
 class Device:
-    kind: str  # "cpu" or "cuda"
+    kind: str  # "cpu" or "cuda": what every decision made by device reads
     index: int = 0  # the CUDA device this process drives, among those visible to it
+    rehearsal: bool = False  # tensors on meta standing in for this device's; the CUDA runtime never touched
 
     @property
     def backend(self) -> str:
         return "nccl" if self.kind == "cuda" else "gloo"
 
     @property
+    def live_cuda(self) -> bool:
+        """A real GPU: the CUDA runtime (streams, events, the allocator's statistics) is there to call."""
+        return self.kind == "cuda" and not self.rehearsal
+
+    @property
     def torch_device(self) -> torch.device:
+        if self.rehearsal:
+            return torch.device("meta")
         return torch.device("cuda", self.index) if self.kind == "cuda" else torch.device("cpu")
+
+    def autocast(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+        """Autocast to ``dtype`` on this device (a rehearsal: CUDA's policy on its meta tensors)."""
+        if self.rehearsal:
+            return meta_autocast.MetaAutocast(dtype)
+        return torch.autocast(self.kind, dtype=dtype)
 
     def activate(self) -> None:
         """Bind this process to its device (one GPU per process under torchrun)."""
-        if self.kind == "cuda":
+        if self.live_cuda:
             torch.cuda.set_device(self.index)
 
     def make_deterministic(self) -> None:
@@ -50,46 +107,48 @@ class Device:
     def set_tf32(self, enabled: bool) -> None:
         """fp32 matmuls and convolutions on TF32 tensor cores (train.tf32: on by default, as torchtitan and
         Megatron-LM run): 10 mantissa bits in the products, fp32 accumulation. Nothing on a CPU."""
-        if self.kind == "cuda":
+        if self.live_cuda:
             torch.backends.cuda.matmul.allow_tf32 = enabled
             torch.backends.cudnn.allow_tf32 = enabled
 
     def synchronize(self) -> None:
-        if self.kind == "cuda":
+        if self.live_cuda:
             torch.cuda.synchronize(self.index)
 
     def max_memory_allocated(self) -> int | None:
         """Peak bytes allocated on the device, or None where the allocator does not track it (CPU)."""
-        return torch.cuda.max_memory_allocated(self.index) if self.kind == "cuda" else None
+        return torch.cuda.max_memory_allocated(self.index) if self.live_cuda else None
 
     def memory_allocated(self) -> int:
         """Bytes allocated on the device now (0 on CPU: parallel/memory_meter.py counts there)."""
-        return torch.cuda.memory_allocated(self.index) if self.kind == "cuda" else 0
+        return torch.cuda.memory_allocated(self.index) if self.live_cuda else 0
 
     def reset_peak_memory(self) -> None:
-        if self.kind == "cuda":
+        if self.live_cuda:
             torch.cuda.reset_peak_memory_stats(self.index)
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         """The generators dropout draws from: the CPU one, and this GPU's when on cuda."""
         state = {"torch": torch.get_rng_state()}
-        if self.kind == "cuda":
+        if self.live_cuda:
             state["cuda"] = torch.cuda.get_rng_state(self.index)
         return state
 
     def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(state["torch"])
-        if self.kind == "cuda" and "cuda" in state:
+        if self.live_cuda and "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"], self.index)
 
     def name(self) -> str:
         """What the device is, for reports ("NVIDIA H200", or the CPU's vector ISA)."""
+        if self.rehearsal:
+            return f"{self.kind} (rehearsed on meta tensors)"
         if self.kind == "cuda":
             return torch.cuda.get_device_name(self.index)
         return f"cpu ({torch.backends.cpu.get_cpu_capability()})"
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
-        if self.kind == "cuda" and dtype == torch.bfloat16:
+        if self.live_cuda and dtype == torch.bfloat16:
             return torch.cuda.is_bf16_supported()
         return True
 
@@ -103,7 +162,7 @@ class Stopwatch:
     so ranks of one node still share perf_counter's clock."""
 
     def __init__(self, device: Device) -> None:
-        self.cuda = device.kind == "cuda"
+        self.cuda = device.live_cuda
         if self.cuda:
             torch.cuda.synchronize(device.index)  # once per window: fixes the origin on both clocks
             self.origin = torch.cuda.Event(enable_timing=True)
@@ -139,11 +198,15 @@ class HostCopies:
     ``to_device`` call; each hand-over costs the caller a wake-up of the thread and a wait for the
     interpreter's lock, about as long as a small layer's copies. Host memory is the device's on a CPU,
     so nothing is saved there; what this gives is the offload's logic and timing run for real, and a
-    device-memory figure where only the caller's allocations count (parallel/memory_meter.py)."""
+    device-memory figure where only the caller's allocations count (parallel/memory_meter.py).
+    A rehearsal: the copies are meta tensors, those out made where no dispatch mode sees them (host
+    memory, which the rehearsal does not count as the device's), those back where it does."""
 
     def __init__(self, device: Device) -> None:
-        self.cuda = device.kind == "cuda"
+        self.cuda, self.meta = device.live_cuda, device.rehearsal
         self.device = device.torch_device
+        if self.meta:
+            return
         if self.cuda:
             self.out_stream, self.in_stream = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         else:
@@ -154,6 +217,9 @@ class HostCopies:
     def to_host(self, t: torch.Tensor) -> dict:
         """Start copying ``t`` out (CPU: at the next ``flush``); returns the copy's record for
         ``to_device`` and ``result``."""
+        if self.meta:
+            with _disable_current_modes():
+                return {"host": torch.empty_like(t)}
         if not self.cuda:
             copy: dict = {}
             self._pending.append((t, copy))
@@ -173,7 +239,7 @@ class HostCopies:
     def flush(self) -> None:
         """CPU: hand the copies out asked for since the last flush to the thread, as one task. CUDA:
         nothing (each is on its stream already)."""
-        if self.cuda or not self._pending:
+        if self.meta or self.cuda or not self._pending:
             return
         tensors, copies = zip(*self._pending)
         self._pending = []
@@ -185,6 +251,10 @@ class HostCopies:
         """Start bringing copies back (prefetch); ``result`` waits for each."""
         todo = [c for c in copies if "back" not in c]
         if not todo:
+            return
+        if self.meta:
+            for c in todo:
+                c["back"], c["in"] = torch.empty_like(c["host"]), None
             return
         if not self.cuda:
             self.flush()
@@ -219,7 +289,7 @@ class HostCopies:
         self.to_device(copy)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(copy["in"])
-        else:
+        elif not self.meta:
             copy["in"].result()
         if keep:
             return copy["back"]

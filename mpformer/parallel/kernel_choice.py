@@ -96,8 +96,8 @@ def decide(device_kind: str, precision: str, attention: str = "auto", dgrad: str
 def choose(device_kind: str, precision: str, attention: str = "auto", dgrad: str = "auto",
            saved: Mapping | None = None) -> KernelChoice:
     """The run's choice: rank 0 decides (probing if it must), every rank takes it (one broadcast over
-    the world; nothing to agree on one process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    the world; nothing to agree on one process, nor off a CPU, where every rank takes the native path)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or device_kind != "cpu":
         return decide(device_kind, precision, attention, dgrad, saved)
     mine = decide(device_kind, precision, attention, dgrad, saved) if dist.get_rank() == 0 else None
     box = [mine.to_dict() if mine is not None else None]

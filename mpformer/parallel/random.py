@@ -38,7 +38,7 @@ class TPRandom:
         self.state = state
 
     def _devices(self) -> list[int]:
-        return [self.device.index] if self.device.kind == "cuda" else []
+        return [self.device.index] if self.device.live_cuda else []
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:

@@ -73,6 +73,7 @@ class PipelineEngine:
         self.loss_scale = 1.0  # fp16's dynamic loss scale, for the step run() runs
         dev = p2p.device if p2p is not None else torch.device("cpu")
         self._device = Device(dev.type, dev.index or 0)
+        self._loss_device = dev
     def start_trace(self) -> None:
         """Record every action's start and end from now on (Chrome traces, trace.py)."""
         if self.trace is None:
@@ -85,9 +86,10 @@ class PipelineEngine:
         return [(a, watch.seconds(t0), watch.seconds(t1)) for a, t0, t1 in marks]
 
     def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, forward_only: bool = False,
-            loss_scale: float = 1.0) -> list[float]:
+            loss_scale: float = 1.0) -> torch.Tensor:
         """One step over ``batches`` (one (tokens, labels) per microbatch); returns the microbatch
-        losses on the rank that holds the last stage, [] elsewhere. ``loss_scale``: fp16's."""
+        losses ``[m]`` (fp32, on the device: no host sync) on the rank that holds the last stage, an empty
+        tensor elsewhere. ``loss_scale``: fp16's."""
         k = self.schedule.slices
         assert len(batches) * k == self.schedule.microbatches, (len(batches), k, self.schedule.microbatches)
         self.batches, self.forward_only, self.loss_scale = batches, forward_only, loss_scale
@@ -140,9 +142,9 @@ class PipelineEngine:
         assert not self.kv, f"token slices left without backward: {sorted(self.kv)}"
         self.outputs.clear()  # forward-only: the last outputs were sent, nothing needs them
         if not self.losses:
-            return []
+            return torch.zeros(0, device=self._loss_device)
         # In unit order; a batch's slices' shares sum to its mean (tensors summed in order: exact).
-        return [float(x) for x in torch.stack(self.losses).view(-1, k).sum(1).tolist()]
+        return torch.stack(self.losses).float().view(-1, k).sum(1)
 
     def _timed(self, a: Action, received: torch.Tensor | None) -> None:
         # A named range per action: torch.profiler (and its CUDA timeline) shows the schedule as run.
@@ -177,7 +179,7 @@ class PipelineEngine:
 
     def _forward(self, a: Action, x: torch.Tensor | None) -> None:
         key, k = (a.microbatch, a.chunk), self.schedule.slices
-        tokens, labels = self.batches[a.microbatch // k]
+        tokens, labels, *docs = self.batches[a.microbatch // k]
         if x is not None:
             if not self.forward_only:
                 x.requires_grad_()
@@ -186,7 +188,7 @@ class PipelineEngine:
         saving = self.offload.saving(key) if self.offload is not None and not self.forward_only else \
             contextlib.nullcontext()
         with self.autocast(), saving:
-            out = chunk_forward(self.model, self.plan, a.chunk, x, tokens, labels, past)
+            out = chunk_forward(self.model, self.plan, a.chunk, x, tokens, labels, past, *docs)
         if past is not None and self.forward_only and past.current == k - 1:
             del self.kv[a.microbatch // k, a.chunk]  # no backward comes: the batch's keys are done with
         if self.plan.is_last(a.chunk):

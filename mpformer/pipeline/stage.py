@@ -7,17 +7,21 @@ import torch
 from torch import nn
 
 from mpformer.context_parallel.token_slices import KVSlices
+from mpformer.core.attention_plan import DocStarts
 from mpformer.core.pipeline_plan import StagePlan
 
 
 def chunk_forward(model: nn.Module, plan: StagePlan, chunk: int, x: torch.Tensor | None, tokens_bs: torch.Tensor,
-                  labels_bs: torch.Tensor | None, past: KVSlices | None = None) -> torch.Tensor:
+                  labels_bs: torch.Tensor | None, past: KVSlices | None = None,
+                  doc_starts: DocStarts | None = None) -> torch.Tensor:
     """Chunk ``chunk`` of this rank: its input activation (or the tokens, on stage 0) to its output
     activation (or, on the last stage, the mean loss; the logits when ``labels_bs`` is None). With
     ``past`` (token slices) only slice ``past.current`` of the sequence, and on the last stage its share
-    of the micro-batch's mean loss."""
+    of the micro-batch's mean loss. ``doc_starts``: the rows' document starts, found on the host (else
+    from the tokens)."""
     # Every stage holds the micro-batch's tokens (cp, token slices: it picks its positions).
-    seq = model.sequence(tokens_bs) if past is None else model.sequence(tokens_bs, past, past.current)
+    part = past.current if past is not None else 0
+    seq = model.sequence(tokens_bs, past, part, doc_starts=doc_starts)
     if plan.is_first(chunk):
         x = model.embed_tokens(tokens_bs, seq)
     assert x is not None

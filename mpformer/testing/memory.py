@@ -5,7 +5,7 @@
 
 The profiler (``profile_memory=True``) records every allocation and free of c10's CPU allocator;
 summed in order they give the live tensor bytes at every moment. The window opens when the
-Trainer is constructed and closes when training ends; a mark separates set-up (model built, engine
+run's parts are built (training/build.py) and closes when training ends; a mark separates set-up (model built, engine
 filled, optimizer state created) from the steps. What it counts: every tensor byte allocated inside
 the window on the threads the profiler follows. Not counted: the interpreter, gloo's own buffers,
 allocations on gloo's worker threads, tensors from before the window. Used by
@@ -49,32 +49,33 @@ def live_tensor_bytes(prof, marks: Sequence[str] = ()) -> dict[str, int]:
 
 def train_measured(args: list[str]) -> dict[str, int]:
     """Train with these Hydra overrides (testing/train.py ``train``) inside a rank, profiled from the
-    Trainer's construction to the end: ``setup_peak``, ``held_at_start`` (when training starts) and
+    build of the run's parts (build_run) to the end: ``setup_peak``, ``held_at_start`` (when training starts) and
     ``training_peak``, in bytes. Set NATIVE_KERNELS in the environment and data.prefetch=0 (the
     loader thread's batches would be missed) for numbers the memory model describes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import mpformer.training.build as build_module
     import mpformer.training.trainer as trainer_module
     from mpformer.testing.train import train
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    init, report = trainer_module.Trainer.__init__, trainer_module.memory_report
+    build, report = build_module.build_run, trainer_module.memory_report
 
-    def init_profiled(self, *a, **kw) -> None:  # set-up starts with the trainer ...
+    def build_profiled(*a, **kw):  # set-up starts with the run's parts ...
         prof.start()
-        init(self, *a, **kw)
+        return build(*a, **kw)
 
     def report_then_mark(*a, **kw) -> None:  # ... and ends once the optimizer state exists
         report(*a, **kw)
         with torch.profiler.record_function("mark:train"):
             pass
 
-    trainer_module.Trainer.__init__, trainer_module.memory_report = init_profiled, report_then_mark
+    build_module.build_run, trainer_module.memory_report = build_profiled, report_then_mark
     try:
         train(args)
     finally:
-        trainer_module.Trainer.__init__, trainer_module.memory_report = init, report
+        build_module.build_run, trainer_module.memory_report = build, report
         prof.stop()
     sums = live_tensor_bytes(prof, ["train"])
     return {"setup_peak": sums["before:train"], "held_at_start": sums["at:train"], "training_peak": sums["after:train"]}

@@ -41,18 +41,19 @@ def initial_weights(args: list[str]) -> list[tuple[str, tuple[int, ...], tuple[i
     from mpformer.parallel.device import resolve_device
     from mpformer.parallel.groups import ProcessGroups
     from mpformer.parallel.launch import world_size_from_env
+    from mpformer.training.build import build_run
     from mpformer.training.preflight import preflight_train
-    from mpformer.training.trainer import Trainer
 
     spec = preflight_train(compose_config(args), world_size_from_env())
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(spec, ProcessGroups.build(spec.layout, resolve_device(spec.cfg.train.device)))
-    for m in trainer.model.modules():  # vocabulary padding rows (tp) start at 0, where they are held whole
+    parts = build_run(spec, ProcessGroups.build(spec.layout, resolve_device(spec.cfg.train.device)))
+    parts.loader.close()
+    for m in parts.model.modules():  # vocabulary padding rows (tp) start at 0, where they are held whole
         valid = getattr(m, "valid", None)
         if valid is not None and m.weight.untyped_storage().nbytes():
             assert not m.weight[valid:].any(), "vocabulary padding rows must start at 0"
     return [(stored_name(k, sh)[len(MODEL_PREFIX):], tuple(sh.global_shape), tuple(sh.offsets),
-             sh.local.detach().clone()) for k, sh in trainer.engine.tensors().items() if k.startswith(MODEL_PREFIX)]
+             sh.local.detach().clone()) for k, sh in parts.engine.tensors().items() if k.startswith(MODEL_PREFIX)]
 
 
 def assemble(per_rank: list[list[tuple[str, tuple[int, ...], tuple[int, ...], Any]]]) -> dict[str, Any]:

@@ -111,9 +111,7 @@ def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: Para
     import torch
 
     from mpformer.parallel.comm import Comm
-    from mpformer.pipeline.engine import PipelineEngine
-    from mpformer.pipeline.p2p import P2P
-    from mpformer.pipeline.schedules import build_schedule
+    from mpformer.pipeline.build import build_pipeline
 
     device = groups.device.torch_device
     rows = np.array_split(np.arange(tokens.shape[0]), layout.dp)[groups.dp_rank]
@@ -123,16 +121,11 @@ def pipeline_evaluate_loss(model: torch.nn.Module, plan: StagePlan, layout: Para
         batches.append((b[:, :-1], b[:, 1:]))
     seq = tokens.shape[1] - 1
     dtype = next(model.parameters()).dtype  # the residual stream's: 16-bit under bf16/fp16 parameters
-    # Token slices as in training; an evaluation sequence they do not divide runs whole (forward only:
-    # slicing changes the pipeline's fill, not the result).
-    slices = layout.pp_token_slices if layout.local_positions(seq) % layout.pp_token_slices == 0 else 1
-    p2p = P2P(groups.pp, groups.ledger, (layout.local_positions(seq) // slices, micro_batch, model.cfg.hidden_size),
-              dtype, device)
-    schedule = build_schedule(layout.schedule, layout.pp, len(batches), layout.vpp, slices=slices)
-    engine = PipelineEngine(model, plan, schedule, p2p, autocast=autocast)
+    engine = build_pipeline(model, plan, layout, groups, micro_batches=len(batches), seq_length=seq,
+                            micro_batch_size=micro_batch, dtype=dtype, autocast=autocast, forward_only=True)
     with torch.no_grad():
         means = engine.run(batches, forward_only=True)
-    total = torch.tensor(sum(means) * micro_batch * seq, dtype=torch.float64, device=device)
+    total = (means.double().sum() * (micro_batch * seq)).to(device)
     for comm in (Comm(groups.pp, groups.ledger, "eval.pp."), Comm(groups.data_group, groups.ledger, "eval.dp.")):
         comm.all_reduce(total)
     count = tokens.shape[0] * seq

@@ -34,6 +34,7 @@ from mpformer.training.evaluation import check_pipeline_eval, load_eval_tokens_f
 
 if TYPE_CHECKING:
     from mpformer.autoconfig.plan import Prediction
+    from mpformer.data.synthetic import SyntheticTokens
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class RunSpec:
     layout: ParallelLayout  # validated, dp resolved
     run_dir: Path
     resolved: dict[str, Any]  # cfg as resolved_config.yaml holds it
-    dataset: GPTDataset | BlendedDataset
+    dataset: GPTDataset | BlendedDataset | SyntheticTokens
     eval_tokens: np.ndarray | None  # eval.tokens, when validation runs during training
     manifest: Manifest | None  # the checkpoint to load: read, its files checked
     prediction: Prediction | None  # the cost model's, when a cluster is named or parallel=auto chose
@@ -174,9 +175,10 @@ def check_eval_rows(layout: ParallelLayout, rows: np.ndarray, path: str | None) 
                           f"multiples of {sp * cp}")
 
 
-def preflight_train(composed: Composed, world_size: int) -> RunSpec:
-    """Validate everything pretrain needs and resolve it into a RunSpec."""
-    model, manifest = adopt_checkpoint_model(composed)
+def _layout(composed: Composed, world_size: int,
+            model: ModelConfig) -> tuple[Config, ParallelLayout, Prediction | None]:
+    """The config with ``model``, the auto-configurator's choice applied under parallel=auto, and its
+    validated layout."""
     cfg = replace(composed.cfg, model=model)
     check_training_config(cfg)
     prediction = None
@@ -189,6 +191,20 @@ def preflight_train(composed: Composed, world_size: int) -> RunSpec:
     t = cfg.train
     layout = validate(cfg.parallel.layout(), cfg.model, world_size, global_batch_size=t.global_batch_size,
                       micro_batch_size=t.micro_batch_size, seq_length=t.seq_length)
+    return cfg, layout, prediction
+
+
+def _resolved(cfg: Config) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def preflight_train(composed: Composed, world_size: int) -> RunSpec:
+    """Validate everything pretrain needs and resolve it into a RunSpec."""
+    model, manifest = adopt_checkpoint_model(composed)
+    cfg, layout, prediction = _layout(composed, world_size, model)
+    t = cfg.train
     check_data(list(cfg.data.paths), cfg.data.tokenizer)
     eos = document_eos(cfg)
     if cfg.data.tokenizer:
@@ -210,7 +226,22 @@ def preflight_train(composed: Composed, world_size: int) -> RunSpec:
         from mpformer.autoconfig.plan import predict
 
         prediction = predict(cfg, layout, world_size)
-    from omegaconf import OmegaConf
+    return RunSpec(cfg, layout, Path(composed.run_dir), _resolved(cfg), dataset, rows, manifest, prediction, eos)
 
-    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
-    return RunSpec(cfg, layout, Path(composed.run_dir), resolved, dataset, rows, manifest, prediction, eos)
+
+def preflight_rehearsal(composed: Composed, world_size: int) -> RunSpec:
+    """The RunSpec of a rehearsal (rehearsal/): the same model and layout checks as pretraining, synthetic
+    token ids instead of data files (data/synthetic.py), no checkpoint read or written, no validation,
+    nothing written to a run directory."""
+    from mpformer.data.synthetic import SyntheticTokens
+
+    cfg = composed.cfg
+    cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, enabled=False, load=None), eval=replace(cfg.eval, interval=0),
+                  logging=replace(cfg.logging, progress=False, wandb=replace(cfg.logging.wandb, mode="disabled")))
+    composed = replace(composed, cfg=cfg)
+    cfg, layout, prediction = _layout(composed, world_size, cfg.model)
+    eos = None
+    if cfg.data.document_mask:  # the id that ends documents; a tokenizer is not needed to rehearse
+        eos = cfg.data.eos_token_id if cfg.data.eos_token_id is not None else cfg.model.vocab_size - 1
+    dataset = SyntheticTokens(cfg.train.seq_length, cfg.model.vocab_size, cfg.train.seed, eos)
+    return RunSpec(cfg, layout, Path(composed.run_dir), _resolved(cfg), dataset, None, None, prediction, eos)

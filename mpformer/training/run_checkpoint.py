@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,31 +22,44 @@ from mpformer.core.config import LOAD_AUTO
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout
 from mpformer.data.tokenizer import copy_tokenizer
+from mpformer.optim.loss_scale import LossScaler
+from mpformer.parallel.kernel_choice import KernelChoice
+from mpformer.parallel.random import DropoutStreams
+from mpformer.training.preflight import RunSpec
+from mpformer.training.progress import Progress
 
-if TYPE_CHECKING:
-    from mpformer.training.trainer import Trainer
+
+class Weights(Protocol):
+    """The gradient engine's shards as the checkpoint saves and loads them (optim/engine.py)."""
+
+    def tensors(self) -> dict: ...
+
+    def load(self, ckpt_dir: str, *, optimizer: bool) -> None: ...
 
 
 class RunCheckpoint:
-    """The trainer's checkpointer, its parts, and the loading of them; built once the engine, the
-    progress, the loss scaler and the dropout streams exist."""
+    """The run's checkpointer, its parts, and the loading of them. It reads the run's spec and kernel
+    choice; on load it changes what it is handed: the weights (and optimizer state), the progress,
+    the loss scale and the dropout streams."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        spec, cfg = trainer.spec, trainer.cfg
+    def __init__(self, spec: RunSpec, rank: int, kernels: KernelChoice, weights: Weights, progress: Progress,
+                 scaler: LossScaler | None, rng: DropoutStreams) -> None:
+        self.spec, self.cfg, self.layout, self.kernels = spec, spec.cfg, spec.layout, kernels
+        self.weights, self.progress, self.scaler, self.rng, self.rank = weights, progress, scaler, rng, rank
+        cfg = spec.cfg
         tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if tok is None and spec.manifest is not None and spec.manifest.tokenizer:
             tok = spec.manifest.path / spec.manifest.tokenizer  # keep carrying it
         self.tokenizer = tok
         self.save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else spec.run_dir / "checkpoints"
-        self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=trainer.groups.rank,
+        self.checkpointer = Checkpointer(self.save_dir, self._parts(), rank=rank,
                                          keep=cfg.checkpoint.keep, extra=self._manifest,
-                                         owner=lambda: trainer.progress.run_id,
+                                         owner=lambda: progress.run_id,
                                          populate=(lambda d: copy_tokenizer(tok, d / "tokenizer")) if tok else None)
         # Background saves coordinate over a gloo group of their own: the DCP thread's collectives must not
         # interleave with training's (torchtitan does the same).
         self.save_group = (torch.distributed.new_group(backend="gloo")
-                           if cfg.checkpoint.async_save and trainer.layout.world_size > 1 else None)
+                           if cfg.checkpoint.async_save and spec.layout.world_size > 1 else None)
         self.rolling_back = False
 
     def load_start(self, manifest: Manifest) -> None:
@@ -68,29 +81,27 @@ class RunCheckpoint:
             self.rolling_back = False
 
     def _manifest(self) -> dict:
-        t = self.trainer
-        out = {"model": t.cfg.model.to_dict(), "layout": t.layout.to_dict(), "has_optimizer": True,
-               "world_size": t.layout.world_size, "config": t.spec.resolved,
-               "kernels": t.kernels.to_dict()}  # a resume takes the same CPU kernels (kernel_choice.py)
+        out = {"model": self.cfg.model.to_dict(), "layout": self.layout.to_dict(), "has_optimizer": True,
+               "world_size": self.layout.world_size, "config": self.spec.resolved,
+               "kernels": self.kernels.to_dict()}  # a resume takes the same CPU kernels (kernel_choice.py)
         if self.tokenizer is not None:
             out["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
         return out
 
     def _parts(self) -> list[Part]:
         """Weights and optimizer state; where the run stands; the loss scale; the dropout streams."""
-        t = self.trainer
-        parts = [Part("model", tensors=t.engine.tensors, load_tensors=self._load_tensors),
-                 Part("trainer", state=lambda: t.progress.state(t.cfg), load_state=self._load_progress)]
-        if t.scaler is not None:
-            parts.append(Part("loss_scaler", state=t.scaler.state_dict, load_state=self._load_scaler))
-        parts.append(Part("rng", rank_state=t.rng.state, load_rank_state=self._load_rng))
+        parts = [Part("model", tensors=self.weights.tensors, load_tensors=self._load_tensors),
+                 Part("trainer", state=lambda: self.progress.state(self.cfg), load_state=self._load_progress)]
+        if self.scaler is not None:
+            parts.append(Part("loss_scaler", state=self.scaler.state_dict, load_state=self._load_scaler))
+        parts.append(Part("rng", rank_state=self.rng.state, load_rank_state=self._load_rng))
         return parts
 
     def _verified(self, manifest: Manifest) -> Manifest:
         """The checkpoint to load, its checksums verified by all ranks together. A damaged one fails,
         naming the file; when it was the newest of a save_dir (checkpoint.load=auto or a save_dir), the
         next older intact one is taken instead, with a warning naming what was wrong."""
-        cfg = self.trainer.cfg
+        cfg = self.cfg
         load = cfg.checkpoint.load
         from_dir = load == LOAD_AUTO or (load is not None and not (Path(load) / MANIFEST).is_file())
         save_dir = self.save_dir if load == LOAD_AUTO else Path(str(load))
@@ -106,31 +117,30 @@ class RunCheckpoint:
 
     def _warn(self, text: str) -> None:
         """A line from rank 0 (before the metrics logger exists)."""
-        if self.trainer.groups.rank == 0:
+        if self.rank == 0:
             print(text, file=sys.stderr, flush=True)
 
     def _resuming(self, manifest: Manifest) -> bool:
         """A resume continues the saved run (optimizer state, counters); a fine-tune takes the weights."""
-        return manifest.has_optimizer and (self.rolling_back or not self.trainer.cfg.checkpoint.finetune)
+        return manifest.has_optimizer and (self.rolling_back or not self.cfg.checkpoint.finetune)
 
     def _load_tensors(self, step_dir: str, manifest: Manifest) -> None:
-        self.trainer.engine.load(step_dir, optimizer=self._resuming(manifest))
+        self.weights.load(step_dir, optimizer=self._resuming(manifest))
 
     def _load_progress(self, state: dict | None, manifest: Manifest) -> None:
         if state is not None and self._resuming(manifest):
-            self.trainer.progress.load(state)
+            self.progress.load(state)
 
     def _load_scaler(self, state: dict | None, manifest: Manifest) -> None:
         saved = state if state is not None else (manifest.get("trainer") or {}).get("loss_scaler")
         if saved and self._resuming(manifest):
-            self.trainer.scaler.load_state_dict(saved)
+            self.scaler.load_state_dict(saved)
 
     def _load_rng(self, saved: dict | None, manifest: Manifest) -> None:
         """The saved streams when this rank continues the same rank of the same layout, else fresh ones."""
-        t = self.trainer
         saved_layout = manifest.layout  # as a layout: a key added since then takes its default
-        same = saved_layout is not None and ParallelLayout(**saved_layout).to_dict() == t.layout.to_dict()
-        if saved is None or not t.progress.step or not same:
-            t.rng.reseed(t.progress.step)
+        same = saved_layout is not None and ParallelLayout(**saved_layout).to_dict() == self.layout.to_dict()
+        if saved is None or not self.progress.step or not same:
+            self.rng.reseed(self.progress.step)
         else:
-            t.rng.load(saved)
+            self.rng.load(saved)

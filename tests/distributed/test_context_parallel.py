@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.core.sequence import load_balance
 from mpformer.parallel.spawn import run_distributed
 from mpformer.testing.train import overrides, train
@@ -153,9 +154,9 @@ def _model_parity(cp: int) -> int:
         heads = (True, False) if kind == KINDS[cp][0][0] else (True,)
         for arch, eos, fused in ((a, e, f) for a in MODELS for e in (None, 0) for f in heads):
             cfg = ModelConfig(**MODELS[arch])
-            model = build_model(cfg, tp=None, cp=ctx, device=torch.device("cpu"), seed=5, document_eos=eos,
-                                fused_cross_entropy=fused, cross_entropy_chunk=3)
-            ref = Transformer(cfg, seed=5, document_eos=eos, fused_cross_entropy=False)
+            model = build_model(cfg, ModelOptions(document_eos=eos, fused_cross_entropy=fused, cross_entropy_chunk=3),
+                                tp=None, cp=ctx, device=torch.device("cpu"), seed=5)
+            ref = Transformer(cfg, ModelOptions(document_eos=eos, fused_cross_entropy=False), seed=5)
             loss, ref_loss = model(tokens[:, :-1], labels), ref(tokens[:, :-1], labels)
             loss.backward()
             ref_loss.backward()

@@ -33,9 +33,9 @@ def _poison_leaf_outputs() -> None:
     """Patch the trainer: the step reading sample POISON multiplies every leaf module's output by NaN."""
     import torch
 
-    from mpformer.training import trainer as trainer_mod
+    from mpformer.training.step import Stepper
 
-    original = trainer_mod.Trainer._forward_backward
+    original = Stepper.forward_backward
 
     def forward_backward(self, batches):
         if self.progress.consumed_samples != POISON:
@@ -49,7 +49,7 @@ def _poison_leaf_outputs() -> None:
             for h in hooks:
                 h.remove()
 
-    trainer_mod.Trainer._forward_backward = forward_backward
+    Stepper.forward_backward = forward_backward
 
 
 def _worker(data: str, root: str) -> dict:

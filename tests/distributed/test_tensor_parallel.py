@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.parallel.spawn import run_distributed
 from mpformer.parallel.volumes import tp_step_bytes
 from mpformer.testing.train import assemble, initial_weights, overrides, single_device_weights, train
@@ -71,9 +72,9 @@ def _grad_parity(arch: str, tp: int, sp: bool, fused: bool) -> dict:
 
     cfg = ModelConfig(**MODELS[arch])
     groups = ProcessGroups.build(ParallelLayout(dp=1, tp=tp, sequence_parallel=sp), Device("cpu"))
-    model = build_model(cfg, tp=groups.tp_context(kv_replicas(tp, cfg.kv_heads)), device=torch.device("cpu"), seed=5,
-                        fused_cross_entropy=fused, cross_entropy_chunk=5)
-    ref = Transformer(cfg, seed=5, fused_cross_entropy=False)
+    model = build_model(cfg, ModelOptions(fused_cross_entropy=fused, cross_entropy_chunk=5),
+                        tp=groups.tp_context(kv_replicas(tp, cfg.kv_heads)), device=torch.device("cpu"), seed=5)
+    ref = Transformer(cfg, ModelOptions(fused_cross_entropy=False), seed=5)
     tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
     labels = tokens[:, 1:].clone()
     labels[0, 3:9] = -100  # ignored tokens, across a chunk boundary
@@ -257,7 +258,7 @@ def _dropout_streams(tp: int, sp: bool) -> dict:
         groups = ProcessGroups.build(ParallelLayout(dp=1, tp=tp, sequence_parallel=sp, recompute=recompute),
                                      Device("cpu"))
         ctx = groups.tp_context(kv_replicas(tp, cfg.kv_heads), seed=3)
-        model = build_model(cfg, tp=ctx, device=torch.device("cpu"), seed=5, recompute=recompute).train()
+        model = build_model(cfg, ModelOptions(recompute=recompute), tp=ctx, device=torch.device("cpu"), seed=5).train()
         torch.manual_seed(11)  # the default stream: the same on every tp rank
         residual = []
         model.layers[0].register_forward_hook(lambda m, i, o, out=residual: out.append(o.detach().clone()))

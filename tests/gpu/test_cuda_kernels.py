@@ -127,7 +127,7 @@ def test_fused_cross_entropy_never_waits_for_the_device():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     else:
-        from mpformer.testing.syncs import HostSyncs
+        from mpformer.parallel.host_syncs import HostSyncs
 
         with HostSyncs() as syncs:
             fused_linear_cross_entropy(x, w, labels, chunk=64).backward()

@@ -18,7 +18,7 @@ import pytest
 from mpformer.cli.compose import compose_config
 from mpformer.cli.pretrain import main, run_pretraining
 from mpformer.core.errors import EXIT_HALTED
-from mpformer.training import trainer as trainer_mod
+from mpformer.training.step import Stepper
 
 GBS = 4
 POISON_STEP = 5  # 1-based: the step whose samples start at position (POISON_STEP - 1) * GBS
@@ -40,7 +40,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def poisoned(monkeypatch):
     """The loss of the step reading sample POISON is multiplied by NaN; yields the positions it hit."""
     hits: list[int] = []
-    original = trainer_mod.Trainer._forward_backward
+    original = Stepper.forward_backward
 
     def forward_backward(self, batches):
         if self.progress.consumed_samples != POISON:
@@ -54,7 +54,7 @@ def poisoned(monkeypatch):
         finally:
             model.forward = plain
 
-    monkeypatch.setattr(trainer_mod.Trainer, "_forward_backward", forward_backward)
+    monkeypatch.setattr(Stepper, "forward_backward", forward_backward)
     return hits
 
 
@@ -115,7 +115,7 @@ def test_a_grad_norm_spike_is_a_bad_step_too(tiny_data, tmp_path, monkeypatch):
     """train.spike_factor: a step whose loss (so gradient) is scaled by 1000 is skipped like a NaN one."""
     step, gbs = 12, GBS
     position = (step - 1) * gbs
-    original = trainer_mod.Trainer._forward_backward
+    original = Stepper.forward_backward
 
     def forward_backward(self, batches):
         if self.progress.consumed_samples != position:
@@ -130,7 +130,7 @@ def test_a_grad_norm_spike_is_a_bad_step_too(tiny_data, tmp_path, monkeypatch):
     common = ("train.steps=14", "optim.clip_grad=0")
     run_pretraining(compose_config(_args(tiny_data, tmp_path / "oracle", *common, "train.steps=13",
                                          f"data.skip_ranges=[[{position},{position + gbs}]]")))
-    monkeypatch.setattr(trainer_mod.Trainer, "_forward_backward", forward_backward)
+    monkeypatch.setattr(Stepper, "forward_backward", forward_backward)
     run_pretraining(compose_config(_args(tiny_data, tmp_path / "run", *common, "train.on_nan=skip",
                                          "train.spike_factor=20")))
     m, oracle = _metrics(tmp_path / "run"), _metrics(tmp_path / "oracle")

@@ -215,16 +215,16 @@ def test_sigterm_under_overlap_logs_every_step_it_checkpoints(tiny_data, tmp_pat
     later, under overlap, it is agreed): save_interval=4 settles step 4 at once in the same call."""
     from mpformer.cli.compose import compose_config
     from mpformer.cli.pretrain import run_pretraining
-    from mpformer.training.trainer import Trainer
+    from mpformer.training.step import Stepper
 
-    forward_backward = Trainer._forward_backward
+    forward_backward = Stepper.forward_backward
 
     def flagged(self, batches):
         if self.progress.consumed_samples == 3 * 4:  # step 4's samples (4 a step)
             self.preemption.requested = True
         return forward_backward(self, batches)
 
-    monkeypatch.setattr(Trainer, "_forward_backward", flagged)
+    monkeypatch.setattr(Stepper, "forward_backward", flagged)
     run, ck = tmp_path / "run", tmp_path / "ck"
     args = _args(tiny_data, run, ck, "train.post_validation=true", "train.overlap_validation=true",
                  "checkpoint.save_interval=4", "train.threads=1", "data.prefetch=0")[1:]

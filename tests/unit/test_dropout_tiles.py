@@ -8,8 +8,6 @@ element (float64: agreement shows the algebra is the same, not the rounding).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -72,33 +70,3 @@ def test_a_seed_gives_the_same_masks_and_the_rate_is_p():
     assert torch.equal(a, b)
     assert abs(float((a == 0).float().mean()) - 0.25) < 0.03
     assert not torch.equal(a, dropout_tiles._keep(8, t, (1, 1, 64, 64), 0.25, torch.device("cpu")))
-
-
-def test_documents_with_dropout_run_per_document_where_sdpa_takes_dropout(monkeypatch):
-    """The path CUDA takes (SDPA has a fused kernel with dropout there), run here by saying so: each
-    document's queries through one SDPA call of their own, in order. Oracle: those calls written out
-    from the document boundaries, under the same generator seed (the same masks, drawn in the same order)."""
-    import torch.nn.functional as F
-
-    from mpformer.context_parallel.context import SeqShard
-    from mpformer.layers import attention
-
-    monkeypatch.setattr(attention, "fused_dropout", lambda device: True)
-    s, gen = 40, torch.Generator().manual_seed(3)
-    tokens = torch.randint(1, 9, (2, s), generator=gen)
-    tokens[:, [7, 19, 30]] = 0
-    docs = document_ids(tokens, 0)
-    q = torch.randn(2, 4, s, 8, generator=gen)
-    k, v = (torch.randn(2, 2, s, 8, generator=gen) for _ in range(2))
-    torch.manual_seed(11)
-    got = attention.attention_core(q, k, v, dropout_p=0.4, sliding_window=None,
-                                   seq=SeqShard(s, (Segment(0, s),), docs=docs))
-    torch.manual_seed(11)
-    want = torch.zeros_like(q)
-    edges = [0, 8, 20, 31, s]  # each document ends with its EOS (positions 7, 19, 30)
-    for a, b in itertools.pairwise(edges):
-        want[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=0.4,
-                                                         is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert not torch.equal(got, attention.attention_core(q, k, v, dropout_p=0.0, sliding_window=None,
-                                                         seq=SeqShard(s, (Segment(0, s),), docs=docs)))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from mpformer.core.config import Config, TrainConfig, check_training_config
 from mpformer.core.errors import ConfigError
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.layers.fused_cross_entropy import DEFAULT_CHUNK, fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.models import Transformer
@@ -148,7 +149,7 @@ def test_second_backward_is_refused_and_bad_chunks_are_errors():
         fused_linear_cross_entropy(x, w, labels, chunk=0)
     with pytest.raises(ValueError, match="cross_entropy_chunk"):
         Transformer(ModelConfig(arch="llama", num_layers=1, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-                                ffn_hidden_size=48, vocab_size=50), cross_entropy_chunk=0)
+                                ffn_hidden_size=48, vocab_size=50), ModelOptions(cross_entropy_chunk=0))
     assert TrainConfig().cross_entropy_chunk == DEFAULT_CHUNK and TrainConfig().fused_cross_entropy
     cfg = Config()
     cfg.train.cross_entropy_chunk = 0
@@ -174,7 +175,7 @@ def test_model_loss_and_every_gradient_equal_the_unfused_head(arch):
     labels[1, 2:6] = -100
     runs = {}
     for fused in (True, False):
-        m = Transformer(MODELS[arch], seed=3, fused_cross_entropy=fused, cross_entropy_chunk=7)
+        m = Transformer(MODELS[arch], ModelOptions(fused_cross_entropy=fused, cross_entropy_chunk=7), seed=3)
         loss = m(tokens[:, :-1], labels)
         loss.backward()
         runs[fused] = (loss.detach(), dict(m.named_parameters()), m(tokens[:, :-1]))
@@ -189,7 +190,7 @@ def test_model_loss_and_every_gradient_equal_the_unfused_head(arch):
 def test_no_host_sync_in_forward_or_backward():
     """Ignored labels are masked arithmetically: no op that would wait for a GPU (a boolean index is
     a nonzero), in fp32 and bf16, whole and chunked, with ignored labels in every chunk."""
-    from mpformer.testing.syncs import HostSyncs
+    from mpformer.parallel.host_syncs import HostSyncs
 
     for dtype, chunk in ((torch.float32, 8), (torch.bfloat16, DEFAULT_CHUNK)):
         x, w, labels = _inputs()

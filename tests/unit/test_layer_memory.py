@@ -20,6 +20,7 @@ from mpformer.autoconfig.step_memory import Reduction, Unit, buckets
 from mpformer.core.buffers import plan_buckets
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 
 S, B = 128, 2
 LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=128, num_attention_heads=8, num_kv_heads=2,
@@ -48,7 +49,7 @@ def _block(cfg: ModelConfig, precision: str, recompute: str):
     from mpformer.models.transformer import Transformer
 
     dtype = DTYPES[precision]
-    model = Transformer(cfg, recompute=recompute, seed=1).to(dtype)
+    model = Transformer(cfg, ModelOptions(recompute=recompute), seed=1).to(dtype)
     tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     seq = model.sequence(tokens)
     x = model.embed_tokens(tokens, seq).detach().requires_grad_()

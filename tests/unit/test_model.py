@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from mpformer.core.errors import ConfigError
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.layers.attention import attention_core
 from mpformer.models import Transformer
 from mpformer.testing.models import TINY
@@ -92,7 +93,7 @@ def test_recompute_gives_identical_loss_and_grads(recompute):
     t = torch.randint(0, 101, (2, 33))
     grads = []
     for mode in ("none", recompute):
-        m = Transformer(CFGS["llama"], recompute=mode, seed=3).train()
+        m = Transformer(CFGS["llama"], ModelOptions(recompute=mode), seed=3).train()
         loss = m(t[:, :-1], t[:, 1:])
         loss.backward()
         grads.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))

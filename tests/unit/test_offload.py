@@ -12,6 +12,7 @@ import torch
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.models import Transformer
 from mpformer.parallel.device import Device, HostCopies
 from mpformer.pipeline.actions import Op
@@ -49,7 +50,7 @@ def test_which_units_move_and_when_they_come_back():
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_moved_activations_come_back_bit_for_bit(recompute):
     torch.manual_seed(0)
-    model = Transformer(LLAMA, recompute=recompute).train()
+    model = Transformer(LLAMA, ModelOptions(recompute=recompute)).train()
     ref = copy.deepcopy(model)
     tokens, labels = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
     ref(tokens, labels).backward()

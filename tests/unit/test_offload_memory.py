@@ -14,6 +14,7 @@ import torch
 
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.core.pipeline_plan import stage_plan
 from mpformer.models.parallelize import build_model
 from mpformer.parallel.device import Device, HostCopies
@@ -76,7 +77,7 @@ def _peak_and_grads(cfg: ModelConfig, mode: str, recompute: str, p: int = 4, m: 
                     batch: int = 2) -> tuple[int, list[torch.Tensor], int, _Counted | None]:
     plan = stage_plan(cfg, ParallelLayout(dp=1, pp=p), 0, seq)
     schedule = build_schedule("1f1b", p, m)
-    model = build_model(cfg, tp=None, device="cpu", seed=1, stage=plan, recompute=recompute)
+    model = build_model(cfg, ModelOptions(recompute=recompute), tp=None, device="cpu", seed=1, stage=plan)
     offload = copies = None
     if mode != "none":
         copies = _Counted()

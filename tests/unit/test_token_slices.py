@@ -18,6 +18,7 @@ from mpformer.context_parallel.token_slices import KVSlices
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.models import Transformer
 from mpformer.pipeline.actions import Schedule, ScheduleError
 from mpformer.pipeline.schedules import build_schedule
@@ -31,7 +32,8 @@ CFGS = TINY
 
 def _sliced_grads(name: str, k: int, *, recompute: str = "none", eos: int | None = None, fused: bool = True):
     torch.manual_seed(0)
-    model = Transformer(CFGS[name], recompute=recompute, document_eos=eos, fused_cross_entropy=fused).train()
+    model = Transformer(CFGS[name], ModelOptions(recompute=recompute, document_eos=eos,
+                                                       fused_cross_entropy=fused)).train()
     ref = copy.deepcopy(model)
     tokens, labels = torch.randint(1, 101, (2, 24)), torch.randint(0, 101, (2, 24))
     labels[0, 3] = -100

@@ -20,6 +20,7 @@ import torch
 from mpformer.autoconfig.memory import layer_part_sizes
 from mpformer.autoconfig.runtimes import parts_gathered
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.model_options import ModelOptions
 from mpformer.models import Transformer
 from mpformer.optim.engine import GradEngine, Reduction
 from mpformer.optim.units import Zero3Settings
@@ -58,7 +59,7 @@ class Watch:
 
 
 def _engine(cfg: ModelConfig, recompute: str, unit: int, prefetch: float = 10**9, reduce: float = 10**9):
-    model = Transformer(cfg, seed=1, recompute=recompute)
+    model = Transformer(cfg, ModelOptions(recompute=recompute), seed=1)
     engine = GradEngine(model, Reduction(Comm(None, CommLedger(), "dp.")), stage=3,
                         groups=[{"params": list(model.parameters())}], zero3=Zero3Settings(unit, prefetch, reduce),
                         make_optimizer=lambda g: torch.optim.SGD(g, lr=0.0))
@@ -75,7 +76,7 @@ def _tokens() -> torch.Tensor:
                          ids=["whole", "split", "split-small-budgets"])
 def test_gradients_are_autograds(name, recompute, unit, prefetch, reduce):
     cfg, tokens = CONFIGS[name], _tokens()
-    ref = Transformer(cfg, seed=1, recompute=recompute)
+    ref = Transformer(cfg, ModelOptions(recompute=recompute), seed=1)
     for mb in range(2):
         torch.manual_seed(mb)
         ref(tokens[:, :-1], tokens[:, 1:]).backward()

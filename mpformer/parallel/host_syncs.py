@@ -3,7 +3,8 @@
 A CUDA kernel launch returns at once, and the host runs ahead; an op whose output shape or value the
 host needs (a boolean index, ``nonzero``, ``.item()``, ``masked_select``) waits for every kernel before
 it. ``HostSyncs`` is a dispatch mode that records such ops wherever they run, so a CPU test can prove a
-path free of them: ``with HostSyncs() as s: ...`` then ``s.ops`` (empty: none).
+path free of them (a rehearsal reports them, rehearsal/probe.py): ``with HostSyncs() as s: ...`` then
+``s.ops`` (empty: none).
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
+
+# The record_function name of a step's one reporting boundary: the host reads of the step check (the
+# global norm, the loss, the stop flag) and fp16's overflow flag (training/overlap.py, optim/stepping.py).
+# A rehearsal (rehearsal/probe.py) counts a host sync inside it as the boundary's, any other as a defect.
+REPORT_BOUNDARY = "mpformer.step_report"
 
 # Each needs a device value on the host: its output's size (nonzero, masked_select, unique, a boolean
 # index, which dispatches to nonzero) or a scalar (item, tolist and bool(tensor) call _local_scalar_dense).
@@ -28,6 +34,11 @@ def _bool_index(args: tuple) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 
 
+def is_sync(func: object, args: tuple) -> bool:
+    """Whether the op ``func`` called with ``args`` needs a device value on the host."""
+    return func in SYNC_OPS or (func in INDEX_OPS and _bool_index(args))
+
+
 class HostSyncs(TorchDispatchMode):
     """Records the ops of SYNC_OPS, and boolean-mask indexing, run inside it (``ops``: their names)."""
 
@@ -36,6 +47,6 @@ class HostSyncs(TorchDispatchMode):
         self.ops: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
-        if func in SYNC_OPS or (func in INDEX_OPS and _bool_index(args)):
+        if is_sync(func, args):
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))

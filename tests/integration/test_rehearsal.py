@@ -1,0 +1,108 @@
+"""The CUDA path, rehearsed (rehearsal/): every attention kind at 8k tokens in bf16, fp16 and fp32 runs
+fused kernels only, forms no [s, s] tensor and reads the host only at the step's reporting boundary;
+the seeded defects are caught; the CLI's bad input fails in one line.
+
+A rehearsal runs pretraining's own build and steps on meta tensors as a GPU would run them (the
+target named CUDA, a fake process group of the full world), so these are the GPU's code paths, run
+here. Oracles: torch's fused-op names (what a GPU's profiler lists), the shapes of the tensors each op
+returns, and the ops that need a device value on the host (parallel/host_syncs.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mpformer.testing.cli import run_cli
+from mpformer.testing.rehearsal import rehearse_many
+
+pytestmark = pytest.mark.slow
+
+SEQ = 8192
+MODEL = ["model=tiny-mistral", "model.num_layers=2", "model.hidden_size=256", "model.num_attention_heads=4",
+         "model.num_kv_heads=2", "model.ffn_hidden_size=512", "model.vocab_size=512",
+         f"model.max_position_embeddings={SEQ}", "model.sliding_window=null", f"train.seq_length={SEQ}",
+         "train.global_batch_size=2", "train.micro_batch_size=1"]
+KINDS = {  # attention kind -> (overrides, world size, ranks)
+    "causal": ([], 1, [0]),
+    "documents": (["data.document_mask=true", "data.eos_token_id=0"], 1, [0]),
+    "window": (["model.sliding_window=3000"], 1, [0]),
+    "dropout": (["model.attention_dropout=0.1"], 1, [0]),
+    "window+dropout+documents": (["model.sliding_window=3000", "model.attention_dropout=0.1",
+                                  "data.document_mask=true", "data.eos_token_id=0"], 1, [0]),
+    "token slices": (["parallel.pp=2", "parallel.pp_token_slices=2", "parallel.schedule=1f1b"], 2, [0, 1]),
+    "cp ring": (["parallel.cp=2", "parallel.cp_kind=ring"], 2, [1]),
+    "cp all-gather": (["parallel.cp=2", "parallel.cp_kind=allgather", "model.sliding_window=3000"], 2, [1]),
+    "cp ulysses": (["parallel.cp=2", "parallel.cp_kind=ulysses"], 2, [0]),
+    "cp hybrid": (["parallel.cp=4", "parallel.cp_kind=hybrid", "parallel.cp_ulysses=2", "data.document_mask=true",
+                   "data.eos_token_id=0"], 4, [3]),
+}
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@pytest.fixture(scope="module")
+def kinds() -> dict[tuple[str, str], list[dict]]:
+    cases, keys = [], []
+    for precision in PRECISIONS:
+        for name, (extra, world, ranks) in KINDS.items():
+            for rank in ranks:
+                cases.append(([*MODEL, f"train.precision={precision}", f"parallel.dp={world // _non_dp(extra)}",
+                               *extra], world, rank, None))
+                keys.append((precision, name))
+    out: dict[tuple[str, str], list[dict]] = {}
+    for key, report in zip(keys, rehearse_many(cases)):
+        out.setdefault(key, []).append(report)
+    return out
+
+
+def _non_dp(extra: list[str]) -> int:
+    n = 1
+    for o in extra:
+        key, value = o.split("=")
+        if key in ("parallel.pp", "parallel.cp", "parallel.tp"):
+            n *= int(value)
+    return n
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_attention_kind_runs_fused_kernels_without_squares_or_syncs(kinds, kind, precision):
+    fused = {"bf16": "flash", "fp16": "flash", "fp32": "efficient"}[precision]
+    for r in kinds[precision, kind]:
+        used = set(r["attention_kernels"])
+        assert used and used <= {"flash", "efficient"}, (kind, precision, r["attention_kernels"])
+        if "window" not in kind:  # a window's edges are masked tiles: the efficient kernel
+            assert fused in used, (kind, precision, r["attention_kernels"])
+        assert not r["square_tensors"], r["square_tensors"][:3]
+        inside = [s for s in r["host_syncs"] if not s.get("boundary")]
+        assert not inside, inside
+        # the step check's one read; fp16 also reads its overflow flag
+        assert len(r["host_syncs"]) == r["steps"] * (2 if precision == "fp16" else 1), r["host_syncs"]
+        assert r["peak_bytes"] > 0 and r["flops"] > 0
+
+
+def test_seeded_defects_are_caught():
+    """The three mistakes the rehearsal exists for, each planted in a run that is otherwise clean."""
+    base = [*MODEL, "parallel.dp=1"]
+    gqa, item, mask = rehearse_many([([*base, "train.precision=fp32"], 1, 0, "sdpa_gqa_fp32"),
+                                     ([*base, "train.precision=bf16"], 1, 0, "item_in_forward"),
+                                     ([*base, "train.precision=bf16"], 1, 0, "dense_mask")])
+    assert gqa["attention_kernels"].get("math", 0) > 0, gqa["attention_kernels"]
+    assert any(s["shape"][-2:] == [SEQ, SEQ] for s in gqa["square_tensors"]), gqa["square_tensors"][:2]
+    inside = [s for s in item["host_syncs"] if not s.get("boundary")]
+    # one in each layer's forward (two layers, two micro-batches), each naming the planted line
+    assert len(inside) == 2 * 2 and all("mpformer/testing/rehearsal.py" in s["line"] for s in inside), inside
+    assert any(s["shape"] == [SEQ, SEQ] for s in mask["square_tensors"]), mask["square_tensors"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["rehearse.device=h100-40gb"], "rehearse.device='h100-40gb' is unknown; valid: a100-40gb, a100-80gb, "
+                                    "h100-80gb, h200-141gb"),
+    (["parallel.dp=2", "rehearse.ranks=[0,2]"], "rehearse.ranks has 2, outside the world of 2 ranks; valid: 0..1"),
+    (["parallel.dp=1", "parallel.tp=3"], "parallel.tp=3"),
+    (["parallel.tp=2"], "a rehearsal needs its world size: give parallel.dp=N"),
+])
+def test_bad_input_fails_in_one_line(args, expected):
+    r = run_cli(["tools/rehearse.py", "model=tiny-llama", *args], timeout=60)
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and expected in lines[0], r.stderr
