@@ -28,7 +28,7 @@ from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.linear import Linear, WeightGradStore
 from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
-from mpformer.parallel.device import DeviceLike, kernel_device
+from mpformer.parallel.device import DeviceLike, kernel_device, recompute_contexts
 from mpformer.parallel.tensor_parallel import Part, TPContext
 
 
@@ -182,7 +182,8 @@ class Attention(nn.Module):
             if recompute_core and self.training:
                 # Korthikanti et al.'s selective recompute: keep the core's inputs, recompute its internals.
                 # (checkpoint saves and restores the generator it runs under: the forked one here.)
-                out_bnsd = torch.utils.checkpoint.checkpoint(core, q_bnsd, k_bksd, v_bksd, use_reentrant=False)
+                out_bnsd = torch.utils.checkpoint.checkpoint(core, q_bnsd, k_bksd, v_bksd, use_reentrant=False,
+                                                             context_fn=recompute_contexts(q_bnsd))
             else:
                 out_bnsd = core(q_bnsd, k_bksd, v_bksd)
         out_sbh = out_bnsd.permute(2, 0, 1, 3).reshape(s, b, self.q_size)

@@ -43,7 +43,7 @@ from mpformer.layers.norm import build_norm
 from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, gather_input, param_shards
 from mpformer.models.init import ModelInit, init_weights
 from mpformer.parallel.comm import gather_from_region
-from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.device import DeviceLike, recompute_contexts
 from mpformer.parallel.tensor_parallel import TPContext
 
 
@@ -208,8 +208,8 @@ class Transformer(nn.Module):
             layer = self.layers[i]
             mode = self.recompute_mode(n)
             if mode == "full":
-                kw = {"context_fn": self.tp.checkpoint_context_fn()} if self.tp is not None else {}
-                x_sbh = checkpoint(layer, x_sbh, seq, use_reentrant=False, **kw)
+                inner = self.tp.checkpoint_context_fn() if self.tp is not None else None
+                x_sbh = checkpoint(layer, x_sbh, seq, use_reentrant=False, context_fn=recompute_contexts(x_sbh, inner))
             else:
                 x_sbh = layer(x_sbh, seq, mode == "selective")
         return x_sbh

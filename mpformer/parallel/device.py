@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,6 +59,26 @@ def no_autocast(t: torch.Tensor) -> Iterator[None]:
     finally:
         if mode is not None:
             mode.enabled = was
+
+
+def recompute_contexts(t: torch.Tensor, inner: Callable | None = None) -> Callable:
+    """A ``context_fn`` for torch.utils.checkpoint on ``t``'s device that also runs the recompute under the
+    autocast the forward ran under: torch's checkpoint restores CUDA's and the CPU's autocast itself, not
+    a rehearsal's (parallel/meta_autocast.py). ``inner``: another context_fn to compose (the tp-rank
+    dropout stream's)."""
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        fwd, rec = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        mode = meta_autocast.active() if t.device.type == "meta" else None
+        if mode is None or not mode.enabled:
+            return fwd, rec
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with rec, meta_autocast.MetaAutocast(mode.dtype):
+                yield
+
+        return fwd, recompute()
+    return contexts
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ alike (autograd carries the mode into the backward):
     kernels     each fused attention op by the kernel it is (flash, efficient, cudnn), and each call of
                 torch's generic SDPA, which on these tensors (and on a GPU that no fused kernel takes)
                 is the math kernel
+    flops       each op's FLOPs by torch's own formulas (torch.utils.flop_counter's registry: GEMMs and the
+                fused attention kernels), once ``count_flops`` is set (the steps, not the build). Not
+                FlopCounterMode itself: its module tracker keeps checkpointed layers' outputs alive.
     squares     a tensor whose last two dimensions are an attention call's query and key lengths, both
                 at least ``SQUARE_MIN``: a score or mask matrix
     syncs       an op that needs a device value on the host (parallel/host_syncs.py), and ``tolist``. On
@@ -39,11 +42,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 from mpformer.parallel.host_syncs import REPORT_BOUNDARY as REPORT
 from mpformer.parallel.host_syncs import is_sync
 
 KINDS = ("weights", "grads", "master", "optimizer", "activations", "other")
+LARGEST = 8  # storages named in the report, largest first
 SQUARE_MIN = 4096
 _aten = torch.ops.aten
 _ROOT = str(Path(__file__).resolve().parents[1])  # mpformer/: the first frame of ours names the line
@@ -96,6 +101,7 @@ class _Entry:
     ref: StorageWeakRef
     nbytes: int
     kind: str
+    origin: tuple = ()  # (op, region, module): where the storage was made, named when it is among the largest
 
 
 class Probe(TorchDispatchMode):
@@ -112,12 +118,15 @@ class Probe(TorchDispatchMode):
         self.current = 0
         self.by_kind = dict.fromkeys(KINDS, 0)
         self.peak, self.peak_by_kind, self.peak_where = 0, dict.fromkeys(KINDS, 0), ""
+        self.largest: list[dict] = []  # the peak's largest activations and others (a snapshot each 1% of new peak)
+        self._snapshot_at = 0
         self.kernels: collections.Counter[str] = collections.Counter()
         self.squares: list[Finding] = []
         self.syncs: list[Finding] = []
         self.regions: list[str] = []
         self.modules: list[str] = []
         self.phase = "build"
+        self.flops, self.count_flops = 0, False
 
     # ---- what the driver tells it ---------------------------------------------------------------
     def classify(self, tensors: Iterable[torch.Tensor | None], kind: str) -> None:
@@ -174,6 +183,8 @@ class Probe(TorchDispatchMode):
             self._resized(args)
         out = func(*args, **kwargs)
         self._track(func, out)
+        if self.count_flops and (count := flop_registry.get(func._overloadpacket)) is not None:
+            self.flops += int(count(*args, **kwargs, out_val=out))
         return out
 
     def _sync(self, func, args) -> object:
@@ -213,13 +224,22 @@ class Probe(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_meta:
                 st = t.untyped_storage()
                 if st._cdata not in self.live:
-                    self._entry(st)
+                    e = self._entry(st)
+                    e.origin = (func, tuple(self.regions[-1:]), tuple(self.modules[-1:]), tuple(t.shape), t.dtype)
                     grew = True
                     self._square(func, t)
         if grew and self.current > self.peak:
             self._forget_freed()
             if self.current > self.peak:
                 self.peak, self.peak_by_kind, self.peak_where = self.current, dict(self.by_kind), self.where()
+                if self.peak > 1.01 * self._snapshot_at:
+                    self._snapshot_at = self.peak
+                    step = [e for e in self.live.values() if e.kind in ("activations", "other")]
+                    top = sorted(step, key=lambda e: -e.nbytes)[:LARGEST]
+                    self.largest = [{"bytes": e.nbytes, "kind": e.kind, "op": str(e.origin[0]) if e.origin else "",
+                                     "where": ": ".join(e.origin[1] + e.origin[2]) if e.origin else "build",
+                                     "shape": list(e.origin[3]) if e.origin else [],
+                                     "dtype": str(e.origin[4]) if e.origin else ""} for e in top]
 
     def _forget_freed(self) -> None:
         """Storages that died since, dropped; the resizable ones read again (a free is not an op)."""

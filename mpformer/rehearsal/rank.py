@@ -33,6 +33,7 @@ class RankReport:
     peak_bytes: int
     peak_by_kind: dict[str, int]
     peak_where: str
+    largest: list[dict]
     attention_kernels: dict[str, int]
     square_tensors: list[Finding]
     host_syncs: list[Finding]
@@ -44,7 +45,7 @@ class RankReport:
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "coords": self.coords, "peak_bytes": self.peak_bytes,
-                "peak_by_kind": self.peak_by_kind, "peak_where": self.peak_where,
+                "peak_by_kind": self.peak_by_kind, "peak_where": self.peak_where, "largest": self.largest,
                 "attention_kernels": self.attention_kernels,
                 "square_tensors": [f.to_dict() for f in self.square_tensors],
                 "host_syncs": [f.to_dict() for f in self.host_syncs], "comm_bytes": self.comm_bytes,
@@ -83,7 +84,6 @@ def rehearse_rank(composed: Composed, world_size: int, rank: int, steps: int) ->
     """Rank ``rank`` of the run ``composed`` describes on ``world_size`` GPUs, ``steps`` steps."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils.flop_counter import FlopCounterMode
 
     from mpformer.parallel.device import Device
     from mpformer.parallel.groups import ProcessGroups
@@ -95,7 +95,6 @@ def rehearse_rank(composed: Composed, world_size: int, rank: int, steps: int) ->
     t0 = time.perf_counter()
     dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
     probe = Probe(*_lengths_and_widths(spec))
-    flops = FlopCounterMode(display=False)
     try:
         with probe, FunctionProbe(probe), torch.autograd.graph.saved_tensors_hooks(probe.saved, lambda t: t):
             groups = ProcessGroups.build(spec.layout, Device("cuda", rehearsal=True))
@@ -104,10 +103,10 @@ def rehearse_rank(composed: Composed, world_size: int, rank: int, steps: int) ->
             names = ModuleNames(probe, parts.model)
             groups.ledger.take()  # the build's collectives are not the steps'
             try:
-                with flops:
-                    for i in range(steps):
-                        probe.phase = f"step {i + 1}"
-                        parts.stepper.step()
+                probe.count_flops = True
+                for i in range(steps):
+                    probe.phase = f"step {i + 1}"
+                    parts.stepper.step()
             finally:
                 names.remove()
                 parts.loader.close()
@@ -115,8 +114,8 @@ def rehearse_rank(composed: Composed, world_size: int, rank: int, steps: int) ->
     finally:  # the process may rehearse another rank after this one
         uninstall()
         dist.destroy_process_group()
-    return RankReport(rank, dict(groups.coords), probe.peak, dict(probe.peak_by_kind), probe.peak_where,
-                      dict(probe.kernels), probe.squares, probe.syncs, comm, int(flops.get_total_flops()),
+    return RankReport(rank, dict(groups.coords), probe.peak, dict(probe.peak_by_kind), probe.peak_where, probe.largest,
+                      dict(probe.kernels), probe.squares, probe.syncs, comm, probe.flops,
                       time.perf_counter() - t0, steps)
 
 

@@ -1,0 +1,115 @@
+"""The memory model checked at scale: published and common layouts rehearsed (mpformer-rehearse) on an
+H100 80GB target, each rank's rehearsed peak beside the memory model's (autoconfig/memory.py).
+
+    python benchmarks/bench_rehearsal.py [--only NAME ...] [--json benchmarks/results/rehearsal_memory.json]
+
+Layouts: Korthikanti et al.'s GPT 22B-1T (Table 3 of "Reducing Activation Recomputation", tp=8, SP,
+selective recompute, pipeline as published), Llama 3 405B at the Llama 3 paper's 8,192-GPU layout,
+Llama 3 8B under ZeRO-3 (torchtitan's FSDP row), Llama 3 8B at cp=2, Llama 3 70B interleaved, and
+GPT-3 175B under ZeRO-1. Each layout's first and last pipeline stage is rehearsed (tp rank 0), one step.
+What the rehearsal counts and the model predicts are the tensors' live bytes; neither counts the CUDA
+context, NCCL's buffers or the allocator's fragmentation (rehearsal/devices.py holds those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, write_json  # noqa: E402
+
+GPT = ["model=gpt2", "model.activation=gelu_tanh", "model.attention_bias=true", "model.mlp_bias=true",
+       "model.tie_embeddings=false", "model.vocab_size=51200", "model.max_position_embeddings=2048",
+       "train.seq_length=2048", "parallel.sequence_parallel=true", "parallel.recompute=selective"]
+
+
+def _gpt(layers: int, hidden: int, heads: int) -> list[str]:
+    return [*GPT, f"model.num_layers={layers}", f"model.hidden_size={hidden}", f"model.num_attention_heads={heads}",
+            f"model.ffn_hidden_size={4 * hidden}"]
+
+
+LLAMA3 = ["model=llama3-8b", "model.max_position_embeddings=131072"]
+L70 = [*LLAMA3, "model.num_layers=80", "model.hidden_size=8192", "model.ffn_hidden_size=28672",
+       "model.num_attention_heads=64"]
+L405 = [*LLAMA3, "model.num_layers=126", "model.hidden_size=16384", "model.ffn_hidden_size=53248",
+        "model.num_attention_heads=128"]
+LAYOUTS = {  # name -> overrides (bf16 everywhere)
+    "gpt 22B tp8 (Korthikanti)": [*_gpt(48, 6144, 64), "parallel.tp=8", "parallel.dp=1",
+                                  "train.global_batch_size=4", "train.micro_batch_size=4"],
+    "gpt 175B tp8 pp8 (Korthikanti)": [*_gpt(96, 12288, 96), "parallel.tp=8", "parallel.pp=8", "parallel.dp=1",
+                                       "train.global_batch_size=64", "train.micro_batch_size=1"],
+    "gpt 530B tp8 pp35 (Korthikanti)": [*_gpt(105, 20480, 128), "parallel.tp=8", "parallel.pp=35", "parallel.dp=1",
+                                        "train.global_batch_size=280", "train.micro_batch_size=1"],
+    "gpt 1T tp8 pp64 (Korthikanti)": [*_gpt(128, 25600, 160), "parallel.tp=8", "parallel.pp=64", "parallel.dp=1",
+                                      "train.global_batch_size=512", "train.micro_batch_size=1"],
+    "llama3 405B tp8 pp16 dp64 (Llama 3)": [*L405, "train.seq_length=8192", "parallel.tp=8", "parallel.pp=16",
+                                            "parallel.dp=64", "parallel.sequence_parallel=true", "parallel.zero=1",
+                                            "parallel.recompute=full", "train.global_batch_size=2048",
+                                            "train.micro_batch_size=1"],
+    "llama3 8B zero3 dp8 (torchtitan)": [*LLAMA3, "train.seq_length=8192", "parallel.dp=8", "parallel.zero=3",
+                                         "parallel.recompute=selective", "train.global_batch_size=16",
+                                         "train.micro_batch_size=2"],
+    "llama3 8B cp2 dp4 zero1": [*LLAMA3, "train.seq_length=32768", "parallel.cp=2", "parallel.dp=4",
+                                "parallel.zero=1", "parallel.recompute=selective", "train.global_batch_size=8",
+                                "train.micro_batch_size=1"],
+    "llama3 70B tp8 pp4 vpp2 interleaved": [*L70, "train.seq_length=8192", "parallel.tp=8", "parallel.pp=4",
+                                            "parallel.vpp=2", "parallel.schedule=interleaved", "parallel.dp=2",
+                                            "parallel.sequence_parallel=true", "parallel.zero=1",
+                                            "parallel.recompute=selective", "train.global_batch_size=16",
+                                            "train.micro_batch_size=1"],
+    "gpt 175B tp8 pp8 dp4 zero1 full": [*_gpt(96, 12288, 96), "parallel.tp=8", "parallel.pp=8", "parallel.dp=4",
+                                        "parallel.zero=1", "parallel.recompute=full", "train.global_batch_size=64",
+                                        "train.micro_batch_size=2"],
+}
+
+
+def ranks_of(overrides: list[str]) -> list[int]:
+    """The first and the last pipeline stage's tp rank 0 (dp 0, cp 0)."""
+    from mpformer.cli.compose import compose_config
+    from mpformer.cli.rehearse import world_size_of
+    from mpformer.training.preflight import preflight_rehearsal
+
+    composed = compose_config(overrides)
+    layout = preflight_rehearsal(composed, world_size_of(composed.cfg)).layout
+    topo = layout.topology
+    return sorted({topo.rank(pp=0, dp=0, cp=0, tp=0), topo.rank(pp=layout.pp - 1, dp=0, cp=0, tp=0)})
+
+
+def main() -> int:
+    from mpformer.cli.compose import compose_config
+    from mpformer.cli.rehearse import rehearse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="layouts whose name contains one of these")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    names = [n for n in LAYOUTS if not args.only or any(o in n for o in args.only)]
+    rows, t0 = [], time.perf_counter()
+    print(f"{'layout':<40} {'rank':>5} {'stage':>5} {'rehearsed GB':>12} {'model GB':>9} {'model/rehearsed':>15} "
+          f"{'activations GB':>14}  where (rehearsed)  [where (model)]  s", flush=True)
+    for name in names:
+        overrides = [*LAYOUTS[name], "train.precision=bf16", "rehearse.device=h100-80gb",
+                     f"rehearse.ranks=[{','.join(map(str, ranks_of(LAYOUTS[name])))}]"]
+        start = time.perf_counter()
+        out = rehearse(compose_config(overrides), overrides)
+        for r in out["ranks"]:
+            ratio = r["predicted_peak_bytes"] / r["peak_bytes"]
+            rows.append({"layout": name, "overrides": LAYOUTS[name], "world_size": out["world_size"], **r,
+                         "ratio": ratio})
+            print(f"{name:<40} {r['rank']:>5} {r['coords']['pp']:>5} {r['peak_bytes'] / 1e9:12.2f} "
+                  f"{r['predicted_peak_bytes'] / 1e9:9.2f} {ratio:15.3f} {r['peak_by_kind']['activations'] / 1e9:14.2f}"
+                  f"  {r['peak_where']}  [{r['predicted_where']}]  {time.perf_counter() - start:.0f}", flush=True)
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    print(f"{len(rows)} ranks of {len(names)} layouts; the model within {100 * worst:.1f}% of every rehearsed peak; "
+          f"{time.perf_counter() - t0:.0f} s; cpu {environment()['cpu_model']}")
+    if args.json:
+        write_json(args.json, {"device": "h100-80gb", "rows": rows, "worst_relative_error": worst})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
