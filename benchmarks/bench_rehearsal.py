@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, write_json  # noqa: E402
+from common import environment, write_json
 
 GPT = ["model=gpt2", "model.activation=gelu_tanh", "model.attention_bias=true", "model.mlp_bias=true",
        "model.tie_embeddings=false", "model.vocab_size=51200", "model.max_position_embeddings=2048",
