@@ -46,7 +46,9 @@ LAYOUTS = {  # name -> overrides (bf16 everywhere)
                                         "train.global_batch_size=280", "train.micro_batch_size=1"],
     "gpt 1T tp8 pp64 (Korthikanti)": [*_gpt(128, 25600, 160), "parallel.tp=8", "parallel.pp=64", "parallel.dp=1",
                                       "train.global_batch_size=512", "train.micro_batch_size=1"],
+    # the Llama 3 paper: one layer fewer on the first and the last stage (126 = 7 + 14 x 8 + 7)
     "llama3 405B tp8 pp16 dp64 (Llama 3)": [*L405, "train.seq_length=8192", "parallel.tp=8", "parallel.pp=16",
+                                            f"parallel.pp_split=[7,{','.join(['8'] * 14)},7]",
                                             "parallel.dp=64", "parallel.sequence_parallel=true", "parallel.zero=1",
                                             "parallel.recompute=full", "train.global_batch_size=2048",
                                             "train.micro_batch_size=1"],

@@ -12,6 +12,26 @@ from torch import nn
 from mpformer.parallel.device import DeviceLike
 
 _aten = torch.ops.aten
+# torch's fused RMSNorm forward (aten._fused_rms_norm: output and 1/rms) is 2.8's (pytorch PR 153666);
+# pyproject's floor is older: there the same two results come from plain ops (``_rms_norm_stats``).
+FUSED_RMS_NORM = hasattr(_aten, "_fused_rms_norm")
+
+
+def _rms_norm_stats(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, 1/rms)`` as aten._fused_rms_norm gives them: statistics in fp32 (fp64 for fp64), the output in
+    x's dtype, multiplied by ``weight`` when given."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+    out = (x.to(acc) * rstd).to(x.dtype)
+    return (out * weight if weight is not None else out), rstd
+
+
+def rms_norm_stats(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused kernel where this torch has it (``fused``: force a path, for tests)."""
+    if FUSED_RMS_NORM if fused is None else fused:
+        return _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+    return _rms_norm_stats(x, weight, eps)
 
 
 def _apex_norm(kind: str):  # pragma: no cover - apex is not installable on CPU machines
@@ -36,7 +56,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         same = weight.dtype == x.dtype
-        out, rstd = _aten._fused_rms_norm(x, [x.shape[-1]], weight if same else None, eps)
+        out, rstd = rms_norm_stats(x, weight if same else None, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out if same else weight * out
 

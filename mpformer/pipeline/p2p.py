@@ -22,9 +22,11 @@ class Pending:
     """Outstanding work of a posted group: the tensors it reads or writes stay referenced until
     ``wait`` returns; the time ``wait`` blocks is the ledger's ``pp.wait``."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor], ledger: CommLedger | None = None) -> None:
+    def __init__(self, works: list, tensors: list[torch.Tensor], ledger: CommLedger | None = None,
+                 instant: bool = False) -> None:
         self.works, self.tensors, self.ledger = works, tensors, ledger
         self.done = not works
+        self.instant = instant  # a rehearsal's fake transfers: done once posted (their work never says so)
 
     def wait(self) -> None:
         if not self.done:
@@ -33,6 +35,13 @@ class Pending:
             else:
                 self.ledger.blocked("pp.wait", self._wait_all)
             self.done, self.tensors = True, []
+
+    def poll(self) -> bool:
+        """Whether the work is done, without waiting (NCCL: an event query, no host sync); once it is, its
+        tensors are let go (a send's activation or gradient need not live to the end of the step)."""
+        if not self.done and (self.instant or all(w.is_completed() for w in self.works)):
+            self.done, self.tensors = True, []
+        return self.done
 
     def _wait_all(self) -> None:
         for work in self.works:
@@ -70,8 +79,9 @@ class P2P:
             self.ledger.record("pp.send", t.numel() * t.element_size())
         ops += [dist.P2POp(dist.irecv, t, self._global(peer), self.group) for peer, t in recvs]
         works = list(dist.batch_isend_irecv(ops)) if ops else []
-        led = self.ledger
+        led, instant = self.ledger, self.device.type == "meta"
         if len(works) != len(ops):  # a coalesced backend (NCCL) returns one work for the whole group
-            return Pending(works, sent, led), [Pending(works, [t], led) for _, t in recvs]
+            return Pending(works, sent, led, instant), [Pending(works, [t], led, instant) for _, t in recvs]
         n = len(sends)
-        return Pending(works[:n], sent, led), [Pending([w], [t], led) for w, (_, t) in zip(works[n:], recvs)]
+        return (Pending(works[:n], sent, led, instant),
+                [Pending([w], [t], led, instant) for w, (_, t) in zip(works[n:], recvs)])

@@ -123,7 +123,8 @@ class Probe(TorchDispatchMode):
         self.kernels: collections.Counter[str] = collections.Counter()
         self.squares: list[Finding] = []
         self.syncs: list[Finding] = []
-        self.regions: list[str] = []
+        self.regions: list[str] = []  # the open record_function ranges' names, innermost last
+        self._handles: list[object] = []
         self.modules: list[str] = []
         self.phase = "build"
         self.flops, self.count_flops = 0, False
@@ -167,10 +168,16 @@ class Probe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
         kwargs = kwargs or {}
         if func is torch.ops.profiler._record_function_enter_new.default:
+            handle = func(*args, **kwargs)
             self.regions.append(str(args[0]))
-        elif func is torch.ops.profiler._record_function_exit._RecordFunction:
-            if self.regions:
-                self.regions.pop()
+            self._handles.append(handle)
+            return handle
+        if func is torch.ops.profiler._record_function_exit._RecordFunction:
+            # by its handle: an exit whose enter this mode did not see (torch's own ranges) closes nothing
+            for i in range(len(self._handles) - 1, -1, -1):
+                if self._handles[i] is args[0]:
+                    del self._handles[i], self.regions[i]
+                    break
         if is_sync(func, args) and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(args)):
             return self._sync(func, args)
         kernel = ATTENTION_OPS.get(func)
