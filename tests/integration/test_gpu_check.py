@@ -50,3 +50,36 @@ def test_the_wheel_set_covers_what_the_check_imports():
     packages = set(re.findall(r'"[\w.]+": "([\w.-]+)"', need))
     wheels = re.search(r"^GPU_WHEELS\s*:?=(.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
     assert packages <= set(wheels), packages - set(wheels)
+
+
+def _rehearsed_kernels_part() -> dict:
+    """benchmarks/gpu_kernels.py at the size gpu_check.sh runs it, on meta tensors under the rehearsal's probe."""
+    import importlib.util
+
+    from mpformer.rehearsal.probe import FunctionProbe, Probe
+
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "benchmarks" / "gpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    probe = Probe()
+    with probe, FunctionProbe(probe):
+        module.main(["--device", "meta", "--reps", "1"])
+    return {"peak": probe.peak, "kernels": dict(probe.kernels), "squares": probe.squares}
+
+
+def test_every_part_fits_the_gpu_it_runs_on():
+    """Each part rehearsed at its real size on the GPU it targets (an H100 80GB's usable memory): the
+    kernels part's 16k-token layers and oracles (a dense-mask SDPA oracle once took ~96 GiB), and the
+    train part's 1B Llama step (gpu_check.py's run, through pretraining's build)."""
+    from mpformer.rehearsal.devices import gpu_target
+    from mpformer.testing.rehearsal import rehearse_many
+
+    usable = gpu_target("h100-80gb").usable_bytes
+    kernels = _rehearsed_kernels_part()
+    assert kernels["peak"] < usable / 4, kernels["peak"]
+    assert not kernels["squares"] and "math" not in kernels["kernels"], (kernels["squares"][:2], kernels["kernels"])
+    train = ["model=llama-1b", "train.precision=bf16", "train.seq_length=2048", "train.micro_batch_size=4",
+             "train.global_batch_size=8", "parallel.dp=1"]  # gpu_check.py's defaults
+    (rank,) = rehearse_many([(train, 1, 0, None)])
+    assert rank["peak_bytes"] < usable, rank["peak_bytes"]
+    assert set(rank["attention_kernels"]) == {"flash"} and not rank["square_tensors"]
