@@ -48,7 +48,9 @@ lint: venv
 # What benchmarks/gpu_check.sh needs beyond torch on an offline GPU machine (it installs, from .whl/, only
 # those the machine lacks), with everything they require, pinned to the versions installed here; antlr4
 # 4.9 ships only as an sdist and is built. gpu-wheels-check installs the set with --no-index into a
-# clean venv beside the CPU torch and runs the check's dry run there: the set is complete.
+# clean venv beside the CPU torch and runs the check's dry run there: the set is complete. Compiled wheels
+# come for CPython 3.10-3.13 on x86_64 Linux too (a GPU image's Python need not be this one's); a pin with
+# no wheel for one of them is named, and the check on such a Python fails in one line at install.
 GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime PyYAML pytest numpy transformers safetensors
 WHEEL_VENV ?= /tmp/mpformer-wheel-venv
 
@@ -57,6 +59,10 @@ gpu-wheels: venv
 	$(BIN)/python benchmarks/gpu_wheels.py $(GPU_WHEELS) > .whl/requirements.txt
 	grep -v '^antlr4' .whl/requirements.txt | xargs $(BIN)/python -m pip download --quiet --no-deps \
 		--only-binary=:all: -d .whl
+	for v in 3.10 3.11 3.12 3.13; do grep -v '^antlr4' .whl/requirements.txt | xargs $(BIN)/python -m pip download \
+		--quiet --no-deps --only-binary=:all: --python-version $$v --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+		|| echo "gpu-wheels: some pins have no CPython $$v wheel (a GPU image on $$v needs them installed)"; done
 	$(BIN)/python -m pip wheel --quiet --no-deps -w .whl $$(grep '^antlr4' .whl/requirements.txt)
 	du -sh .whl
 

@@ -117,9 +117,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a dry run of this script's plumbing (use a tiny --model), no MFU or memory")
     args = p.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check.py: no CUDA device visible; nothing to measure")
-        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():  # a check that checked nothing must not pass
+        print("gpu_check.py: no CUDA device visible; nothing measured (--device cpu runs the dry run)", file=sys.stderr)
+        return 2
     from mpformer.autoconfig.memory import Workload, plan_memory
     from mpformer.cli.compose import compose_config
     from mpformer.core.model_config import model_flops_per_step

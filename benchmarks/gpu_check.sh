@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The prepared GPU check: four parts, each with its own timeout (at most 420 s together, under 8 minutes
-# with the start), each writing its log and JSON under OUT, and OUT/summary.json over all of them:
+# The prepared GPU check: four parts, each with its own timeout (benchmarks/gpu_budget.json, derived from
+# each part's rehearsed FLOPs and bytes: 334 s together, under 7 minutes with the start), each writing
+# its log and JSON under OUT as it ends, and OUT/summary.json over all of them:
 #
 #   tests     the tests marked gpu: HF parity on cuda, cuda against cpu, flash attention, bf16 training,
 #             deterministic resume, pinned loading, offload's copies (tests/gpu/test_cuda.py) and the
 #             block kernels on CUDA's fused ops, the merged log-sum-exp, no host sync in the fused cross
-#             entropy, RMSNorm's saved bytes (tests/gpu/test_cuda_kernels.py)            150 s
+#             entropy, RMSNorm's saved bytes (tests/gpu/test_cuda_kernels.py)
 #   train     a 1B Llama, bf16, 30 steps, no checkpoint: MFU, peak memory, each beside the cost and
-#             memory models' prediction (benchmarks/gpu_check.py)                          150 s
+#             memory models' prediction (benchmarks/gpu_check.py)
 #   kernels   one cp=2 ring rank's attention blocks and a document-masked layer at 16k tokens against
-#             SDPA: time, parity, the cost model's time (benchmarks/gpu_kernels.py)         60 s
-#   offload   activation offload's peak and step time on one pipeline rank (bench_offload.py)  60 s
+#             SDPA: time, parity, the cost model's time (benchmarks/gpu_kernels.py)
+#   offload   activation offload's peak and step time on one pipeline rank (bench_offload.py)
 #
 #   bash benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]
 #
@@ -47,13 +48,25 @@ else
   fi
 fi
 
-# The modules the check imports, by the package that provides them.
+# The modules the check imports, by the package that provides them; with .whl/ there, every distribution
+# of its pinned closure (.whl/requirements.txt: those packages and all they require) that this Python
+# lacks, so a package installed from it arrives with its dependencies.
 missing() {
   "$PY" - <<'EOF'
-import importlib.util
+import importlib.metadata, importlib.util, pathlib, re
 need = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML",
         "pytest": "pytest", "numpy": "numpy", "transformers": "transformers", "safetensors": "safetensors"}
-print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+lack = [pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None]
+pins = pathlib.Path(".whl/requirements.txt")
+if lack and pins.is_file():
+    lack = []
+    for line in pins.read_text().split():
+        name = re.split(r"[=<>]", line)[0]
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            lack.append(line)
+print(" ".join(lack))
 EOF
 }
 lack="$(missing)"
@@ -63,8 +76,10 @@ if [ -n "$lack" ]; then
          "carry .whl/ here" >&2
     exit 2
   fi
+  # Each lacking distribution of the closure at its pin: its dependencies are in that list or already here.
   "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target /tmp/mpformer-site $lack \
-    || { echo "gpu_check: installing $lack from .whl/ failed (pip's error above); run make gpu-wheels again" >&2; exit 2; }
+    || { echo "gpu_check: installing $lack from .whl/ failed (pip's error above; make gpu-wheels fetches" \
+              "CPython 3.10-3.13 wheels, this is $("$PY" -c 'import sys; print(sys.version.split()[0])'))" >&2; exit 2; }
   export PYTHONPATH="/tmp/mpformer-site${PYTHONPATH:+:$PYTHONPATH}"
   lack="$(missing)"
   [ -z "$lack" ] || { echo "gpu_check: still missing after .whl/: $lack; add them to make gpu-wheels" >&2; exit 2; }
@@ -93,10 +108,13 @@ part() {  # name, seconds, command...: its log under OUT, its rc and time for th
   tail -n 25 "$OUT/$name.log"
   parts+=("$name:$rc:$(( $(date +%s) - t0 ))")
 }
-part tests 150 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
-part train 150 "$PY" benchmarks/gpu_check.py "${TRAIN[@]}" --json "$OUT/train.json"
-part kernels 60 "$PY" benchmarks/gpu_kernels.py "${KERNELS[@]}" --json "$OUT/kernels.json"
-part offload 60 "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}" --json "$OUT/offload.json"
+# Each part's timeout: its work rehearsed here, at an H100's rates with a stated margin (gpu_budget.py,
+# which writes gpu_budget.json; tests/integration/test_gpu_check.py keeps the two in step).
+budget() { "$PY" -c "import json, sys; print(json.load(open('benchmarks/gpu_budget.json'))['parts'][sys.argv[1]]['seconds'])" "$1"; }
+part tests "$(budget tests)" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+part train "$(budget train)" "$PY" benchmarks/gpu_check.py "${TRAIN[@]}" --json "$OUT/train.json"
+part kernels "$(budget kernels)" "$PY" benchmarks/gpu_kernels.py "${KERNELS[@]}" --json "$OUT/kernels.json"
+part offload "$(budget offload)" "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}" --json "$OUT/offload.json"
 
 "$PY" - "$OUT" "$DRY" "${parts[@]}" <<'EOF'
 import json, subprocess, sys

@@ -83,3 +83,18 @@ def test_every_part_fits_the_gpu_it_runs_on():
     (rank,) = rehearse_many([(train, 1, 0, None)])
     assert rank["peak_bytes"] < usable, rank["peak_bytes"]
     assert set(rank["attention_kernels"]) == {"flash"} and not rank["square_tensors"]
+
+
+def test_each_parts_timeout_is_the_one_its_rehearsed_work_gives():
+    """gpu_check.sh's timeouts come from gpu_budget.json, and that file is what gpu_budget.py derives from
+    the parts' rehearsed FLOPs and bytes now: a part made bigger without its budget fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_budget", ROOT / "benchmarks" / "gpu_budget.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    derived = {name: p["seconds"] for name, p in module.budgets()["parts"].items()}
+    committed = {name: p["seconds"] for name, p in json.loads((ROOT / "benchmarks" / "gpu_budget.json").read_text())
+                 ["parts"].items()}
+    assert derived == committed, (derived, committed)
+    assert "budget train" in SCRIPT.read_text() and sum(derived.values()) < 420  # the device's 10-minute call

@@ -1,0 +1,97 @@
+"""Each part of gpu_check.sh gets its timeout from its work, rehearsed: FLOPs and bytes at the GPU's rates.
+
+    python benchmarks/gpu_budget.py [--write]     (writes benchmarks/gpu_budget.json, which gpu_check.sh reads)
+
+    train     the 1B run's step rehearsed (mpformer-rehearse, rank 0: its FLOPs and its model-state
+              bytes, read and written about four times a step by the optimizer and the casts), times
+              the steps, plus the bf16 peak GEMM measurement and the sustained-GEMM seconds
+    kernels   gpu_kernels.py run on meta tensors under the rehearsal's probe: every attention and GEMM
+              FLOP of its cases at their repetitions
+    offload   bench_offload.py's rank: 6 N T per micro-batch (N the rank's layers' parameters, T its
+              tokens), three modes of ``steps + 1`` steps of ``microbatches`` micro-batches
+    tests     not derived: pytest's start and HF models' build dominate (a fixed 150 s)
+
+    seconds = START + work / (rate x EFFICIENCY) x MARGIN
+
+with the H100 preset's dense bf16 rate and memory bandwidth (configs/cluster/dgx-h100.yaml), an
+efficiency floor of 0.25 (these runs reach 0.3-0.5 of peak: the published H100 MFUs), START the
+process's start (torch import, CUDA context, model build: 40 s) and MARGIN 2. An H200 is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "gpu_budget.json"
+EFFICIENCY, MARGIN, START = 0.25, 2.0, 40.0
+TRAIN = ["model=llama-1b", "train.precision=bf16", "train.seq_length=2048", "train.micro_batch_size=4",
+         "train.global_batch_size=8", "parallel.dp=1"]  # gpu_check.py's defaults
+TRAIN_STEPS, SUSTAIN_S, GEMM_CHECK_FLOPS = 30, 20.0, 13 * 2 * 8192**3  # 3 warm-up + 10 timed 8192^3 GEMMs
+OFFLOAD = {"pp": 4, "microbatches": 8, "steps": 3, "layers": 16, "hidden": 1024, "vocab": 32000, "seq": 2048,
+           "batch": 2}  # bench_offload.py's defaults
+
+
+def _seconds(flops: float, nbytes: float, rates: dict) -> float:
+    work = flops / (rates["flops"] * EFFICIENCY) + nbytes / (rates["bandwidth"] * EFFICIENCY)
+    return round(START + work * MARGIN)
+
+
+def _kernels_flops() -> int:
+    import importlib.util
+
+    from mpformer.rehearsal.probe import FunctionProbe, Probe
+
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "benchmarks" / "gpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    probe = Probe()
+    probe.count_flops = True
+    with probe, FunctionProbe(probe):
+        module.main(["--device", "meta"])
+    return probe.flops
+
+
+def budgets() -> dict:
+    import yaml
+
+    from mpformer.core.model_config import ModelConfig
+    from mpformer.testing.rehearsal import rehearse_many
+
+    preset = yaml.safe_load((ROOT / "configs" / "cluster" / "dgx-h100.yaml").read_text())
+    rates = {"flops": float(preset["peak_flops"]["bf16"]), "bandwidth": float(preset["memory_bandwidth"])}
+    (train,) = rehearse_many([(TRAIN, 1, 0, None)])
+    state = sum(train["peak_by_kind"][k] for k in ("weights", "grads", "master", "optimizer"))
+    train_s = _seconds(train["flops"] * TRAIN_STEPS + GEMM_CHECK_FLOPS, 4 * state * TRAIN_STEPS, rates) + SUSTAIN_S
+    kernels_flops = _kernels_flops()
+    o = OFFLOAD
+    cfg = ModelConfig(arch="llama", num_layers=o["layers"] // o["pp"], hidden_size=o["hidden"],
+                      num_attention_heads=16, vocab_size=o["vocab"], max_position_embeddings=o["seq"])
+    offload_flops = 6 * cfg.num_params() * o["batch"] * o["seq"] * o["microbatches"] * (o["steps"] + 1) * 3
+    return {"about": __doc__.split("\n\n")[0], "efficiency": EFFICIENCY, "margin": MARGIN, "start_s": START,
+            "rates": rates, "parts": {
+                "tests": {"seconds": 150, "derived": False},
+                "train": {"seconds": int(train_s), "flops_per_step": train["flops"], "state_bytes": state,
+                          "steps": TRAIN_STEPS, "sustain_s": SUSTAIN_S},
+                "kernels": {"seconds": int(_seconds(kernels_flops, 0, rates)), "flops": kernels_flops},
+                "offload": {"seconds": int(_seconds(offload_flops, 0, rates)), "flops": offload_flops}}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help=f"write {OUT.relative_to(ROOT)}")
+    args = ap.parse_args()
+    b = budgets()
+    for name, p in b["parts"].items():
+        print(f"{name:<8} {p['seconds']:>5} s" + ("" if p.get("derived", True) else "  (fixed)"))
+    print(f"total    {sum(p['seconds'] for p in b['parts'].values()):>5} s")
+    if args.write:
+        OUT.write_text(json.dumps(b, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
