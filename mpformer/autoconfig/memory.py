@@ -59,7 +59,7 @@ from mpformer.autoconfig.layer_memory import (
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, parts_gathered, zero3_extras
 from mpformer.autoconfig.step_memory import Peak, Reduction, Unit, walk
 from mpformer.core.buffers import zero3_groups
-from mpformer.core.layout import ParallelLayout, ulysses_degree
+from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 from mpformer.optim.engine import MAX_IN_FLIGHT
@@ -373,6 +373,16 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         held = 16.0 * n / (n_d if L.zero >= 1 else 1) if runtime.overlap_validation else 0.0
         peak = walk(units, red, state=state + held, kept=kept, head_forward=head_forward, micro=micro,
                     offloaded=copying)
+        if red.stage < 2 and micro > 1 and L.schedule not in SPLIT_BACKWARD and runtime.name == MPFORMER.name:
+            # Stages 0-1 reduce in the step's last micro-batch's backward only (the engine's no_sync), and
+            # then no other micro-batch is in flight on the rank: its peak in flight meets no reduction,
+            # the reductions meet only the last micro-batch (a rehearsal of GPT-3 175B, ZeRO-1, full
+            # recompute, found the two counted together 5% high).
+            during = walk(units, replace(red, dp=1), state=state + held, kept=kept, head_forward=head_forward,
+                          micro=micro, offloaded=copying)
+            last = walk(units, red, state=state + held, kept=io + pending, head_forward=head_forward, micro=micro,
+                        offloaded=copying)
+            peak = during if during.live >= last.live else last
         # The step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
         if runtime.post_validation and not runtime.overlap_validation:
             copy = state + 12.0 * n / (n_d if L.zero >= 1 else 1)

@@ -15,6 +15,7 @@ torch.distributed meanwhile (cli/rehearse.py runs ranks in processes of their ow
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class RankReport:
     flops: int
     elapsed_s: float
     steps: int
+    host_peak_bytes: int  # this process's peak resident memory (the rehearsal's own cost on the host)
     predicted: dict = field(default_factory=dict)  # report.py fills it from the memory model
 
     def to_dict(self) -> dict:
@@ -49,7 +51,8 @@ class RankReport:
                 "attention_kernels": self.attention_kernels,
                 "square_tensors": [f.to_dict() for f in self.square_tensors],
                 "host_syncs": [f.to_dict() for f in self.host_syncs], "comm_bytes": self.comm_bytes,
-                "flops": self.flops, "elapsed_s": self.elapsed_s, "steps": self.steps, **self.predicted}
+                "flops": self.flops, "elapsed_s": self.elapsed_s, "steps": self.steps,
+                "host_peak_bytes": self.host_peak_bytes, **self.predicted}
 
 
 def _lengths_and_widths(spec) -> tuple[set[int], set[int]]:
@@ -116,7 +119,7 @@ def rehearse_rank(composed: Composed, world_size: int, rank: int, steps: int) ->
         dist.destroy_process_group()
     return RankReport(rank, dict(groups.coords), probe.peak, dict(probe.peak_by_kind), probe.peak_where, probe.largest,
                       dict(probe.kernels), probe.squares, probe.syncs, comm, probe.flops,
-                      time.perf_counter() - t0, steps)
+                      time.perf_counter() - t0, steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 __all__ = ["KINDS", "REPORT", "RankReport", "rehearse_rank"]
