@@ -67,9 +67,25 @@ def _seen(t: Block, window: int | None, device: torch.device) -> torch.Tensor | 
     return seen
 
 
+_M64 = 2**64 - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def tile_seed(seed: int, q_pos: int, k_pos: int) -> int:
+    """The generator seed of the tile at (q_pos, k_pos): each position chained through a bijection, so
+    distinct tiles get distinct seeds at any length (``q * 65537 + k`` repeated once k passed 65536)."""
+    return _mix(_mix(_mix(seed & _M64) ^ q_pos) ^ k_pos) % 2**63
+
+
 def _keep(seed: int, t: Block, shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
     """The tile's dropout keep-mask scaled by 1/(1-p), the same on every call with this seed."""
-    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + t.q_pos * 65_537 + t.k_pos) % 2**63)
+    g = torch.Generator(device=device).manual_seed(tile_seed(seed, t.q_pos, t.k_pos))
     r = torch.rand(shape, generator=g, device=device)
     return r.ge_(p).div_(1.0 - p)  # in place: one tile-sized tensor
 

@@ -98,3 +98,11 @@ def test_each_parts_timeout_is_the_one_its_rehearsed_work_gives():
                  ["parts"].items()}
     assert derived == committed, (derived, committed)
     assert "budget train" in SCRIPT.read_text() and sum(derived.values()) < 420  # the device's 10-minute call
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_the_train_part_fails_without_a_gpu():
+    """gpu_check.py asked for CUDA where there is none exits non-zero (it returned 0, having measured nothing)."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "no CUDA device visible" in res.stderr

@@ -30,6 +30,7 @@ KINDS = {  # attention kind -> (overrides, world size, ranks)
     "window+dropout+documents": (["model.sliding_window=3000", "model.attention_dropout=0.1",
                                   "data.document_mask=true", "data.eos_token_id=0"], 1, [0]),
     "token slices": (["parallel.pp=2", "parallel.pp_token_slices=2", "parallel.schedule=1f1b"], 2, [0, 1]),
+    "token slices+dropout": (["parallel.pp=2", "parallel.pp_token_slices=2", "model.attention_dropout=0.1"], 2, [1]),
     "cp ring": (["parallel.cp=2", "parallel.cp_kind=ring"], 2, [1]),
     "cp all-gather": (["parallel.cp=2", "parallel.cp_kind=allgather", "model.sliding_window=3000"], 2, [1]),
     "cp ulysses": (["parallel.cp=2", "parallel.cp_kind=ulysses"], 2, [0]),

@@ -70,3 +70,15 @@ def test_a_seed_gives_the_same_masks_and_the_rate_is_p():
     assert torch.equal(a, b)
     assert abs(float((a == 0).float().mean()) - 0.25) < 0.03
     assert not torch.equal(a, dropout_tiles._keep(8, t, (1, 1, 64, 64), 0.25, torch.device("cpu")))
+
+
+def test_tile_seeds_do_not_repeat_past_64k_positions():
+    """Every tile of a 256k-token sequence gets its own seed (the earlier q * 65537 + k sent tiles to one
+    generator once k passed 65536: (0, 65537) and (1, 0), for one)."""
+    from mpformer.context_parallel.dropout_tiles import tile_seed
+
+    tiles = [(q, k) for q in range(0, 262144, 512) for k in range(0, q + 1, 4096)]
+    seeds = {tile_seed(7, q, k) for q, k in tiles}
+    assert len(seeds) == len(tiles)
+    assert tile_seed(7, 0, 65537) != tile_seed(7, 1, 0)  # a pair the old seed sent to one generator
+    assert (7 * 1_000_003 + 0 * 65_537 + 65_537) % 2**63 == (7 * 1_000_003 + 1 * 65_537 + 0) % 2**63
