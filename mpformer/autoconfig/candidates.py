@@ -40,6 +40,9 @@ class Candidate:
     micro_batch_size: int
     memory_bytes: float
     time: Breakdown
+    # autoconfig.rehearse: its most loaded rank run on the cluster's GPU (cli/rehearse.py rehearse_plans):
+    # {"rank", "peak_bytes", "device", "usable_bytes"}; None when not rehearsed
+    rehearsed: dict[str, Any] | None = None
 
     def plan(self) -> dict[str, Any]:
         return {k: self.micro_batch_size if k == "micro_batch_size" else getattr(self.layout, k) for k in PLAN_FIELDS}

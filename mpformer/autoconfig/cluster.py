@@ -3,11 +3,17 @@
 A cluster is a preset in configs/cluster/NAME.yaml (vendor data-sheet numbers; local-cpu from a
 measured profile) with the node count chosen per search. Bandwidths are bytes/s per device per
 direction: intra-node (NVLink, or loopback for local-cpu) and inter-node (one NIC per GPU).
+
+Memory: ``memory_gb`` is the device's total as the driver reports it; what a plan's tensors may take
+(``usable_bytes``) is that less the CUDA context (``context_gb``), NCCL's buffers (``nccl_gb``) and a
+reserve for the caching allocator (``reserve_fraction`` of the device), each stated with its source in
+the preset. The memory model (memory.py) predicts the tensors; the preset says what they may fill.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +27,7 @@ class Cluster:
     devices_per_node: int
     nodes: int
     peak_flops: dict[str, float]  # dtype -> dense FLOP/s per device
-    memory_gb: float  # per device; a CPU host's (``cores`` set) total, shared by its ranks
+    memory_gb: float  # per device, as the driver reports it; a CPU host's (``cores`` set) total, shared by its ranks
     memory_bandwidth: float  # bytes/s
     intra_bandwidth: float
     intra_latency: float
@@ -46,6 +52,10 @@ class Cluster:
     # 0: no host link (a CPU host: its memory is the device's).
     host_bandwidth: float = 0.0
     host_memory_gb: float = 0.0  # a node's host memory, which offloaded activations share; 0: not checked
+    # What the device holds besides the plan's tensors (per process; each figure's source in the preset):
+    context_gb: float = 0.0  # the CUDA context and the cuBLAS/cuDNN handles and workspaces (CPU: torch itself)
+    nccl_gb: float = 0.0  # NCCL's buffers over the run's communicators
+    reserve_fraction: float = 0.0  # of the device: what the caching allocator's fragmentation keeps from use
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -56,6 +66,18 @@ class Cluster:
     def memory_bytes(self) -> float:
         """Per device. A CPU host (``cores`` set) shares its memory among the ranks on it."""
         return self.memory_gb * 1e9 / (self.devices_per_node if self.cores else 1)
+
+    @property
+    def usable_bytes(self) -> float:
+        """What one process's tensors may take: the device's memory less the context, NCCL's buffers and
+        the allocator's reserve. Plans are fitted against this (fit.py)."""
+        return self.memory_bytes * (1 - self.reserve_fraction) - (self.context_gb + self.nccl_gb) * 1e9
+
+    def memory_note(self) -> str:
+        """The usable figure and what it leaves out, in one line (tables and errors)."""
+        return (f"{self.usable_bytes / 1e9:.1f} GB usable of {self.memory_bytes / 1e9:.1f} GB per device, less "
+                f"context {self.context_gb:g} GB, NCCL {self.nccl_gb:g} GB, allocator reserve "
+                f"{self.reserve_fraction:.0%}")
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -76,7 +98,8 @@ class Cluster:
 
 
 OPTIONAL = ("cores", "profile", "sm_count", "gemm_fraction", "gemm_measured", "stream_fraction", "attention_fraction",
-            "launch_s", "bus_fraction", "comm_sms", "host_bandwidth", "host_memory_gb")
+            "launch_s", "bus_fraction", "comm_sms", "host_bandwidth", "host_memory_gb", "context_gb", "nccl_gb",
+            "reserve_fraction")
 
 
 def cluster_dir() -> Path:
@@ -131,5 +154,14 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
     if not isinstance(held, int) or held < 0 or (held and (not sms or held >= sms)):
         raise ConfigError(f"cluster file {path}: comm_sms={held!r} must be a whole number >= 0 and below "
                           f"sm_count ({sms})")
+    for key in ("memory_gb", "context_gb", "nccl_gb", "reserve_fraction"):
+        v = raw.get(key, 0.0)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"cluster file {path}: {key}={v!r} must be a finite number >= 0")
+    if raw.get("reserve_fraction", 0.0) >= 1:
+        raise ConfigError(f"cluster file {path}: reserve_fraction={raw['reserve_fraction']!r} must be below 1 "
+                          "(a fraction of the device)")
     cluster = Cluster(**{k: v for k, v in raw.items()}, measured=measured)
+    if cluster.usable_bytes <= 0:
+        raise ConfigError(f"cluster file {path}: nothing is left for tensors: {cluster.memory_note()}")
     return cluster.with_nodes(nodes) if nodes is not None else cluster

@@ -90,11 +90,11 @@ def baseline_plan(model: ModelConfig, cluster: Cluster, workload: Workload, *, d
     need = 0.0
     for rec in RECOMPUTE_ORDER:
         need = max(s.total for s in plan_memory(model, replace(layout, recompute=rec), w, device=device))
-        if need <= cluster.memory_bytes:
+        if need <= cluster.usable_bytes:
             c = evaluate_plan(model, replace(layout, recompute=rec), w, cluster, device)
             return Baseline(c, f"{why}, recompute={rec}: the least that fits")
     return Baseline(None, f"none fits: tp={tp} pp={pp} dp={dp} needs {need / 1e9:.1f} GB per device even "
-                          f"with full recompute ({cluster.memory_bytes / 1e9:.3g} GB on {cluster.name})")
+                          f"with full recompute ({cluster.usable_bytes / 1e9:.3g} GB usable on {cluster.name})")
 
 
 def _values(c: Candidate) -> dict[str, Any]:
@@ -163,6 +163,9 @@ class Explanation:
                                 for r in c.rows],
                       "iteration_time_s": _pair(t, c.other.time.iteration_s),
                       "memory_gb_per_device": _pair(self.chosen.memory_bytes / 1e9, c.other.memory_bytes / 1e9),
+                      "memory_rehearsed_gb_per_device": _pair(*(None if x.rehearsed is None else
+                                                                x.rehearsed["peak_bytes"] / 1e9
+                                                                for x in (self.chosen, c.other))),
                       "microbatches": _pair(va["microbatches"], vb["microbatches"])}
             out.append(d)
         return {"chosen": self.chosen.plan(), "comparisons": out}
@@ -232,6 +235,9 @@ def _table(chosen: Candidate, c: Comparison):
     table.add_row("iteration (total)", _num(t), _num(t1), _diff(t1 - t, t), f"{100 * (t1 - t) / t:+.1f}%")
     ma, mb = chosen.memory_bytes / 1e9, c.other.memory_bytes / 1e9
     table.add_row("memory (GB per device)", f"{ma:.1f}", f"{mb:.1f}", f"{mb - ma:+.1f}", "")
+    if chosen.rehearsed and c.other.rehearsed:  # autoconfig.rehearse: the most loaded rank run on the GPU
+        ra, rb = chosen.rehearsed["peak_bytes"] / 1e9, c.other.rehearsed["peak_bytes"] / 1e9
+        table.add_row("memory rehearsed (GB)", f"{ra:.1f}", f"{rb:.1f}", f"{rb - ra:+.1f}", "")
     na, nb = _values(chosen)["microbatches"], _values(c.other)["microbatches"]
     if na is not None and nb is not None:
         table.add_row("micro-batches", str(na), str(nb), f"{nb - na:+d}", "")

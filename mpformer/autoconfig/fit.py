@@ -73,7 +73,7 @@ def fits(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult
     stages = plan_memory(model, L, w, device=device)
     need = max(s.total for s in stages)
     params = max(s.params for s in stages)
-    if need > cluster.memory_bytes:
+    if need > cluster.usable_bytes:
         result.offer_smallest(Candidate(L, mbs, need, Breakdown(extra={"params": params})))
         result.reject("out of memory", f"{short_plan(L, mbs)} needs {need / 1e9:.1f} GB per device")
         return None
@@ -116,7 +116,7 @@ def fewest_recomputed(model: ModelConfig, cluster: Cluster, w: Workload, result:
         result.count()
         stages = plan_memory(model, trial, w, device=device)
         need = max(s.total for s in stages)
-        if need <= cluster.memory_bytes:
+        if need <= cluster.usable_bytes:
             best, hi = (trial, (need, max(s.params for s in stages))), k - 1
         else:
             lo = k + 1

@@ -29,14 +29,16 @@
                   order within ``prefetch_numel``), the reductions' output shards and,
                   on CPU, gloo's receive buffers; stages 0-1 hold every bucket's reduction at the end
                   of the backward, when the activations are gone
-    overhead      a fixed runtime context (CUDA context and workspaces, ``RUNTIME_BYTES``) and the
-                  caching allocator's fragmentation, ``ALLOCATOR_FACTOR`` on the transients. Neither
-                  is derived: both are allowances. The factor applies to the buffers whose sizes and
-                  lifetimes vary within a step (gathered units, buckets, the head's chunk and casts)
-                  and not to the model state (allocated once at set-up, never freed) or the
-                  activations (the same sizes every layer and micro-batch, whose blocks the allocator
-                  reuses); PyTorch also returns its cached blocks and retries before it reports an
-                  out-of-memory, so what must fit is the live tensors and what cannot be returned.
+    overhead      the caching allocator's fragmentation, ``ALLOCATOR_FACTOR`` on the transients: an
+                  allowance, not derived. It applies to the buffers whose sizes and lifetimes vary
+                  within a step (gathered units, buckets, the head's chunk and casts) and not to the
+                  model state (allocated once at set-up, never freed) or the activations (the same
+                  sizes every layer and micro-batch, whose blocks the allocator reuses); PyTorch also
+                  returns its cached blocks and retries before it reports an out-of-memory, so what
+                  must fit is the live tensors and what cannot be returned. What the process holds
+                  besides its tensors (the CUDA context, NCCL's buffers, the allocator's reserve) is
+                  the device's, not the plan's: the cluster preset subtracts it from the device's
+                  memory (cluster.py ``usable_bytes``), and ``total`` is fitted to what is left.
 
 ``StageMemory.live`` (state + activations + transients) is what the runtime's tensors hold at the
 peak: benchmarks/bench_memory.py measures it (live tensor bytes on CPU, the allocator's peak on
@@ -66,7 +68,6 @@ from mpformer.optim.engine import MAX_IN_FLIGHT
 from mpformer.optim.memory import zero_formula_bytes
 
 ALLOCATOR_FACTOR = 1.08  # caching-allocator fragmentation on top of the transients (an allowance, not derived)
-RUNTIME_BYTES = {"cuda": 1.5e9, "cpu": 0.4e9}  # CUDA context + cuBLAS/NCCL workspaces; torch on CPU
 
 @dataclass(frozen=True)
 class Workload:
@@ -389,6 +390,6 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             if copy > peak.live:
                 peak = Peak(copy, 0.0, "optimizer step (post-validation copy)")
         transients = peak.live - state - held - peak.activations
-        overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0) + RUNTIME_BYTES[device]
+        overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0)
         out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where, host, held))
     return out

@@ -240,8 +240,8 @@ def no_plan_error(res: SearchResult, cluster: Cluster) -> ConfigError:
     layout was invalid."""
     if res.smallest is not None:
         s = res.smallest
-        return ConfigError(f"no layout fits {cluster.name} x {cluster.nodes} node(s) ({cluster.memory_bytes / 1e9:.3g} "
-                           f"GB per device): the smallest need is {s.memory_bytes / 1e9:.1f} GB per device, with "
+        return ConfigError(f"no layout fits {cluster.name} x {cluster.nodes} node(s) ({cluster.memory_note()}): "
+                           f"the smallest need is {s.memory_bytes / 1e9:.1f} GB per device, with "
                            f"{s.overrides()}")
     why = "; ".join(f"{k}: {v['count']} (e.g. {v['example']})" for k, v in res.rejected.items())
     return ConfigError(f"no valid layout for {cluster.world_size} devices: {why}")

@@ -6,7 +6,11 @@
 
 Every key is the pretraining config's own (composed and checked the same way): ``model=``, ``train.*``,
 ``cluster=`` (a preset in configs/cluster/, short for ``autoconfig.cluster=``; default local-cpu) and
-``autoconfig.*``. The output JSON (``autoconfig.output``) has ``plan``, ``predicted``, ``top``,
+``autoconfig.*``. On a GPU cluster the most loaded rank of each printed plan is rehearsed on its GPU
+first (``autoconfig.rehearse``, on by default there; rehearsal/): a plan whose rehearsed peak exceeds the
+device's usable memory (the preset's total less the CUDA context, NCCL's buffers and the allocator's
+reserve) is dropped, and the table shows predicted beside rehearsed memory.
+The output JSON (``autoconfig.output``) has ``plan``, ``predicted``, ``top``,
 ``candidates_evaluated`` and ``search_time_s``; next to it ``<stem>.parallel.yaml`` holds the plan as a
 Hydra parallel config and the overrides line to pass to pretrain is printed. ``autoconfig.explain=true``
 prints after the table the chosen plan's time term by term against the runner-up and against the plan a
@@ -28,7 +32,8 @@ from mpformer.core.model_config import model_flops_per_step
 
 def _predicted(c, model, world: int, w) -> dict[str, Any]:
     t = c.time.iteration_s
-    return {"iteration_time_s": t, "memory_gb_per_device": c.memory_bytes / 1e9,
+    rehearsed = None if c.rehearsed is None else {**c.rehearsed, "peak_gb": c.rehearsed["peak_bytes"] / 1e9}
+    return {"iteration_time_s": t, "memory_gb_per_device": c.memory_bytes / 1e9, "rehearsed": rehearsed,
             "model_tflops_per_device": model_flops_per_step(model, w.global_batch_size, w.seq_length) / t / world
             / 1e12, "breakdown": {k: v for k, v in c.time.to_dict().items() if k != "params"}}
 
@@ -42,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mpformer.autoconfig.search import no_plan_error, search
     from mpformer.cli.compose import compose_config
 
-    cfg = compose_config(list(sys.argv[1:] if argv is None else argv)).cfg
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = compose_config(args).cfg
     cfg.model.validate()
     check_training_config(cfg)  # the train-section rules pretraining applies (precision, sequence, batch)
     t, ac = cfg.train, cfg.autoconfig
@@ -59,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = search(cfg.model, cluster, w, fixed=fixed, top_k=ac.top_k, device=device)
     if not res.top:
         raise no_plan_error(res, cluster)
+    dropped = _rehearse(res, cluster, args, ac.rehearse)
     _print(res, cfg.model, cluster, w)
     explanation = explain_search(res, cfg.model, cluster, w, fixed=fixed, device=device) if ac.explain else None
     if explanation is not None:
@@ -68,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "top": [{"plan": c.plan(), "predicted": _predicted(c, cfg.model, cluster.world_size, w)}
                        for c in res.top],
                "candidates_evaluated": res.evaluated, "structures_pruned": res.pruned, "search_time_s": res.seconds,
-               "rejected": res.rejected, "cluster": cluster.name, "nodes": cluster.nodes}
+               "rejected": res.rejected, "cluster": cluster.name, "nodes": cluster.nodes,
+               "usable_gb_per_device": cluster.usable_bytes / 1e9, "dropped_by_rehearsal": dropped}
     if explanation is not None:
         payload["explain"] = explanation.to_dict()
     print(f"pretrain with: {best.overrides()}")
@@ -87,15 +95,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _rehearse(res, cluster, args: list[str], wanted: bool | None) -> list[dict[str, Any]]:
+    """Rehearse each top plan's most loaded rank on the cluster's GPU; drop those that do not fit. Returns
+    the dropped plans (plan, predicted and rehearsed GB)."""
+    from mpformer.cli.rehearse import rehearse_plans
+    from mpformer.rehearsal.devices import DEVICES, gpu_of_cluster
+
+    gpu = gpu_of_cluster(cluster)
+    if wanted is False or (wanted is None and gpu is None):
+        return []
+    if gpu is None:
+        known = sorted({g.cluster for g in DEVICES.values()})
+        raise ConfigError(f"autoconfig.rehearse=true needs a GPU the rehearsal knows; cluster {cluster.name} is not "
+                          f"one of {known}")
+    print(f"rehearsing the most loaded rank of {len(res.top)} plan(s) on {gpu.name} ...", flush=True)
+    reports = rehearse_plans(args, [c.overrides().split() for c in res.top], gpu.name)
+    kept, dropped = [], []
+    for c, rep in zip(res.top, reports, strict=True):
+        c.rehearsed = {"rank": rep["rank"], "peak_bytes": rep["peak_bytes"], "device": gpu.name,
+                       "usable_bytes": cluster.usable_bytes, "peak_where": rep["peak_where"]}
+        if rep["peak_bytes"] <= cluster.usable_bytes:
+            kept.append(c)
+        else:
+            dropped.append({"plan": c.plan(), "predicted_gb": c.memory_bytes / 1e9,
+                            "rehearsed_gb": rep["peak_bytes"] / 1e9, "rank": rep["rank"]})
+            print(f"dropped {c.overrides()}: rank {rep['rank']} rehearsed at {rep['peak_bytes'] / 1e9:.1f} GB, above "
+                  f"{cluster.usable_bytes / 1e9:.1f} GB usable (predicted {c.memory_bytes / 1e9:.1f})")
+    if not kept:
+        raise ConfigError(f"no plan of the top {len(res.top)} fits when rehearsed on {gpu.name} "
+                          f"({cluster.memory_note()}); raise autoconfig.top_k or add nodes")
+    res.top = kept
+    return dropped
+
+
 def _print(res, model, cluster, w) -> None:
     from rich.console import Console
     from rich.table import Table
 
     pruned = f", {res.pruned} more pruned by their bound" if res.pruned else ""
+    rehearsed = any(c.rehearsed for c in res.top)
     table = Table(title=f"{len(res.feasible)} feasible of {res.evaluated} evaluated{pruned} on {cluster.name} x "
                         f"{cluster.nodes} ({res.seconds:.1f} s)")
     for col in ("dp", "tp", "pp", "cp", "cp kind", "vpp", "schedule", "mbs", "zero", "recompute", "offload", "sp",
-                "iter s", "GB/dev", "TFLOP/s/dev", "compute", "tp comm", "cp comm", "bubble", "dp comm"):
+                "iter s", "GB/dev", *(["rehearsed GB"] if rehearsed else []), "TFLOP/s/dev", "compute", "tp comm",
+                "cp comm", "bubble", "dp comm"):
         table.add_column(col, justify="right")
     for c in res.top:
         p, b = c.plan(), c.time
@@ -103,10 +146,13 @@ def _print(res, model, cluster, w) -> None:
         sp = "y" if p["sequence_parallel"] else "n"
         table.add_row(*map(str, (p["dp"], p["tp"], p["pp"], p["cp"], _cp_kind(p), p["vpp"], p["schedule"],
                                  p["micro_batch_size"], p["zero"], p["recompute"], _offload(p), sp)),
-                      f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}", f"{pred['model_tflops_per_device']:.0f}",
+                      f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}",
+                      *([f"{c.rehearsed['peak_bytes'] / 1e9:.1f}"] if rehearsed else []),
+                      f"{pred['model_tflops_per_device']:.0f}",
                       f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.cp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}",
                       f"{b.dp_comm_exposed_s:.3g}")
     Console(width=_width()).print(table)
+    print(f"memory: {cluster.memory_note()}" + (" (rehearsed: the most loaded rank of each plan)" if rehearsed else ""))
     for cls, r in res.rejected.items():
         print(f"rejected {r['count']} as {cls}, e.g. {r['example']}")
 

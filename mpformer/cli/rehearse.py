@@ -79,6 +79,29 @@ def rehearse(composed: Composed, args: list[str]) -> dict:
             "elapsed_s": time.perf_counter() - t0, "ranks": reports}
 
 
+def rehearse_plans(args: list[str], plans: list[list[str]], device: str) -> list[dict]:
+    """The most loaded rank of each plan (``args`` with the plan's overrides) rehearsed on ``device``: one
+    report per plan, with the memory model's figures beside it (autoconfig.rehearse)."""
+    import multiprocessing as mp
+
+    from mpformer.rehearsal.report import most_loaded_rank, predicted, stage_of
+    from mpformer.training.preflight import preflight_rehearsal
+
+    jobs, specs = [], []
+    for overrides in plans:
+        plan_args = [*args, *overrides, f"rehearse.device={device}"]
+        composed = compose_config(plan_args)
+        world = world_size_of(composed.cfg)
+        spec = preflight_rehearsal(composed, world)
+        jobs.append((plan_args, world, most_loaded_rank(spec.cfg, spec.layout), 1))
+        specs.append(spec)
+    with mp.get_context("spawn").Pool(min(PARALLEL_RANKS, len(jobs)), maxtasksperchild=1) as pool:
+        reports = pool.starmap(_rank_worker, jobs)
+    for rep, spec in zip(reports, specs, strict=True):
+        rep.update(predicted(spec.cfg, spec.layout, stage_of(spec.layout, rep["rank"])))
+    return reports
+
+
 @user_errors_to_exit
 def main(argv: list[str] | None = None) -> int:
     from mpformer.rehearsal.devices import gpu_target

@@ -208,6 +208,10 @@ class AutoconfigConfig:
     # tools/autoconfig.py: after the table, the chosen plan term by term against the runner-up and against the
     # plan a person picks first (largest tp in a node, pp across nodes; autoconfig/explain.py); into plan.json too
     explain: bool = False
+    # Rehearse the most loaded rank of each printed plan on the cluster's GPU (rehearsal/, one process per
+    # plan) and drop a plan whose rehearsed peak exceeds the device's usable memory. None: on for a GPU
+    # cluster whose GPU the rehearsal knows (rehearsal/devices.py), off for a CPU host.
+    rehearse: bool | None = None
 
 
 @dataclass

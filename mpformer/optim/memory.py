@@ -25,9 +25,9 @@ def _bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
         if t is None:
             continue
         st = t.untyped_storage()
-        if st.data_ptr() in seen or st.nbytes() == 0:
+        if st._cdata in seen or st.nbytes() == 0:  # the StorageImpl: distinct on meta too (addresses are 0)
             continue
-        seen.add(st.data_ptr())
+        seen.add(st._cdata)
         total += st.nbytes()
     return total
 

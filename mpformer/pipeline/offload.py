@@ -98,6 +98,12 @@ class _Saved:
         self.key, self.layer, self.copy, self.uses = key, layer, copy, 1
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (its StorageImpl): shared by its views, as its address is, but also
+    distinct on meta tensors (a rehearsal's), whose addresses are all 0."""
+    return t.untyped_storage()._cdata
+
+
 class ActivationOffload:
     """The saved activations of the moved units of one rank: out after their forward, back a layer at a
     time ahead of their backward."""
@@ -107,7 +113,7 @@ class ActivationOffload:
         waits; 0 on CPU, where the copies exist to run this logic at the tests' small sizes)."""
         self.copies, self.units = copies, units
         self.min_bytes = (2**20 if copies.cuda else 0) if min_bytes is None else min_bytes
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._params = {_storage(p) for p in model.parameters()}
         self._saved: dict[Key, list[list[_Saved]]] = {}  # per unit, per layer: its tensors, in saving order
         self._next: dict[Key, int] = {}  # per unit coming back: the next layer to ask for (they go last first)
         self._saving: list[list[_Saved]] | None = None  # the layers of the unit whose forward runs
@@ -133,7 +139,7 @@ class ActivationOffload:
 
     @staticmethod
     def _ident(t: torch.Tensor) -> tuple:
-        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+        return _storage(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
     @staticmethod
     def _move(layers: list[list[_Saved]], saved: _Saved) -> None:
@@ -165,7 +171,7 @@ class ActivationOffload:
         # Kept as autograd would keep it: small tensors, another device's, a parameter's storage, and a
         # leaf that wants its gradient (the received activation: the engine holds it for that anyway).
         if nbytes < self.min_bytes or t.device != self.copies.device or (t.is_leaf and t.requires_grad) or \
-                t.untyped_storage().data_ptr() in self._params:
+                _storage(t) in self._params:
             return t
         saved = self._known(t)
         if saved is not None:  # the same tensor saved again: one copy, read where the backward meets it first

@@ -67,6 +67,13 @@ def predicted(cfg: Config, layout: ParallelLayout, stage: int) -> dict:
             "predicted_where": mem.phase}
 
 
+def most_loaded_rank(cfg: Config, layout: ParallelLayout) -> int:
+    """The first rank (dp, cp, tp 0) of the pipeline stage the memory model holds the largest: the rank a
+    plan's fit is decided on (autoconfig.rehearse)."""
+    stages = [predicted(cfg, layout, p)["predicted_peak_bytes"] for p in range(layout.pp)]
+    return layout.topology.rank(pp=stages.index(max(stages)), dp=0, cp=0, tp=0)
+
+
 def stage_of(layout: ParallelLayout, rank: int) -> int:
     return layout.topology.coords(rank)["pp"]
 
@@ -75,8 +82,10 @@ def table(reports: list[dict], device: GpuTarget) -> str:
     """One line per rank: rehearsed peak beside the model's, the kinds, kernels, squares, syncs."""
     head = (f"{'rank':>5} {'coords':<22} {'peak GB':>8} {'model GB':>8} {'diff':>6} {'fits':>5} "
             + " ".join(f"{k[:6]:>7}" for k in KINDS) + "  kernels           [s,s]  syncs(in step)  where")
+    c = device.preset
     lines = [f"rehearsed on {device.name}: {device.usable_bytes / GB:.1f} GB usable of {device.total_bytes / GB:.1f} "
-             f"(less the CUDA context, NCCL's buffers and a {100 * 0.05:.0f}% allocator reserve)", head]
+             f"(less the CUDA context {c.context_gb:g} GB, NCCL's buffers {c.nccl_gb:g} GB and a "
+             f"{c.reserve_fraction:.0%} allocator reserve: configs/cluster/{c.name}.yaml)", head]
     for r in reports:
         c = r["coords"]
         coords = f"pp{c['pp']} dp{c['dp']} cp{c['cp']} tp{c['tp']}"

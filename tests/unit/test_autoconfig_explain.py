@@ -25,6 +25,7 @@ from mpformer.autoconfig.memory import Workload, plan_memory
 from mpformer.autoconfig.search import search
 from mpformer.cli.autoconfig import main
 from mpformer.cli.compose import compose_config
+from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -52,7 +53,7 @@ def test_baseline_llama3_8b_on_four_h100_nodes():
     assert p["sequence_parallel"] and p["zero"] == 0 and p["micro_batch_size"] == 1 and p["schedule"] == "1f1b"
     assert p["recompute"] == "none" and b.candidate.layout.pp_partition == "uniform"
     assert "pp=4: one stage per node" in b.why and "recompute=none: the least that fits" in b.why
-    assert b.candidate.time.iteration_s > 0 and b.candidate.memory_bytes <= 80e9
+    assert b.candidate.time.iteration_s > 0 and b.candidate.memory_bytes <= load_cluster("dgx-h100").usable_bytes
 
 
 def test_baseline_tp_follows_heads_and_kv_heads():
@@ -155,7 +156,8 @@ def test_new_terms_and_a_residual_appear_without_code_changes():
 
 def test_cli_explain_prints_the_comparison_and_writes_it(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main([*README, "autoconfig.explain=true", "autoconfig.top_k=1", f"autoconfig.output={out}"]) == 0
+    assert main([*README, "autoconfig.explain=true", "autoconfig.top_k=1", f"autoconfig.output={out}",
+                 "autoconfig.rehearse=false"]) == 0  # rehearsed: tests/integration/test_autoconfig_cli.py
     text = capsys.readouterr().out
     table_end = text.index("chosen plan vs runner-up")
     assert text.index("rejected ") < table_end < text.index("chosen plan vs baseline") < text.index("pretrain with:")
@@ -171,7 +173,7 @@ def test_cli_explain_prints_the_comparison_and_writes_it(tmp_path, capsys):
 def test_cli_without_explain_writes_no_explanation(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["model=tiny-llama", "cluster=dgx-h100", "train.global_batch_size=64", "train.seq_length=128",
-                 f"autoconfig.output={out}"]) == 0
+                 f"autoconfig.output={out}", "autoconfig.rehearse=false"]) == 0
     assert "chosen plan vs" not in capsys.readouterr().out and "explain" not in json.loads(out.read_text())
 
 
@@ -181,3 +183,28 @@ def test_cli_bad_explain_value_is_one_line(capsys):
     assert e.value.code == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert err == ["error: autoconfig.explain: Value 'maybe' is not a valid bool (type str); valid: true, false"]
+
+
+def test_a_plan_that_does_not_fit_when_rehearsed_is_dropped(monkeypatch, capsys):
+    """autoconfig.rehearse: a plan whose rehearsed peak exceeds the usable memory leaves the table; when
+    none is left, one line says so (the rehearsals themselves: tests/integration/test_autoconfig_cli.py)."""
+    import mpformer.cli.rehearse as rehearse_cli
+    from mpformer.cli.autoconfig import _rehearse
+
+    cluster = load_cluster("dgx-h100", 4)
+    model, w = _model("llama3-8b"), Workload(512, 1, 4096, "bf16")
+    res = search(model, cluster, w, top_k=2)
+    first, second = res.top
+    peaks = [cluster.usable_bytes + 1, cluster.usable_bytes - 1]
+    monkeypatch.setattr(rehearse_cli, "rehearse_plans", lambda args, plans, device: [
+        {"rank": 0, "peak_bytes": p, "peak_where": "pp.B mb0 c0"} for p in peaks])
+    dropped = _rehearse(res, cluster, README, None)
+    assert res.top == [second] and second.rehearsed["peak_bytes"] == peaks[1] and first.rehearsed is not None
+    assert len(dropped) == 1 and dropped[0]["plan"] == first.plan()
+    assert "dropped parallel.dp=" in capsys.readouterr().out
+    assert _rehearse(res, cluster, README, False) == [] and res.top == [second]  # off: nothing run
+    peaks[:] = [cluster.usable_bytes + 1]
+    with pytest.raises(ConfigError, match="no plan of the top 1 fits when rehearsed on h100-80gb"):
+        _rehearse(res, cluster, README, True)
+    with pytest.raises(ConfigError, match=r"autoconfig\.rehearse=true needs a GPU the rehearsal knows"):
+        _rehearse(res, load_cluster("local-cpu"), README, True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from mpformer.autoconfig.cluster import cluster_names, load_cluster
+from mpformer.autoconfig.cluster import cluster_dir, cluster_names, load_cluster
 from mpformer.autoconfig.inflight import inflight
 from mpformer.autoconfig.memory import Workload, activation_bytes_per_layer, plan_memory, stage_params
 from mpformer.core.errors import ConfigError
@@ -117,9 +118,37 @@ def test_plan_memory_per_stage():
 def test_clusters():
     assert {"dgx-a100-80gb", "dgx-h100", "h200-node", "local-cpu"} <= set(cluster_names())
     c = load_cluster("dgx-h100", nodes=512)
-    assert c.world_size == 4096 and c.peak("bf16") == 989e12 and c.memory_bytes == 80e9
+    assert c.world_size == 4096 and c.peak("bf16") == 989e12 and c.memory_bytes == 85.52e9  # 81559 MiB
     with pytest.raises(ConfigError, match="unknown cluster 'dgx-z'; valid: dgx-a100-80gb"):
         load_cluster("dgx-z")
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80gb", "dgx-h100", "grand-teton-h100-96gb", "h200-node"])
+def test_a_gpu_plan_fits_what_a_process_can_use(name):
+    """Every GPU preset states the CUDA context, NCCL's buffers and the allocator's reserve (each with its
+    source in the YAML), and plans are fitted to the device's memory less all three."""
+    c = load_cluster(name)
+    assert c.context_gb > 0 and c.nccl_gb > 0 and 0 < c.reserve_fraction < 1
+    text = (Path(cluster_dir()) / f"{name}.yaml").read_text()
+    assert all(f"- {k}:" in text for k in ("context_gb", "nccl_gb", "reserve_fraction"))  # each explained
+    assert c.usable_bytes == pytest.approx(c.memory_bytes * (1 - c.reserve_fraction) - (c.context_gb + c.nccl_gb) * 1e9)
+    if name == "dgx-h100":  # the README's example: 85.52 GB reported, 79.1 usable (less than the old "80")
+        assert c.usable_bytes / 1e9 == pytest.approx(85.52 * 0.96 - 3.0)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("context_gb", -1, "context_gb=-1 must be a finite number >= 0"),
+    ("nccl_gb", ".inf", "nccl_gb=inf must be a finite number >= 0"),
+    ("reserve_fraction", 1.5, "reserve_fraction=1.5 must be below 1"),
+    ("context_gb", 90, "nothing is left for tensors"),
+])
+def test_bad_memory_figures_fail_in_one_line(tmp_path, key, value, says):
+    text = (Path(cluster_dir()) / "dgx-h100.yaml").read_text()
+    lines = [ln for ln in text.splitlines() if not ln.startswith(f"{key}:")]
+    path = tmp_path / "c.yaml"
+    path.write_text("\n".join([*lines, f"{key}: {value}"]) + "\n")
+    with pytest.raises(ConfigError, match=says):
+        load_cluster(str(path))
 
 
 def test_alpha_beta_fit_recovers_a_link():

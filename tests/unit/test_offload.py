@@ -153,8 +153,8 @@ def test_the_search_offloads_where_it_wins_and_host_memory_allows():
     without = search(gpt, c, w, fixed={"offload": "none"}).top[0]
     assert best.layout.offload == "auto" and best.time.iteration_s < without.time.iteration_s
     wm, L = replace(w, micro_batch_size=best.micro_batch_size), best.layout
-    assert max(s.total for s in plan_memory(gpt, L, wm)) <= c.memory_bytes
-    assert max(s.total for s in plan_memory(gpt, replace(L, offload_keep=L.offload_keep + 1), wm)) > c.memory_bytes
+    assert max(s.total for s in plan_memory(gpt, L, wm)) <= c.usable_bytes
+    assert max(s.total for s in plan_memory(gpt, replace(L, offload_keep=L.offload_keep + 1), wm)) > c.usable_bytes
     pins = {k: getattr(L, k) for k in ("dp", "tp", "pp", "vpp", "schedule", "recompute")}
     every = search(gpt, c, w, fixed={**pins, "offload": "all", "micro_batch_size": best.micro_batch_size}).top[0]
     assert every.layout.offload == "all" and every.time.iteration_s >= best.time.iteration_s
