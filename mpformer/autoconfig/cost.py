@@ -106,7 +106,8 @@ def _cluster_key(c: Cluster) -> str:
 
 def fused_attention(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> bool:
     """Whether the runtime's attention core is a fused kernel on this device (kernels.attention_kernel)."""
-    return attention_kernel(m, L, w.seq_length, w.runtime.name, w.flash_attention, c.cores is not None) == "fused"
+    return attention_kernel(m, L, w.seq_length, w.runtime.name, w.flash_attention, c.cores is not None,
+                            w.precision) != "math"
 
 
 def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> LayerTimes:

@@ -103,22 +103,35 @@ def _norm(p_f: Pass, p_b: Pass, n: float, a: int, kernels: str, rms: bool) -> No
 
 
 def attention_kernel(m: ModelConfig, L: ParallelLayout, seq_length: int, runtime: str, flash: bool,
-                     cpu_host: bool) -> str:
-    """Which kernel the attention core runs: "fused" (a flash-style kernel: SDPA, or the attention plan's
-    blocks on the fused ops with their log-sum-exp, layers/attention.py, context_parallel/) or "math"
-    (two batched GEMMs and the score matrix between them). Another framework's published run: as
-    published (``flash``). mpformer's: fused, but with attention dropout where no fused kernel takes
-    it: everywhere on a CPU (torch's CPU flash kernel has no dropout: SDPA's math), and on a GPU where
-    dropout meets a mask (a window that cuts the sequence, a token slice's queries after its past
-    keys: SDPA with a dense mask and GQA falls to math); documents alone run per document, fused."""
+                     cpu_host: bool, precision: str = "bf16") -> str:
+    """The kernel the attention core runs, as its name in a profile: another framework's published run as
+    published (``flash``: "flash", else "math": two batched GEMMs and the score matrix between them);
+    mpformer's by the runtime's own choice (context_parallel/fused.py ``attention_kernel``, torch's
+    backend rules): on a GPU "flash" (fp16/bf16, no mask) or "efficient" (fp32 as TF32, or a mask: the
+    edge tiles of a window that cuts the sequence), dropout in either; documents run per document and a
+    token slice as its past keys' block and its own causal one, unmasked. On a CPU "cpu_flash", but "math"
+    with attention dropout (torch's CPU flash kernel takes none: dropout_tiles.py's einsum tiles). A
+    GPU call no fused kernel takes fails at its first step (the runtime never falls back to SDPA's
+    math): so does the plan here, in one line."""
+    import torch
+
+    from mpformer.context_parallel.fused import NoFusedKernel
+    from mpformer.context_parallel.fused import attention_kernel as runtime_choice
+    from mpformer.core.errors import ConfigError
+
     if not flash:
         return "math"
-    if runtime != "mpformer" or m.attention_dropout == 0:
-        return "fused"
+    if runtime != "mpformer":
+        return "flash"
+    dropout = m.attention_dropout > 0
     if cpu_host:
-        return "math"
-    cuts = m.sliding_window is not None and m.sliding_window < seq_length
-    return "math" if cuts or L.pp_token_slices > 1 else "fused"
+        return "math" if dropout else "cpu_flash"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    mask = m.sliding_window is not None and m.sliding_window < seq_length
+    try:
+        return runtime_choice("cuda", dtype, m.head_size, mask=mask, dropout=dropout)
+    except NoFusedKernel as e:
+        raise ConfigError(str(e)) from None
 
 
 def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,

@@ -56,7 +56,7 @@ def rehearse(composed: Composed, args: list[str]) -> dict:
     import multiprocessing as mp
 
     from mpformer.rehearsal.devices import gpu_target
-    from mpformer.rehearsal.report import check_ranks, default_ranks, predicted, stage_of
+    from mpformer.rehearsal.report import check_ranks, default_ranks, with_formulas
     from mpformer.training.preflight import preflight_rehearsal
 
     cfg = composed.cfg
@@ -74,7 +74,7 @@ def rehearse(composed: Composed, args: list[str]) -> dict:
     with mp.get_context("spawn").Pool(min(PARALLEL_RANKS, len(ranks)), maxtasksperchild=1) as pool:
         reports = pool.starmap(_rank_worker, [(args, world, rank, r.steps) for rank in ranks])
     for rep in reports:
-        rep.update(predicted(spec.cfg, spec.layout, stage_of(spec.layout, rep["rank"])))
+        with_formulas(spec.cfg, spec.layout, rep)
     return {"device": device.to_dict(), "world_size": world, "layout": spec.layout.to_dict(),
             "elapsed_s": time.perf_counter() - t0, "ranks": reports}
 
@@ -84,7 +84,7 @@ def rehearse_plans(args: list[str], plans: list[list[str]], device: str) -> list
     report per plan, with the memory model's figures beside it (autoconfig.rehearse)."""
     import multiprocessing as mp
 
-    from mpformer.rehearsal.report import most_loaded_rank, predicted, stage_of
+    from mpformer.rehearsal.report import most_loaded_rank, with_formulas
     from mpformer.training.preflight import preflight_rehearsal
 
     jobs, specs = [], []
@@ -98,7 +98,7 @@ def rehearse_plans(args: list[str], plans: list[list[str]], device: str) -> list
     with mp.get_context("spawn").Pool(min(PARALLEL_RANKS, len(jobs)), maxtasksperchild=1) as pool:
         reports = pool.starmap(_rank_worker, jobs)
     for rep, spec in zip(reports, specs, strict=True):
-        rep.update(predicted(spec.cfg, spec.layout, stage_of(spec.layout, rep["rank"])))
+        with_formulas(spec.cfg, spec.layout, rep)
     return reports
 
 

@@ -64,7 +64,20 @@ def predicted(cfg: Config, layout: ParallelLayout, stage: int) -> dict:
     by_kind["activations"] = mem.activations
     by_kind["other"] = mem.transients + mem.speculation
     return {"predicted_peak_bytes": int(mem.live), "predicted_by_kind": {k: int(by_kind[k]) for k in KINDS},
-            "predicted_where": mem.phase}
+            "predicted_where": mem.phase, "predicted_params": int(mem.params)}
+
+
+def with_formulas(cfg: Config, layout: ParallelLayout, report: dict) -> dict:
+    """A rank's report with the memory model's figures and the communication formula's beside its own
+    (volumes.py): ``comm_formula_bytes`` per collective (None: no closed form) and ``comm_formula_error``,
+    the largest |formula / ledger - 1| of those with one."""
+    from mpformer.rehearsal.volumes import comm_agreement, comm_formula
+
+    report.update(predicted(cfg, layout, stage_of(layout, report["rank"])))
+    formula = comm_formula(cfg, layout, report["rank"], report["predicted_params"])
+    report["comm_formula_bytes"] = formula
+    report["comm_formula_error"] = comm_agreement(report["comm_bytes"], formula)
+    return report
 
 
 def most_loaded_rank(cfg: Config, layout: ParallelLayout) -> int:
@@ -81,7 +94,7 @@ def stage_of(layout: ParallelLayout, rank: int) -> int:
 def table(reports: list[dict], device: GpuTarget) -> str:
     """One line per rank: rehearsed peak beside the model's, the kinds, kernels, squares, syncs."""
     head = (f"{'rank':>5} {'coords':<22} {'peak GB':>8} {'model GB':>8} {'diff':>6} {'fits':>5} "
-            + " ".join(f"{k[:6]:>7}" for k in KINDS) + "  kernels           [s,s]  syncs(in step)  where")
+            + " ".join(f"{k[:6]:>7}" for k in KINDS) + "  kernels           [s,s]  syncs(in step)  comm/formula  where")
     c = device.preset
     lines = [f"rehearsed on {device.name}: {device.usable_bytes / GB:.1f} GB usable of {device.total_bytes / GB:.1f} "
              f"(less the CUDA context {c.context_gb:g} GB, NCCL's buffers {c.nccl_gb:g} GB and a "
@@ -95,8 +108,10 @@ def table(reports: list[dict], device: GpuTarget) -> str:
         kinds = " ".join(f"{r['peak_by_kind'][k] / GB:7.2f}" for k in KINDS)
         kernels = ",".join(f"{k}:{v}" for k, v in sorted(r["attention_kernels"].items())) or "-"
         inside = sum(1 for s in r["host_syncs"] if not s.get("boundary"))
+        err = r.get("comm_formula_error")
+        comm = "-" if err is None else f"{100 * err:.2g}%"
         lines.append(f"{r['rank']:>5} {coords:<22} {peak / GB:8.2f} {model / GB:8.2f} {diff:>6} {fits:>5} {kinds}  "
-                     f"{kernels:<17} {len(r['square_tensors']):>5}  {len(r['host_syncs']):>3} ({inside:>2})      "
+                     f"{kernels:<17} {len(r['square_tensors']):>5}  {len(r['host_syncs']):>3} ({inside:>2})      {comm:>12}  "
                      f"{r['peak_where']}")
     return "\n".join(lines)
 

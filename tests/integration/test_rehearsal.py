@@ -64,6 +64,18 @@ def _non_dp(extra: list[str]) -> int:
     return n
 
 
+def _priced(kind: str, precision: str) -> str:
+    """The kernel the cost model prices for this case (autoconfig/kernels.py: the runtime's own choice)."""
+    from mpformer.autoconfig.kernels import attention_kernel
+    from mpformer.cli.compose import compose_config
+    from mpformer.training.preflight import preflight_rehearsal
+
+    extra, world, _ = KINDS[kind]
+    args = [*MODEL, f"train.precision={precision}", f"parallel.dp={world // _non_dp(extra)}", *extra]
+    spec = preflight_rehearsal(compose_config(args), world)
+    return attention_kernel(spec.cfg.model, spec.layout, SEQ, "mpformer", True, False, precision)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_attention_kind_runs_fused_kernels_without_squares_or_syncs(kinds, kind, precision):
@@ -73,6 +85,7 @@ def test_every_attention_kind_runs_fused_kernels_without_squares_or_syncs(kinds,
         assert used and used <= {"flash", "efficient"}, (kind, precision, r["attention_kernels"])
         if "window" not in kind:  # a window's edges are masked tiles: the efficient kernel
             assert fused in used, (kind, precision, r["attention_kernels"])
+        assert _priced(kind, precision) in used, (kind, precision, r["attention_kernels"])  # the cost model's
         assert not r["square_tensors"], r["square_tensors"][:3]
         inside = [s for s in r["host_syncs"] if not s.get("boundary")]
         assert not inside, inside
@@ -131,3 +144,33 @@ def test_offloaded_activations_leave_the_rehearsed_device():
                                  ([*base, "parallel.offload=all"], 2, 0, None)])
     assert kept["peak_by_kind"]["activations"] > 0.5 * kept["peak_bytes"], kept["peak_by_kind"]
     assert moved["peak_bytes"] < 0.7 * kept["peak_bytes"], (kept["peak_by_kind"], moved["peak_by_kind"])
+
+
+@pytest.mark.parametrize("extra", [
+    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
+     "parallel.recompute=full"],
+    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.vpp=2",
+     "parallel.schedule=interleaved", "parallel.dp=2", "parallel.zero=0", "parallel.recompute=selective",
+     "model.num_layers=4", "train.global_batch_size=8"],
+    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.dp=1", "parallel.cp=2",
+     "parallel.zero=1", "parallel.recompute=full", "parallel.recompute_layers=1", "model.num_layers=4"],
+], ids=["tp-sp pp dp zero1 full", "tp-sp interleaved dp zero0", "tp-sp pp cp zero1 full-1"])
+def test_every_collective_moves_what_its_formula_says(extra):
+    """The ledger's bytes per collective on the first and the last stage equal rehearsal/volumes.py's
+    formulas from the model's shape and the layout (exact: integers in float64)."""
+    from mpformer.cli.compose import compose_config
+    from mpformer.rehearsal.report import with_formulas
+    from mpformer.training.preflight import preflight_rehearsal
+
+    args = [*MODEL, "train.precision=bf16",
+            "train.seq_length=4096", *extra]
+    spec = preflight_rehearsal(compose_config(args), 8)
+    first, last = spec.layout.topology.rank(pp=0, dp=0, cp=0, tp=0), spec.layout.topology.rank(
+        pp=1, dp=spec.layout.dp - 1, cp=spec.layout.cp - 1, tp=1)
+    for rep in rehearse_many([(args, 8, first, None), (args, 8, last, None)]):
+        with_formulas(spec.cfg, spec.layout, rep)
+        f = rep["comm_formula_bytes"]
+        moved = {k for k, v in rep["comm_bytes"].items() if v and k != "check.all_reduce"}
+        assert {k for k, v in f.items() if v} <= moved <= {k for k in f if k != "cp"} | {k for k in moved if
+                                                                                    k.startswith("cp.")}
+        assert rep["comm_formula_error"] == pytest.approx(0, abs=1e-12), (rep["comm_bytes"], f)

@@ -54,9 +54,10 @@ def test_fp32_gemms_run_at_the_tf32_rate_where_the_runtime_enables_it():
 
 
 def test_the_attention_kernel_priced_is_the_one_the_runtime_runs():
-    """mpformer's attention core is fused but where no fused kernel takes its attention dropout: on a
-    CPU everywhere, on a GPU where the dropout meets a mask that cuts (kernels.attention_kernel); the
-    math kernel is priced by its GEMMs and score passes, dearer than the flash FLOPs at long sequences."""
+    """mpformer's attention core is the runtime's own choice (context_parallel/fused.py): fused on a GPU,
+    dropout and masks included (flash, or efficient with a mask or in fp32); on a CPU fused but with
+    attention dropout (math); a head size no fused GPU kernel takes is refused in one line. The math
+    kernel is priced by its GEMMs and score passes, dearer than the flash FLOPs at long sequences."""
     from dataclasses import replace
 
     from mpformer.autoconfig.cost import fused_attention
@@ -68,11 +69,23 @@ def test_the_attention_kernel_priced_is_the_one_the_runtime_runs():
     L = ParallelLayout()
     assert fused_attention(GPT, L, W, gpu) and fused_attention(GPT, L, W, cpu)
     assert fused_attention(drop, L, W, gpu) and not fused_attention(drop, L, W, cpu)
-    assert not fused_attention(window, L, W, gpu)  # dropout with a window that cuts the 2048 positions
+    assert fused_attention(window, L, W, gpu)  # dropout with a window that cuts the 2048 positions: efficient
     assert not fused_attention(GPT, L, replace(W, flash_attention=False), gpu)  # a published run without flash
+    from mpformer.autoconfig.kernels import attention_kernel
+    from mpformer.core.errors import ConfigError
+
+    def kernel(m, precision="bf16", layout=L, cpu=False):
+        return attention_kernel(m, layout, 2048, "mpformer", True, cpu, precision)
+
+    assert (kernel(GPT), kernel(GPT, "fp16"), kernel(GPT, "fp32")) == ("flash", "flash", "efficient")
+    assert kernel(window) == "efficient" and kernel(drop) == "flash" and kernel(drop, cpu=True) == "math"
+    assert kernel(GPT, layout=ParallelLayout(pp=2, pp_token_slices=2)) == "flash"  # blocks without a mask
+    odd = ModelConfig(**{**GPT.to_dict(), "hidden_size": 12 * 6, "num_attention_heads": 12})  # head size 6
+    with pytest.raises(ConfigError, match="head dim 6 in torch.bfloat16 has no fused CUDA kernel"):
+        kernel(odd)
     fused_s = layer_compute(GPT, L, W, gpu).parts["attention"]
-    math = layer_compute(window, L, W, gpu)
-    assert math.parts["attention"] == 0.0 and math.parts["gemm"] > layer_compute(GPT, L, W, gpu).parts["gemm"]
+    math = layer_compute(drop, L, W, cpu)
+    assert math.parts["attention"] == 0.0 and math.parts["gemm"] > layer_compute(GPT, L, W, cpu).parts["gemm"]
     assert fused_s > 0
 
 

@@ -1,0 +1,99 @@
+"""Each rank's communication in one step from the model's shape and the layout alone, beside what the
+ledger (parallel/comm.py ``CommLedger``) recorded in a rehearsal. Ring-adjusted bytes per rank, as the
+ledger counts them: an all-gather or reduce-scatter of n bytes over g ranks moves (g - 1) / g * n, an
+all-reduce twice that, a send its n.
+
+    tp  sequence parallel: per layer and micro-batch two all-gathers and two reduce-scatters of the
+        [s/cp, b, h] activations in forward, the same mirrored in backward; the embedding adds one of
+        each on the first stage, the head on the last; full recompute repeats a layer's two all-gathers
+        and its attention's reduce-scatter (the MLP's output is not needed again). Once a step the
+        gradients of replicated parameters that see only a slice of the tokens (norms, row biases,
+        learned positions) are all-reduced in fp32 (under ZeRO the part of them in the rank's shard:
+        left out), and on the last stage the vocab-parallel cross
+        entropy all-reduces three [s/cp, b] fp32 tensors a micro-batch (parallel/volumes.py
+        ``tp_step_bytes`` is the one-stage form, checked against the ledger in
+        tests/distributed/test_tensor_parallel.py)
+    pp  a micro-batch's activation to the next stage and its gradient to the one before, both in the
+        compute dtype, [s/(cp tp), b, h] under sequence parallelism, for each chunk of the rank
+    dp  ZeRO 1-2: a reduce-scatter of the rank's gradients (``grad_reduce_dtype``) over dp x cp and an
+        all-gather of its updated parameters (their dtype), once a step
+
+What has no closed form here is left out (``None``): ZeRO-3's gathers (which units stay gathered
+between forward and backward), context parallelism's hops (they depend on the kind and the mask), tp
+without sequence parallelism under full recompute, and ZeRO-0's all-reduce.
+"""
+
+from __future__ import annotations
+
+from mpformer.core.config import Config
+from mpformer.core.layout import ParallelLayout
+from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _replicated_partial(cfg: Config, layers: int, first: bool, last: bool) -> int:
+    """Elements of the rank's replicated parameters whose gradients are partial under sequence parallelism."""
+    m = cfg.model
+    norms = (2 * layers + last) * m.hidden_size * (2 if m.norm_bias else 1)
+    row_biases = 2 * layers * m.hidden_size if m.mlp_bias else 0
+    positions = m.max_position_embeddings * m.hidden_size if (m.learned_positions and first) else 0
+    return norms + row_biases + positions
+
+
+def comm_formula(cfg: Config, layout: ParallelLayout, rank: int, params: int) -> dict[str, float | None]:
+    """Bytes per collective (the ledger's names) rank ``rank`` moves in one step; ``params`` is what the
+    rank holds before ZeRO's sharding (the memory model's count)."""
+    m, t, L = cfg.model, cfg.train, layout
+    pp_rank = L.topology.coords(rank)["pp"]
+    e, h = BYTES[t.precision], m.hidden_size
+    micro = t.global_batch_size // (L.dp * t.micro_batch_size)
+    s, b = t.seq_length // L.cp, t.micro_batch_size
+    counts = stage_counts(m, L, t.seq_length)
+    stages = [stage_index(L, pp_rank, c) for c in range(L.vpp)]
+    layers = sum(counts[g] for g in stages)
+    first, last = rank_ends(L, pp_rank)
+    out: dict[str, float | None] = {}
+    if L.tp > 1:
+        g, ar = (L.tp - 1) / L.tp, 2 * (L.tp - 1) / L.tp
+        unit = micro * s * b * h * e
+        recomputed = 0
+        if L.recompute == "full":
+            recomputed = layers if L.recompute_layers is None else min(layers, L.recompute_layers * L.vpp)
+        ce = 3 * micro * s * b * 4 * ar if last else 0.0
+        if L.sequence_parallel:
+            ends = 4 * layers + first + last
+            out["tp.all_gather"] = g * unit * (ends + 2 * recomputed)
+            out["tp.reduce_scatter"] = g * unit * (ends + recomputed)
+            partial = _replicated_partial(cfg, layers, first, last)
+            # Under ZeRO each rank all-reduces the part of them its shard of the flat gradient buffer holds,
+            # after the data-parallel reduce-scatter: where the shard boundaries fall, not a formula
+            sharded = L.zero >= 1 and L.dp * L.cp > 1
+            out["tp.all_reduce"] = None if sharded and partial else ar * 4 * partial + ce
+        else:
+            out["tp.all_reduce"] = None if recomputed else ar * unit * (4 * layers + first + last) + ce
+    if L.pp > 1:
+        total = L.pp * L.vpp
+        hops = sum((gs < total - 1) + (gs > 0) for gs in stages)
+        if L.schedule in ("zb-v", "dualpipev"):  # a V rank's own two chunks meet without a send
+            hops -= 2 * sum(1 for gs in stages if gs == L.pp - 1)
+        out["pp.send"] = micro * hops * s // (L.tp if L.sequence_parallel else 1) * b * h * e
+    n_d = L.dp * L.cp
+    if n_d > 1:
+        g = (n_d - 1) / n_d
+        if L.zero in (1, 2):
+            out["dp.reduce_scatter"] = g * params * BYTES[L.grad_reduce_dtype]
+            out["dp.all_gather"] = g * params * e
+        else:
+            out["dp.reduce_scatter" if L.zero == 3 else "dp.all_reduce"] = None
+            out["dp.all_gather" if L.zero == 3 else "dp.all_reduce"] = None
+    if L.cp > 1:
+        out["cp"] = None
+    return out
+
+
+def comm_agreement(recorded: dict[str, int], formula: dict[str, float | None]) -> float | None:
+    """The largest |formula / ledger - 1| over the collectives with a formula (None: none has one)."""
+    errs = [abs(f / recorded.get(k, 0) - 1) if recorded.get(k) else float("inf")
+            for k, f in formula.items() if f is not None]
+    return max(errs) if errs else None
