@@ -111,8 +111,8 @@ def table(reports: list[dict], device: GpuTarget) -> str:
         err = r.get("comm_formula_error")
         comm = "-" if err is None else f"{100 * err:.2g}%"
         lines.append(f"{r['rank']:>5} {coords:<22} {peak / GB:8.2f} {model / GB:8.2f} {diff:>6} {fits:>5} {kinds}  "
-                     f"{kernels:<17} {len(r['square_tensors']):>5}  {len(r['host_syncs']):>3} ({inside:>2})      {comm:>12}  "
-                     f"{r['peak_where']}")
+                     f"{kernels:<17} {len(r['square_tensors']):>5}  {len(r['host_syncs']):>3} ({inside:>2})      "
+                     f"{comm:>12}  {r['peak_where']}")
     return "\n".join(lines)
 
 

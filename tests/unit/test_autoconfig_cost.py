@@ -81,7 +81,7 @@ def test_the_attention_kernel_priced_is_the_one_the_runtime_runs():
     assert kernel(window) == "efficient" and kernel(drop) == "flash" and kernel(drop, cpu=True) == "math"
     assert kernel(GPT, layout=ParallelLayout(pp=2, pp_token_slices=2)) == "flash"  # blocks without a mask
     odd = ModelConfig(**{**GPT.to_dict(), "hidden_size": 12 * 6, "num_attention_heads": 12})  # head size 6
-    with pytest.raises(ConfigError, match="head dim 6 in torch.bfloat16 has no fused CUDA kernel"):
+    with pytest.raises(ConfigError, match=r"head dim 6 in torch\.bfloat16 has no fused CUDA kernel"):
         kernel(odd)
     fused_s = layer_compute(GPT, L, W, gpu).parts["attention"]
     math = layer_compute(drop, L, W, cpu)
