@@ -17,6 +17,11 @@ sequence (``sdpa``) in the same run, with parity and the cost model's prediction
     error              largest |difference| of the output and of dq, dk, dv over the reference's largest
                        element (its own precision's rounding: bf16 ~1e-2, fp32 ~1e-6)
 
+Each case also runs once under torch's profiler: the attention ops it lists (``kernels``: flash,
+efficient, cudnn, math, cpu_flash) against the one the runtime chooses and the cost model prices
+(context_parallel/fused.py ``attention_kernel``); a case whose profile differs is printed as a
+MISMATCH and the script exits 3 (after writing its JSON).
+
 The prediction is the cost model's fused-kernel time (autoconfig/compute.py flash_time) on the
 device's cluster preset, for the pairs each case computes: the check calibrates it. The JSON is
 written after each case, so a case that fails or times out leaves the ones before it.
@@ -56,6 +61,30 @@ def _timed(fn, device: str, reps: int) -> tuple[float, object]:
 
 def _grads(out: torch.Tensor, inputs: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.autograd.grad(out, inputs, g))
+
+
+# The profiler's op names (aten, as any device lists them) -> the kernel they are.
+PROFILED = {"_flash_attention_forward": "flash", "_flash_attention_backward": "flash",
+            "_efficient_attention_forward": "efficient", "_efficient_attention_backward": "efficient",
+            "_cudnn_attention_forward": "cudnn", "_cudnn_attention_backward": "cudnn",
+            "_scaled_dot_product_flash_attention_for_cpu": "cpu_flash",
+            "_scaled_dot_product_flash_attention_for_cpu_backward": "cpu_flash",
+            "_scaled_dot_product_attention_math": "math"}
+
+
+def profiled_kernels(fn, device: str) -> dict[str, int]:
+    """The attention kernels one call of ``fn`` ran, by the profiler's op names (what a GPU's trace lists)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+    out: dict[str, int] = {}
+    for e in prof.events():
+        kind = PROFILED.get(e.name.removeprefix("aten::"))
+        if kind is not None:
+            out[kind] = out.get(kind, 0) + 1
+    return out
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -119,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
             write_json(a.json, {"device": name, "args": {k: str(x) for k, x in vars(a).items()},
                                 "environment": environment(), "results": results})
 
+    from mpformer.context_parallel.fused import attention_kernel
+
+    chosen = attention_kernel("cpu" if dev == "cpu" else "cuda", dtype, d)  # unmasked blocks, no dropout
+    mismatches: list[str] = []
+
+    def kernels(case: str, fn) -> dict:
+        seen = profiled_kernels(fn, dev)
+        if set(seen) != {chosen}:
+            mismatches.append(f"{case}: profiled {seen}, chosen {chosen}")
+        return {"profiled": seen, "chosen": chosen, "match": set(seen) == {chosen}}
+
     t_sdpa, (ref, ref_grads) = _timed(sdpa, dev, a.reps)
     rows, results = [["sdpa (causal)", f"{t_sdpa * 1e3:.1f}", "1.00", "-", "-"]], {"sdpa_s": t_sdpa}
     save()
@@ -141,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["cp=2 ring rank 0", f"{t_ring * 1e3:.1f}", f"{t_ring / t_sdpa:.2f}", f"{err:.1e}",
                  "-" if pred is None else f"{pred * 1e3:.1f}"])
     results["ring_rank"] = {"seconds": t_ring, "vs_sdpa": t_ring / t_sdpa, "error": err, "pairs": pairs,
-                            "predicted_s": pred}
+                            "predicted_s": pred, "kernels": kernels("cp=2 ring rank 0", ring_rank)}
     save()
     del ref, ref_grads, out, grads
 
@@ -169,10 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["documents", f"{t_docs * 1e3:.1f}", f"{t_docs / t_sdpa:.2f}", f"{err:.1e}",
                  "-" if pred is None else f"{pred * 1e3:.1f}"])
     results["documents"] = {"seconds": t_docs, "vs_sdpa": t_docs / t_sdpa, "error": err, "pairs": pairs,
-                            "predicted_s": pred}
+                            "predicted_s": pred, "kernels": kernels("documents", documents)}
+    for row, case in zip(rows[1:], ("ring_rank", "documents")):
+        k = results[case]["kernels"]
+        row.append(",".join(f"{x}:{c}" for x, c in sorted(k["profiled"].items())) + ("" if k["match"] else " MISMATCH"))
+    rows[0].append("-")
     print(f"{name}, {dtype}: one attention layer forward + backward, {s} tokens, heads {n}/{kv} of {d}")
-    print(format_table(["case", "ms", "vs sdpa", "error", "cost model ms"], rows))
+    print(format_table(["case", "ms", "vs sdpa", "error", "cost model ms", f"kernels (chosen: {chosen})"], rows))
+    results["kernel_mismatches"] = mismatches
     save()
+    if mismatches:
+        print("kernel MISMATCH: " + "; ".join(mismatches), file=sys.stderr)
+        return 3
     return 0
 
 
