@@ -5,8 +5,8 @@ One dispatch mode (``Probe``) sees every op the rank runs on its meta tensors, f
 alike (autograd carries the mode into the backward):
 
     memory      every storage an op returns is counted from then until it dies (the caching
-                allocator's live bytes between ops, as ``torch.cuda.memory_allocated`` would read them;
-                a kernel's own scratch is not seen). Each byte has a kind: weights, grads, master,
+                allocator's live bytes between ops, as its allocated-bytes counter would read them; a
+                kernel's own scratch is not seen). Each byte has a kind: weights, grads, master,
                 optimizer (the gradient engine's buffers, named by ``classify``), activations (a storage
                 autograd saves for backward, seen by a saved-tensors hook), other (the rest: in-flight
                 outputs and gradients, communication and pipeline buffers, casts). ZeRO-3's gathered
