@@ -7,7 +7,7 @@ Layouts: Korthikanti et al.'s GPT 22B-1T (Table 3 of "Reducing Activation Recomp
 selective recompute, pipeline as published), Llama 3 405B at the Llama 3 paper's 8,192-GPU layout,
 Llama 3 8B under ZeRO-3 (torchtitan's FSDP row), Llama 3 8B at cp=2, Llama 3 70B interleaved, and
 GPT-3 175B under ZeRO-1, and the two Llama 3 8B plans the README's auto-configurator example rehearses
-(the one it chooses, the one it drops). Each layout's first and last pipeline stage is rehearsed (tp rank 0), one step.
+(the one it chooses and its runner-up). Each layout's first and last pipeline stage is rehearsed (tp rank 0), one step.
 What the rehearsal counts and the model predicts are the tensors' live bytes; neither counts the CUDA
 context, NCCL's buffers or the allocator's fragmentation (rehearsal/devices.py holds those).
 """
@@ -68,15 +68,14 @@ LAYOUTS = {  # name -> overrides (bf16 everywhere)
                                         "parallel.zero=1", "parallel.recompute=full", "train.global_batch_size=64",
                                         "train.micro_batch_size=2"],
     # The README's auto-configurator example (Llama 3 8B, 4 DGX H100, sequence 4096): the plan it chooses
-    # and the faster one its rehearsal drops (both filled to the usable memory by the search)
-    "llama3 8B tp2 dp16 full-1 mbs4 (autoconfig's choice)": [
+    # and its runner-up (both filled to the usable memory by the search)
+    "llama3 8B tp2 dp16 mbs4 (autoconfig's choice)": [
         *LLAMA3, "train.seq_length=4096", "parallel.tp=2", "parallel.dp=16", "parallel.sequence_parallel=true",
-        "parallel.zero=1", "parallel.recompute=full", "parallel.recompute_layers=1", "train.global_batch_size=512",
-        "train.micro_batch_size=4"],
-    "llama3 8B tp2 cp2 dp8 full-1 mbs8 (autoconfig's drop)": [
-        *LLAMA3, "train.seq_length=4096", "parallel.tp=2", "parallel.cp=2", "parallel.dp=8",
-        "parallel.sequence_parallel=true", "parallel.zero=1", "parallel.recompute=full",
-        "parallel.recompute_layers=1", "train.global_batch_size=512", "train.micro_batch_size=8"],
+        "parallel.zero=1", "parallel.recompute=none", "train.global_batch_size=512", "train.micro_batch_size=4"],
+    "llama3 8B tp2 cp2 dp8 mbs8 (autoconfig's runner-up)": [
+        *LLAMA3, "train.seq_length=4096", "parallel.tp=2", "parallel.cp=2", "parallel.cp_kind=allgather",
+        "parallel.dp=8", "parallel.sequence_parallel=true", "parallel.zero=1", "parallel.recompute=none",
+        "train.global_batch_size=512", "train.micro_batch_size=8"],
 }
 
 

@@ -14,10 +14,9 @@
    expressed in fp32 elements: sbh (16) at tp=1, sbh (4 + 12/t) with TP, sbh 16/t with TP+SP
    (the 34 / 10 + 24/t / 34/t of the paper, minus two 1-byte masks, halved to elements).
    The measured layers include SDPA's output and log-sum-exp, which the formula's softmax terms
-   replace. Under SP the formula assumes Megatron's trick of keeping a column-parallel layer's
-   input sharded and all-gathering it again in backward; mpformer keeps the gathered input
-   instead (2 x sbh (1 - 1/t) more elements per layer) so that its traffic is exactly the
-   all-gather + reduce-scatter volume of docs/formulas.md, which the test suite checks.
+   replace. Under SP, as the formula assumes and Megatron does, a column-parallel layer keeps
+   its input's sequence shard and all-gathers it again in backward (under its dgrad GEMM); the
+   re-gather is in the all-gather volume of docs/formulas.md, which the test suite checks.
 """
 
 from __future__ import annotations
@@ -127,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         out["activations"].append({"tp": tp, "sp": sp, "measured_layer_bytes": r["layer_bytes"],
                                    "formula_bytes": formula, "total_saved_bytes": r["total_bytes"]})
     print("\nactivation memory per rank (transformer layers; fp32, no dropout, SDPA keeps no s^2 scores; under SP the "
-          "gathered inputs of the two column-parallel layers are kept, 2 sbh (1 - 1/t) elements a layer above the "
-          "formula, which assumes they are re-gathered in backward)")
+          "column-parallel layers keep their inputs' sequence shards and re-gather them in backward, as the formula "
+          "assumes)")
     print(format_table(["layout", "measured MiB", "Korthikanti MiB", "measured/formula", "vs tp=1 measured",
                         "vs tp=1 formula", "whole model MiB"], act_rows))
     if a.json:

@@ -148,7 +148,9 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
         # the all-gathers ("ring_exchange", copy engines) hold about none (links.sm_share).
         exposed = max(per / t, per - lt.parts["gemm_forward"] / 2)
         per = exposed + sm_share(c) * (per - exposed) / 2
-    tp_comm = (6 if L.recompute == "full" else 4) * per  # 2 in forward, 2 in backward, 2 more to recompute
+    # 2 in forward, 2 in backward, 2 more to recompute; the backward's two all-gathers of the kept input
+    # shards (layers/linear.py) run under the input-gradient GEMMs and are not charged, as in Megatron
+    tp_comm = (6 if L.recompute == "full" else 4) * per
     return f, bi, bw_, tp_comm, lt.attn_f
 
 

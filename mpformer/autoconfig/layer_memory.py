@@ -10,9 +10,9 @@ rank's positions, s_r = s_n / t under sequence parallelism, else s_n; q, kv, f t
 key/value and MLP widths, a its heads, d the head size):
 
     norm (x2)       RMSNorm: its input as it came (wb s_r b h) and the 1/rms rows in fp32 (4 s_r b;
-                    layers/norm.py); LayerNorm: its input (wb s_r b h) and mean and 1/std rows (2 wb s_r b)
-    linear input    the input of the qkv and of the MLP projection: the norm output, or under sequence
-                    parallelism the all-gathered one (wb s_n b h each)
+                    layers/norm.py); LayerNorm: its input (wb s_r b h) and mean and 1/std rows in fp32 (8 s_r b)
+    linear input    the input of the qkv and of the MLP projection: the norm output (wb s_r b h each;
+                    under sequence parallelism the rank's shard, gathered again in backward)
     attention       none: SDPA's q, k, v (wb s_n b (q + 2 kv); RoPE's outputs and contiguous copies)
                     and output (wb s_n b q), its log-sum-exp rows (4 a s_n b), the output projection's
                     input (a contiguous copy, wb s_n b q); RoPE tables cast to wb per call (4 s_n d wb)
@@ -88,7 +88,7 @@ def norm_bytes(m: ModelConfig, x: Shape, wb: int) -> float:
     rows = x.s_r * x.b
     if m.norm_type == "rmsnorm":
         return wb * rows * x.h + 4 * rows
-    return wb * rows * x.h + 2 * wb * rows
+    return wb * rows * x.h + 2 * 4 * rows
 
 
 def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
@@ -107,7 +107,7 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
                 else wb * tokens * x.f + (0 if sunk else wb * x.f * x.h))
     if mode == "full":
         return LayerBytes(wb * x.s_r * x.b * x.h, 0.0, 0.0, 0.0, backward)
-    norms = 2 * norm_bytes(m, x, wb) + 2 * wb * tokens * x.h
+    norms = 2 * norm_bytes(m, x, wb) + 2 * wb * x.s_r * x.b * x.h
     if mode == "selective":
         core_inputs = (2 * x.q + 3 * x.kv) if rope else (x.q + 2 * x.kv)
         attention = wb * tokens * core_inputs + wb * tokens * x.q

@@ -24,6 +24,14 @@ peak. A parameter that carries a sink (``set_grad_sink``) has its ``dW = dY^T X`
 straight into the buffer the sink lends, then the sink is told it arrived; autograd sees no weight
 gradient (Megatron's gradient-accumulation fusion into ``main_grad``, with the buffer lent when the
 gradient is formed rather than held all step).
+
+Why a sequence gather inside: under sequence parallelism a column-parallel projection's input is the
+all-gather of each rank's sequence shard. Saved as gathered, each such input costs a whole [s, b, h]
+per layer and rank where its shard is 1/t of it (two per layer: 3.5 s b h of 4.25 in all at t = 8 for
+GPT-3's block, Korthikanti et al.'s 34 s b h / t). Given ``seq`` (the tp group), the linear gathers
+the input itself, keeps the shard for backward and gathers it again there, under the input-gradient
+GEMM, then reduce-scatters dX under the weight-gradient GEMM (Megatron's
+LinearWithGradAccumulationAndAsyncCommunication does the same).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, no_autocast
 from mpformer.parallel.kernels import cpu_kernels
 
@@ -132,27 +141,39 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 
 class _SplitLinear(torch.autograd.Function):
     """y = x W^T + b whose weight gradients can be deferred to a ``WeightGradStore`` or added into a
-    ``GradSink``'s buffer; ``dtype`` is the autocast dtype to compute in (None: the inputs' dtype)."""
+    ``GradSink``'s buffer; ``dtype`` is the autocast dtype to compute in (None: the inputs' dtype);
+    ``seq``: x is this rank's sequence shard, gathered over ``seq`` here and again in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                store: WeightGradStore | None, sink: GradSink | None, dtype: torch.dtype | None) -> torch.Tensor:
+                store: WeightGradStore | None, sink: GradSink | None, dtype: torch.dtype | None,
+                seq: Comm | None) -> torch.Tensor:
         xc, wc = (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
         bc = bias if bias is None or dtype is None else bias.to(dtype)
         ctx.save_for_backward(xc, wc)
-        ctx.store, ctx.sink, ctx.params, ctx.x_dtype = store, sink, (weight, bias), x.dtype
-        return F.linear(xc, wc, bc)
+        ctx.store, ctx.sink, ctx.seq, ctx.params, ctx.x_dtype = store, sink, seq, (weight, bias), x.dtype
+        return F.linear(xc if seq is None else seq.all_gather(xc, 0), wc, bc)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         xc, wc = ctx.saved_tensors
-        weight, bias = ctx.params
+        weight, bias, seq = *ctx.params, ctx.seq
         dy = dy.to(wc.dtype)
-        dx = None
+        gathering = None
+        if seq is not None:  # the input again, under the input-gradient GEMM
+            shard = xc.contiguous()
+            xc = torch.empty((seq.size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+            gathering = seq.all_gather_into(xc, shard, async_op=True)
+        dx = scattering = None
         if ctx.needs_input_grad[0]:
             transposed = wc.device.type == "cpu" and wc.dtype in _LOW and cpu_kernels().dgrad_transposed
             w_fast = wc.t().contiguous().t() if transposed else wc
             dx = torch.matmul(dy, w_fast).to(ctx.x_dtype)
+            if seq is not None:  # dX's sequence shards summed over tp, under the weight-gradient GEMM
+                full, dx = dx, torch.empty((dx.shape[0] // seq.size, *dx.shape[1:]), dtype=dx.dtype, device=dx.device)
+                scattering = seq.reduce_scatter_into(dx, full, async_op=True)
+        if gathering is not None:
+            gathering.wait()
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
 
         def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -161,21 +182,23 @@ class _SplitLinear(torch.autograd.Function):
             db = dy2.sum(0).to(bias.dtype) if want_b else None
             return dw, db
 
+        grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if ctx.sink is not None:  # after dX: the sink may free the gathered weight once its gradients are in
             _into_sink(ctx.sink, weight, bias, dy, xc, want_w, want_b)
-            return dx, None, None, None, None, None
-        if ctx.store is None or ctx.store.capturing is None:
-            return (dx, *weight_grads(), None, None, None)
+        elif ctx.store is None or ctx.store.capturing is None:
+            grads = weight_grads()
+        else:
+            def job() -> list[torch.Tensor]:
+                dw, db = weight_grads()
+                done = [(p, g) for p, g in ((weight, dw), (bias, db)) if g is not None]
+                for p, g in done:
+                    _accumulate(p, g)
+                return [p for p, _ in done]
 
-        def job() -> list[torch.Tensor]:
-            dw, db = weight_grads()
-            done = [(p, g) for p, g in ((weight, dw), (bias, db)) if g is not None]
-            for p, g in done:
-                _accumulate(p, g)
-            return [p for p, _ in done]
-
-        ctx.store.capturing.append(job)
-        return dx, None, None, None, None, None
+            ctx.store.capturing.append(job)
+        if scattering is not None:
+            scattering.wait()
+        return (dx, *grads, None, None, None, None)
 
 
 def _into_sink(sink: GradSink, weight: torch.Tensor, bias: torch.Tensor | None, dy: torch.Tensor,
@@ -195,17 +218,19 @@ def _into_sink(sink: GradSink, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           store: WeightGradStore | None = None) -> torch.Tensor:
+           store: WeightGradStore | None = None, seq: Comm | None = None) -> torch.Tensor:
     """F.linear, except on CPU under bf16/fp16 autocast where the input gradient takes the layout the
     probe found fast, with a ``store`` whose captures defer the weight gradients (``weight`` must then
-    be a leaf), and for a weight with a gradient sink (ZeRO-3), whose gradients go into its buffer."""
+    be a leaf), for a weight with a gradient sink (ZeRO-3), whose gradients go into its buffer, and with
+    ``seq``, where x is this rank's sequence shard (gathered here; the shard is what backward keeps)."""
     sink = grad_sink(weight)
-    if store is not None or sink is not None:
+    seq = seq if seq is not None and seq.size > 1 else None
+    if store is not None or sink is not None or seq is not None:
         assert store is None or sink is None, "a deferred weight gradient has no ZeRO-3 unit buffer to go to"
         assert bias is None or grad_sink(bias) is sink, "a weight and its bias go to the same sink"
         dt = autocast_dtype(x)
         with no_autocast(x):
-            return _SplitLinear.apply(x, weight, bias, store, sink, dt)
+            return _SplitLinear.apply(x, weight, bias, store, sink, dt, seq)
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dt = torch.get_autocast_dtype("cpu")
         if dt in _LOW and cpu_kernels().dgrad_transposed:

@@ -2,7 +2,8 @@
 
 Shape legend: s sequence (s/t under sequence parallelism), b micro-batch, h hidden, t tp size.
 
-    ColumnParallelLinear   x [s(/t), b, h]  -- copy_to | all_gather_seq -->  [s, b, h] @ W_r^T -> [s, b, out/t]
+    ColumnParallelLinear   x [s(/t), b, h]  -- copy_to | all_gather -->  [s, b, h] @ W_r^T -> [s, b, out/t]
+                           (under SP the gather is inside the linear, which keeps the shard for backward)
     RowParallelLinear      x [s, b, in/t] @ W_r^T -> partial [s, b, h] -- reduce | reduce_scatter_seq --> + bias
     VocabParallelEmbedding ids [s, b] -> rows of this rank's vocabulary block -- reduce | reduce_scatter_seq
 
@@ -80,7 +81,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gather_input(x, self.tp), self.weight, self.bias, self.store)
+        if not self.tp.sequence_parallel or self.tp.size == 1:
+            return linear(gather_input(x, self.tp), self.weight, self.bias, self.store)
+        if (dt := autocast_dtype(x)) is not None:  # the collectives move 16-bit data (as gather_input)
+            x = x.to(dt)
+        # the sequence gathered inside the linear: its backward keeps this rank's shard (layers/linear.py)
+        return linear(x, self.weight, self.bias, self.store, seq=self.tp.comm)
 
     def _local_rows(self) -> list[tuple[int, int]]:
         out, at = [], 0

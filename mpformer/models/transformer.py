@@ -36,6 +36,7 @@ from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.attention import Attention, RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
+from mpformer.layers.dropout import Dropout
 from mpformer.layers.fused_cross_entropy import fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.mlp import MLP
@@ -63,7 +64,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, tp=tp, cp=cp, store=store, **kw)
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
         self.mlp = MLP(cfg, tp=tp, store=store, **kw)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = Dropout(cfg.hidden_dropout)
         self.tp = tp
 
     def forward(self, x_sbh: torch.Tensor, seq: SeqShard, recompute_core: bool = False) -> torch.Tensor:
@@ -131,7 +132,7 @@ class Transformer(nn.Module):
         self.pos_embed = (nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
                           if cfg.learned_positions and embedding else None)
         self.rotary = None if cfg.learned_positions else RotaryEmbedding(cfg, device=device)
-        self.embed_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.embed_dropout = Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(
             Block(cfg, use_apex=use_apex, tp=tp, cp=cp, store=store, **kw) for _ in self.layer_ids)
         self.final_norm = (build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)

@@ -4,7 +4,8 @@ ledger counts them: an all-gather or reduce-scatter of n bytes over g ranks move
 all-reduce twice that, a send its n.
 
     tp  sequence parallel: per layer and micro-batch two all-gathers and two reduce-scatters of the
-        [s/cp, b, h] activations in forward, the same mirrored in backward; the embedding adds one of
+        [s/cp, b, h] activations in forward, the same mirrored in backward, and two all-gathers more
+        there (the qkv and MLP inputs gathered again: only their shards are kept); the embedding adds one of
         each on the first stage, the head on the last; full recompute repeats a layer's two all-gathers
         and its attention's reduce-scatter (the MLP's output is not needed again). Once a step the
         gradients of replicated parameters that see only a slice of the tokens (norms, row biases,
@@ -16,10 +17,11 @@ all-reduce twice that, a send its n.
     pp  a micro-batch's activation to the next stage and its gradient to the one before, both in the
         compute dtype, [s/(cp tp), b, h] under sequence parallelism, for each chunk of the rank
     dp  ZeRO 1-2: a reduce-scatter of the rank's gradients (``grad_reduce_dtype``) over dp x cp and an
-        all-gather of its updated parameters (their dtype), once a step
+        all-gather of its updated parameters (their dtype), once a step; ZeRO-3: a micro-batch's
+        gathers of every unit in forward and backward (optim/units.py) and its gradients' reduce-scatter
 
-What has no closed form here is left out (``None``): ZeRO-3's gathers (which units stay gathered
-between forward and backward), context parallelism's hops (they depend on the kind and the mask), tp
+What has no closed form here is left out (``None``): ZeRO-3 under full recompute (which units stay
+gathered from the recomputed forward into backward), context parallelism's hops (they depend on the kind and the mask), tp
 without sequence parallelism under full recompute, and ZeRO-0's all-reduce.
 """
 
@@ -63,7 +65,7 @@ def comm_formula(cfg: Config, layout: ParallelLayout, rank: int, params: int) ->
         ce = 3 * micro * s * b * 4 * ar if last else 0.0
         if L.sequence_parallel:
             ends = 4 * layers + first + last
-            out["tp.all_gather"] = g * unit * (ends + 2 * recomputed)
+            out["tp.all_gather"] = g * unit * (ends + 2 * layers + 2 * recomputed)
             out["tp.reduce_scatter"] = g * unit * (ends + recomputed)
             partial = _replicated_partial(cfg, layers, first, last)
             # Under ZeRO each rank all-reduces the part of them its shard of the flat gradient buffer holds,
@@ -84,6 +86,15 @@ def comm_formula(cfg: Config, layout: ParallelLayout, rank: int, params: int) ->
         if L.zero in (1, 2):
             out["dp.reduce_scatter"] = g * params * BYTES[L.grad_reduce_dtype]
             out["dp.all_gather"] = g * params * e
+        elif L.zero == 3 and L.recompute != "full":
+            # each micro-batch gathers every unit in forward and again in backward, but the embedding's
+            # (its backward reads no weight), which a tied head reads twice more (the whole unit);
+            # gradients are reduce-scattered a micro-batch at a time in the parameters' 16-bit dtype
+            emb = -(-m.vocab_size // L.tp) * h + (m.max_position_embeddings * h if m.learned_positions else 0)
+            gathered = 2 * params + (emb if m.tie_embeddings else -emb)
+            reduce = e if t.precision != "fp32" else BYTES[L.grad_reduce_dtype]
+            out["dp.all_gather"] = g * micro * gathered * e
+            out["dp.reduce_scatter"] = g * micro * params * reduce
         else:
             out["dp.reduce_scatter" if L.zero == 3 else "dp.all_reduce"] = None
             out["dp.all_gather" if L.zero == 3 else "dp.all_reduce"] = None

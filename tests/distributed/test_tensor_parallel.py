@@ -225,12 +225,13 @@ def test_analytic_volume_by_hand():
     2 (t-1)/t = 1, plus the cross entropy's 3 all-reduces of s*b = 32 floats."""
     got = tp_step_bytes(ModelConfig(**MODELS["llama"]), s=16, b=2, t=2, sp=False)
     assert got == {"tp.all_reduce": 10 * 2048 * 4 + 3 * 32 * 4, "tp.all_gather": 0.0, "tp.reduce_scatter": 0.0}
-    # GPT-2, tp=2 with SP: (4L + 2) = 10 all-gathers and 10 reduce-scatters of (t-1)/t = 1/2 of 2048 floats;
+    # GPT-2, tp=2 with SP: (6L + 2) = 14 all-gathers (the qkv and MLP inputs gathered again in backward) and
+    # (4L + 2) = 10 reduce-scatters of (t-1)/t = 1/2 of 2048 floats;
     # all-reduces: the cross entropy's 3 x 32 floats, plus the partial gradients of the replicated
     # parameters: 5 LayerNorms x (gain + bias) x 64, 4 row-parallel biases x 64, 64 x 64 positions.
     got = tp_step_bytes(ModelConfig(**MODELS["gpt2"]), s=16, b=2, t=2, sp=True)
     assert got == {"tp.all_reduce": (3 * 32 + 5 * 2 * 64 + 4 * 64 + 64 * 64) * 4,
-                   "tp.all_gather": 10 * 1024 * 4, "tp.reduce_scatter": 10 * 1024 * 4}
+                   "tp.all_gather": 14 * 1024 * 4, "tp.reduce_scatter": 10 * 1024 * 4}
 
 
 def test_gradients_match_block_by_block(results):

@@ -154,7 +154,10 @@ def test_offloaded_activations_leave_the_rehearsed_device():
      "model.num_layers=4", "train.global_batch_size=8"],
     ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.dp=1", "parallel.cp=2",
      "parallel.zero=1", "parallel.recompute=full", "parallel.recompute_layers=1", "model.num_layers=4"],
-], ids=["tp-sp pp dp zero1 full", "tp-sp interleaved dp zero0", "tp-sp pp cp zero1 full-1"])
+    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.cp=2", "parallel.zero=3",
+     "parallel.recompute=selective", "model.tie_embeddings=true", "model.num_layers=2",
+     "train.global_batch_size=4"],
+], ids=["tp-sp pp dp zero1 full", "tp-sp interleaved dp zero0", "tp-sp pp cp zero1 full-1", "tp-sp cp dp zero3 tied"])
 def test_every_collective_moves_what_its_formula_says(extra):
     """The ledger's bytes per collective on the first and the last stage equal rehearsal/volumes.py's
     formulas from the model's shape and the layout (exact: integers in float64)."""
@@ -165,8 +168,9 @@ def test_every_collective_moves_what_its_formula_says(extra):
     args = [*MODEL, "train.precision=bf16",
             "train.seq_length=4096", *extra]
     spec = preflight_rehearsal(compose_config(args), 8)
-    first, last = spec.layout.topology.rank(pp=0, dp=0, cp=0, tp=0), spec.layout.topology.rank(
-        pp=1, dp=spec.layout.dp - 1, cp=spec.layout.cp - 1, tp=1)
+    L = spec.layout
+    first, last = L.topology.rank(pp=0, dp=0, cp=0, tp=0), L.topology.rank(pp=L.pp - 1, dp=L.dp - 1, cp=L.cp - 1,
+                                                                          tp=L.tp - 1)
     for rep in rehearse_many([(args, 8, first, None), (args, 8, last, None)]):
         with_formulas(spec.cfg, spec.layout, rep)
         f = rep["comm_formula_bytes"]
@@ -174,3 +178,27 @@ def test_every_collective_moves_what_its_formula_says(extra):
         assert {k for k, v in f.items() if v} <= moved <= {k for k in f if k != "cp"} | {k for k in moved if
                                                                                     k.startswith("cp.")}
         assert rep["comm_formula_error"] == pytest.approx(0, abs=1e-12), (rep["comm_bytes"], f)
+
+
+GPT3_BLOCK = ["model=gpt2", "model.activation=gelu_tanh", "model.attention_bias=true", "model.mlp_bias=true",
+              "model.hidden_size=1024", "model.num_attention_heads=16", "model.ffn_hidden_size=4096",
+              "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "model.max_position_embeddings=2048",
+              "train.seq_length=2048", "train.precision=bf16", "parallel.tp=8", "parallel.dp=1",
+              "train.global_batch_size=1", "train.micro_batch_size=1"]
+
+
+@pytest.mark.parametrize(("extra", "per_sbh", "stats"), [
+    (["parallel.sequence_parallel=true", "parallel.recompute=selective"], 34 / 8, 2 * 8 / 8),
+    (["parallel.sequence_parallel=false", "parallel.recompute=selective"], 10 + 24 / 8, 2 * 8),
+    (["parallel.sequence_parallel=true", "parallel.recompute=full"], 2 / 8, 0),
+], ids=["sp selective: 34/t", "selective: 10+24/t", "sp full: 2/t"])
+def test_a_gpt_layer_keeps_what_korthikanti_counts(extra, per_sbh, stats):
+    """Korthikanti et al.'s Table 2 (GPT block: LayerNorm, GeLU, dropout 0.1, bf16, t = 8) against what one
+    rehearsed layer keeps for backward: the activations at the peak of 4 layers less those of 2, halved.
+    Equal to the byte, less the LayerNorms' fp32 mean and 1/std rows the paper leaves out (8 bytes a row).
+    (Autocast's fp32 LayerNorm kept fp32 inputs, CPU and meta dropout kept 16-bit masks, and the qkv and MLP
+    inputs were kept gathered under sequence parallelism: 8.5 s b h at SP + selective, twice the paper's.)"""
+    s, b, h = 2048, 1, 1024
+    two, four = rehearse_many([([*GPT3_BLOCK, f"model.num_layers={n}", *extra], 8, 0, None) for n in (2, 4)])
+    per_layer = (four["peak_by_kind"]["activations"] - two["peak_by_kind"]["activations"]) / 2
+    assert per_layer == per_sbh * s * b * h + stats * s * b, (per_layer / (s * b * h), per_sbh)

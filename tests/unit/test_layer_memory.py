@@ -103,6 +103,10 @@ def test_rmsnorm_keeps_its_input_and_the_row_statistics(precision, autocast):
 def test_saved_bytes_are_what_autograd_keeps(cfg, precision, recompute):
     L = ParallelLayout(recompute=recompute)
     want = layer_bytes(cfg, L, S, B, precision).saved
+    if cfg.norm_type == "layernorm" and precision == "bf16" and recompute != "full":
+        # torch's CPU LayerNorm keeps its mean and 1/std rows in a 16-bit input's dtype, CUDA's (the model's)
+        # in fp32: two norms, two rows each, 2 bytes less a position
+        want -= 2 * 2 * (4 - 2) * S * B
     assert _saved_bytes(cfg, precision, recompute) == pytest.approx(want, rel=1e-9)
 
 
