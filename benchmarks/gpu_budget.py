@@ -7,8 +7,8 @@
               the steps, plus the bf16 peak GEMM measurement and the sustained-GEMM seconds
     kernels   gpu_kernels.py run on meta tensors under the rehearsal's probe: every attention and GEMM
               FLOP of its cases at their repetitions
-    offload   bench_offload.py's rank: 6 N T per micro-batch (N the rank's layers' parameters, T its
-              tokens), three modes of ``steps + 1`` steps of ``microbatches`` micro-batches
+    offload   bench_offload.py's rank 0 rehearsed as pretraining builds it (OFFLOAD_RANK): its step's
+              FLOPs, three modes of ``steps + 2`` steps (one untimed, one metered)
     tests     not derived: pytest's start and HF models' build dominate (a fixed 150 s)
 
     seconds = START + work / (rate x EFFICIENCY) x MARGIN
@@ -33,6 +33,15 @@ TRAIN = ["model=llama-1b", "train.precision=bf16", "train.seq_length=2048", "tra
 TRAIN_STEPS, SUSTAIN_S, GEMM_CHECK_FLOPS = 30, 20.0, 13 * 2 * 8192**3  # 3 warm-up + 10 timed 8192^3 GEMMs
 OFFLOAD = {"pp": 4, "microbatches": 8, "steps": 3, "layers": 16, "hidden": 1024, "vocab": 32000, "seq": 2048,
            "batch": 2}  # bench_offload.py's defaults
+# bench_offload.py's rank 0 as pretraining builds it (its model: heads 16, kv heads 8, ffn 11/4 h), offload
+# none (the mode that holds the most): the rank a rehearsal runs for the part's memory and FLOPs
+OFFLOAD_RANK = ["model=tiny-llama", f"model.num_layers={OFFLOAD['layers']}",
+                f"model.hidden_size={OFFLOAD['hidden']}", "model.num_attention_heads=16", "model.num_kv_heads=8",
+                f"model.ffn_hidden_size={OFFLOAD['hidden'] * 11 // 4}",
+                f"model.vocab_size={OFFLOAD['vocab']}", f"model.max_position_embeddings={OFFLOAD['seq']}",
+                f"train.seq_length={OFFLOAD['seq']}", f"train.micro_batch_size={OFFLOAD['batch']}",
+                f"train.global_batch_size={OFFLOAD['batch'] * OFFLOAD['microbatches']}", "train.precision=bf16",
+                f"parallel.pp={OFFLOAD['pp']}", "parallel.dp=1", "parallel.schedule=1f1b", "parallel.offload=none"]
 
 
 def _seconds(flops: float, nbytes: float, rates: dict) -> float:
@@ -58,19 +67,15 @@ def _kernels_flops() -> int:
 def budgets() -> dict:
     import yaml
 
-    from mpformer.core.model_config import ModelConfig
     from mpformer.testing.rehearsal import rehearse_many
 
     preset = yaml.safe_load((ROOT / "configs" / "cluster" / "dgx-h100.yaml").read_text())
     rates = {"flops": float(preset["peak_flops"]["bf16"]), "bandwidth": float(preset["memory_bandwidth"])}
-    (train,) = rehearse_many([(TRAIN, 1, 0, None)])
+    train, offload = rehearse_many([(TRAIN, 1, 0, None), (OFFLOAD_RANK, OFFLOAD["pp"], 0, None)])
     state = sum(train["peak_by_kind"][k] for k in ("weights", "grads", "master", "optimizer"))
     train_s = _seconds(train["flops"] * TRAIN_STEPS + GEMM_CHECK_FLOPS, 4 * state * TRAIN_STEPS, rates) + SUSTAIN_S
     kernels_flops = _kernels_flops()
-    o = OFFLOAD
-    cfg = ModelConfig(arch="llama", num_layers=o["layers"] // o["pp"], hidden_size=o["hidden"],
-                      num_attention_heads=16, vocab_size=o["vocab"], max_position_embeddings=o["seq"])
-    offload_flops = 6 * cfg.num_params() * o["batch"] * o["seq"] * o["microbatches"] * (o["steps"] + 1) * 3
+    offload_flops = offload["flops"] * (OFFLOAD["steps"] + 2) * 3  # steps + 1 and the metered one, 3 modes
     return {"about": __doc__.split("\n\n")[0], "efficiency": EFFICIENCY, "margin": MARGIN, "start_s": START,
             "rates": rates, "parts": {
                 "tests": {"seconds": 150, "derived": False},

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mpformer.autoconfig.inflight import inflight, offloaded
+from mpformer.autoconfig.inflight import inflight, offloaded, weighted_peak
 from mpformer.autoconfig.layer_memory import (
     BYTES,
     layer_bytes,
@@ -332,6 +332,10 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
             units.append(Unit("embedding", [embed], 0.0, 0.0, wb * embed))
         io = wb * x.s_r * x.b * m.hidden_size * (((r > 0 or L.vpp > 1) and not shared_input) + (not last or L.vpp > 1))
         per_chunk = sum(u.saved for u in units if u.name == "layer") + io
+        # what a unit of each chunk keeps (a balanced or explicit split gives the chunks unequal layers)
+        chunk_kept = tuple(io + sum((recomputed if L.recompute != "none" and (
+            L.recompute_layers is None or i < L.recompute_layers) else plain)[0] for i in range(chunks[c]))
+            for c in range(L.vpp))
         if last and L.vpp == 1:  # each micro-batch in flight on the last stage holds its head's (GPipe: many)
             per_chunk += head_kept
         front = 0.0
@@ -349,7 +353,7 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
                 extras = zero3_extras(runtime, sizes, biggest, reads, wb, n_d)
             units = [replace(u, extra=u.extra + e) for u, e in zip(units, extras)]
             front = gathered_at_head(runtime, sizes[0], biggest[0], wb) if last else 0.0
-        return n, state, units, per_chunk, io, (head_fwd if last else 0.0) + front
+        return n, state, units, per_chunk, io, (head_fwd if last else 0.0) + front, chunk_kept
 
     # Ranks of the same shape (most of a deep pipeline) differ only in how many micro-batches they
     # keep in flight, which walk() adds last: one build per shape.
@@ -360,7 +364,7 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         key = (first, last, chunks, r > 0)
         if key not in shapes:
             shapes[key] = build(r, first, last, chunks)
-        n, state, units, per_chunk, io, head_forward = shapes[key]
+        n, state, units, per_chunk, io, head_forward, chunk_kept = shapes[key]
         held, copying = offloaded(L, peaks[r], device)
         # Host memory: every unit in flight but the ``held - 1`` kept whole (the walked one is moved too);
         # a moved unit's received input and sent output stay on the device (engine).
@@ -369,6 +373,9 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         # the forward by about a layer).
         pending = (recomputed if L.recompute != "none" else plain)[0] if copying else 0.0
         kept = (held - 1) * per_chunk + (peaks[r] - held) * io + io + pending
+        if not copying and L.pp > 1 and L.pp_token_slices == 1 and len(set(chunk_kept)) > 1:
+            # the units in flight weighed by their own chunks; the walked one is the last chunk's
+            kept = weighted_peak(L.schedule, L.pp, micro, L.vpp, r, chunk_kept) - per_chunk + io
         # The speculative step's copy (optim/speculate.py: parameters, Adam's m and v, and the gradient
         # shards) held through the next step's forward/backward while its check is in flight.
         held = 16.0 * n / (n_d if L.zero >= 1 else 1) if runtime.overlap_validation else 0.0

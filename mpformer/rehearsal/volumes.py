@@ -21,8 +21,8 @@ all-reduce twice that, a send its n.
         gathers of every unit in forward and backward (optim/units.py) and its gradients' reduce-scatter
 
 What has no closed form here is left out (``None``): ZeRO-3 under full recompute (which units stay
-gathered from the recomputed forward into backward), context parallelism's hops (they depend on the kind and the mask), tp
-without sequence parallelism under full recompute, and ZeRO-0's all-reduce.
+gathered from the recomputed forward into backward), context parallelism's hops (they depend on the
+kind and the mask), tp without sequence parallelism under full recompute, and ZeRO-0's all-reduce.
 """
 
 from __future__ import annotations

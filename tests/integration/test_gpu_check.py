@@ -67,10 +67,21 @@ def _rehearsed_kernels_part() -> dict:
     return {"peak": probe.peak, "kernels": dict(probe.kernels), "squares": probe.squares}
 
 
+def _module(name: str):
+    """A benchmarks/ script imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_every_part_fits_the_gpu_it_runs_on():
     """Each part rehearsed at its real size on the GPU it targets (an H100 80GB's usable memory): the
-    kernels part's 16k-token layers and oracles (a dense-mask SDPA oracle once took ~96 GiB), and the
-    train part's 1B Llama step (gpu_check.py's run, through pretraining's build)."""
+    kernels part's 16k-token layers and oracles (a dense-mask SDPA oracle once took ~96 GiB), the
+    train part's 1B Llama step (gpu_check.py's run, through pretraining's build) and the offload part's
+    pipeline rank 0 with nothing offloaded (bench_offload.py's, through pretraining's build)."""
     from mpformer.rehearsal.devices import gpu_target
     from mpformer.testing.rehearsal import rehearse_many
 
@@ -80,19 +91,17 @@ def test_every_part_fits_the_gpu_it_runs_on():
     assert not kernels["squares"] and "math" not in kernels["kernels"], (kernels["squares"][:2], kernels["kernels"])
     train = ["model=llama-1b", "train.precision=bf16", "train.seq_length=2048", "train.micro_batch_size=4",
              "train.global_batch_size=8", "parallel.dp=1"]  # gpu_check.py's defaults
-    (rank,) = rehearse_many([(train, 1, 0, None)])
-    assert rank["peak_bytes"] < usable, rank["peak_bytes"]
-    assert set(rank["attention_kernels"]) == {"flash"} and not rank["square_tensors"]
+    budget = _module("gpu_budget")
+    rank, offload = rehearse_many([(train, 1, 0, None), (budget.OFFLOAD_RANK, budget.OFFLOAD["pp"], 0, None)])
+    for r in (rank, offload):
+        assert r["peak_bytes"] < usable, r["peak_bytes"]
+        assert set(r["attention_kernels"]) == {"flash"} and not r["square_tensors"]
 
 
 def test_each_parts_timeout_is_the_one_its_rehearsed_work_gives():
     """gpu_check.sh's timeouts come from gpu_budget.json, and that file is what gpu_budget.py derives from
     the parts' rehearsed FLOPs and bytes now: a part made bigger without its budget fails here."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_budget", ROOT / "benchmarks" / "gpu_budget.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _module("gpu_budget")
     derived = {name: p["seconds"] for name, p in module.budgets()["parts"].items()}
     committed = {name: p["seconds"] for name, p in json.loads((ROOT / "benchmarks" / "gpu_budget.json").read_text())
                  ["parts"].items()}

@@ -52,7 +52,8 @@ MISSES: dict[str, str] = {
 # Runs that ran, which the memory model says do not fit their devices with the stated fields pinned.
 _DGXC_MEMORY = ("the memory model needs {} GB for a run that ran in 80 GB (its table's fewest data-parallel "
                 "ranks: the least sharded optimizer state; NeMo's Apex distributed Adam is not modelled)")
-_META_MEMORY = ("without recompute (as published) mpformer's block needs 111 GB on the fastest pinned plan (173 "
+_META_MEMORY = ("without recompute (as published) mpformer's block needs 111 GB on the fastest pinned plan (a "
+                "rehearsal of its most loaded rank: 109; benchmarks/bench_rehearsal.py) (173 "
                 "before the qkv and MLP inputs were kept as sequence shards, 190 before RMSNorm kept only its input "
                 "and 1/rms), Megatron's 92 on the same plan; Meta's own runtime (stage inputs and outputs freed "
                 "early, section 3.3.2) is not modelled")
