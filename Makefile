@@ -50,16 +50,17 @@ lint: venv
 # 4.9 ships only as an sdist and is built. gpu-wheels-check installs the set with --no-index into a
 # clean venv beside the CPU torch and runs the check's dry run there: the set is complete. Compiled wheels
 # come for CPython 3.10-3.13 on x86_64 Linux too (a GPU image's Python need not be this one's); a pin with
-# no wheel for one of them is named, and the check on such a Python fails in one line at install.
+# no wheel for one of them is named, and the check on such a Python fails in one line at install. A line
+# with a marker (a package only another Python needs) is fetched without it (pip reads markers for itself).
 GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime PyYAML pytest numpy transformers safetensors
 WHEEL_VENV ?= /tmp/mpformer-wheel-venv
 
 gpu-wheels: venv
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python benchmarks/gpu_wheels.py $(GPU_WHEELS) > .whl/requirements.txt
-	grep -v '^antlr4' .whl/requirements.txt | xargs $(BIN)/python -m pip download --quiet --no-deps \
+	grep -v '^antlr4' .whl/requirements.txt | sed 's/;.*//' | xargs $(BIN)/python -m pip download --quiet --no-deps \
 		--only-binary=:all: -d .whl
-	for v in 3.10 3.11 3.12 3.13; do grep -v '^antlr4' .whl/requirements.txt | xargs $(BIN)/python -m pip download \
+	for v in 3.10 3.11 3.12 3.13; do grep -v '^antlr4' .whl/requirements.txt | sed 's/;.*//' | xargs $(BIN)/python -m pip download \
 		--quiet --no-deps --only-binary=:all: --python-version $$v --implementation cp \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
 		|| echo "gpu-wheels: some pins have no CPython $$v wheel (a GPU image on $$v needs them installed)"; done

@@ -60,12 +60,20 @@ lack = [pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is Non
 pins = pathlib.Path(".whl/requirements.txt")
 if lack and pins.is_file():
     lack = []
-    for line in pins.read_text().split():
-        name = re.split(r"[=<>]", line)[0]
+    for line in filter(None, map(str.strip, pins.read_text().splitlines())):
+        req, _, marker = line.partition(";")  # a marked line: a package only some Pythons need
+        if marker.strip():
+            try:
+                from packaging.markers import Marker
+            except ImportError:
+                from pip._vendor.packaging.markers import Marker
+            if not Marker(marker).evaluate():
+                continue
+        name = re.split(r"[=<>!~ ]", req.strip())[0]
         try:
             importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            lack.append(line)
+            lack.append(req.strip())
 print(" ".join(lack))
 EOF
 }
