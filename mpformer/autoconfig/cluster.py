@@ -112,6 +112,19 @@ def cluster_names() -> list[str]:
     return sorted(p.stem for p in cluster_dir().glob("*.yaml"))
 
 
+# Checked on load: each a finite number, the first group above 0, the second at least 0, fractions in (0, 1]
+POSITIVE = ("memory_gb", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth", "sm_count", "cores")
+AT_LEAST_ZERO = ("intra_latency", "inter_latency", "launch_s", "host_bandwidth", "host_memory_gb")
+FRACTIONS = ("gemm_fraction", "stream_fraction", "attention_fraction", "bus_fraction")
+
+
+def _check_number(path: Path, key: str, v: Any, *, positive: bool) -> bool:
+    """One line naming the field unless ``v`` is a finite number (above 0, or at least 0); False if it is."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ConfigError(f"cluster file {path}: {key}={v!r} must be a finite number {'>' if positive else '>='} 0")
+    return False
+
+
 def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
     """A preset by name (configs/cluster/NAME.yaml) or a YAML path; ``nodes`` overrides the preset's."""
     from omegaconf import OmegaConf
@@ -145,6 +158,20 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
     for key in ("devices_per_node", "nodes"):
         if not isinstance(raw.get(key), int) or raw[key] < 1:
             raise ConfigError(f"cluster file {path}: {key}={raw.get(key)!r} must be a whole number >= 1")
+    for key in ("memory_gb", "context_gb", "nccl_gb", "reserve_fraction", *AT_LEAST_ZERO):
+        _check_number(path, key, raw.get(key, 0.0), positive=False)
+    for key in POSITIVE:  # a rate or a size of 0 or below would price plans at negative or infinite times
+        if raw.get(key) is not None:
+            _check_number(path, key, raw[key], positive=True)
+    if not isinstance(raw["peak_flops"], dict) or not raw["peak_flops"]:
+        raise ConfigError(f"cluster file {path}: peak_flops={raw['peak_flops']!r} must map dtypes to FLOP/s, "
+                          "e.g. {bf16: 989.0e12}")
+    for key, v in raw["peak_flops"].items():
+        _check_number(path, f"peak_flops.{key}", v, positive=True)
+    for key in FRACTIONS:
+        for v in raw[key] if isinstance(raw.get(key), list | tuple) else (raw.get(key),):
+            if v is not None and (_check_number(path, key, v, positive=True) or v > 1):
+                raise ConfigError(f"cluster file {path}: {key}={raw[key]!r} must be a fraction in (0, 1]")
     for key in ("attention_fraction", "bus_fraction"):
         if raw.get(key) is not None:
             if not isinstance(raw[key], list | tuple) or len(raw[key]) != 2:
@@ -154,10 +181,6 @@ def load_cluster(name_or_path: str, nodes: int | None = None) -> Cluster:
     if not isinstance(held, int) or held < 0 or (held and (not sms or held >= sms)):
         raise ConfigError(f"cluster file {path}: comm_sms={held!r} must be a whole number >= 0 and below "
                           f"sm_count ({sms})")
-    for key in ("memory_gb", "context_gb", "nccl_gb", "reserve_fraction"):
-        v = raw.get(key, 0.0)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-            raise ConfigError(f"cluster file {path}: {key}={v!r} must be a finite number >= 0")
     if raw.get("reserve_fraction", 0.0) >= 1:
         raise ConfigError(f"cluster file {path}: reserve_fraction={raw['reserve_fraction']!r} must be below 1 "
                           "(a fraction of the device)")

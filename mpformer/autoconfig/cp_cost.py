@@ -42,7 +42,7 @@ def cp_traffic(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, attn:
     S b max(H, U) d B, of which (U-1)/U leaves the rank (kv heads repeated to U when U exceeds them:
     every rank receives whole heads). Megatron-LM's context parallelism (--cp-comm-type p2p |
     allgather | a2a | a2a+p2p) and DeepSpeed-Ulysses (Jacobs et al. 2023: 4 N h / P elements per link
-    for q, k, v and the output) move the same volumes; shared/reference/formulas.md has no cp formula."""
+    for q, k, v and the output) move the same volumes; docs/formulas.md derives them (no published cp formula)."""
     if L.cp == 1:
         return 0.0, 0.0
     if L.cp_kind not in _CP_PRICED:

@@ -4,7 +4,7 @@ formulas (``tools/schedule.py --table``; the README's table is its output).
 Costs are per whole stage (T_F, T_B = the input-gradient pass, T_W); a schedule with v chunks per rank
 runs each chunk at 1/v of them. The bubble is a rank's idle time over the step, (idle) / (idle +
 m (T_F + T_B + T_W)), for one isolated step and for steps run back to back (no barrier between them:
-what optimizer post-validation allows). Published idle times per rank (shared/reference/formulas.md
+what optimizer post-validation allows). Published idle times per rank (docs/formulas.md
 and the sources named):
 
     gpipe, 1f1b   (p-1)(T_F+T_B+T_W)

@@ -141,6 +141,14 @@ def test_a_gpu_plan_fits_what_a_process_can_use(name):
     ("nccl_gb", ".inf", "nccl_gb=inf must be a finite number >= 0"),
     ("reserve_fraction", 1.5, "reserve_fraction=1.5 must be below 1"),
     ("context_gb", 90, "nothing is left for tensors"),
+    # every rate, size, latency and fraction (a negative link bandwidth once printed negative plan times)
+    ("intra_bandwidth", -1, "intra_bandwidth=-1 must be a finite number > 0"),
+    ("memory_bandwidth", 0, "memory_bandwidth=0 must be a finite number > 0"),
+    ("inter_latency", ".nan", "inter_latency=nan must be a finite number >= 0"),
+    ("peak_flops", "{bf16: -1.0}", r"peak_flops.bf16=-1.0 must be a finite number > 0"),
+    ("gemm_fraction", 1.5, r"gemm_fraction=1.5 must be a fraction in \(0, 1\]"),
+    ("bus_fraction", "[0.8, 0]", "bus_fraction=0 must be a finite number > 0"),
+    ("sm_count", "many", "sm_count='many' must be a finite number > 0"),
 ])
 def test_bad_memory_figures_fail_in_one_line(tmp_path, key, value, says):
     text = (Path(cluster_dir()) / "dgx-h100.yaml").read_text()

@@ -1,5 +1,5 @@
 """The schedule table (tools/schedule.py --table): every simulated bubble and peak equals the published
-formula wherever one exists (shared/reference/formulas.md, Narayanan et al. 2021, Qi et al. 2024, the
+formula wherever one exists (docs/formulas.md, Narayanan et al. 2021, Qi et al. 2024, the
 DualPipe README, TeraPipe for token slices), at several depths, micro-batch counts and cost ratios."""
 
 from __future__ import annotations
