@@ -295,6 +295,10 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
                     bucket_mb * 2**20 / 4, MAX_IN_FLIGHT, device == "cpu" and 1 < n_d <= MAX_RANKS,
                     pooled=runtime.pooled or not stage3, budget=runtime.reduce_numel)
     shared_input = L.recompute == "full" or m.norm_type == "layernorm" or wb == 4  # the first norm keeps it
+
+    def recomputes(i: int) -> bool:  # a chunk's layer i: the first recompute_layers of each chunk (all: None)
+        return L.recompute != "none" and (L.recompute_layers is None or i < L.recompute_layers)
+
     def build(r: int, first: bool, last: bool, chunks: tuple[int, ...]) -> tuple:
         """One stage shape: its parameters, persistent bytes, units and what a micro-batch in flight keeps."""
         n = stage_params(m, L, sum(chunks), first, last)
@@ -319,7 +323,7 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         full = {}  # walked layers that run their forward again in their backward
         for c in reversed(range(L.vpp)):
             for i in reversed(range(chunks[c])):
-                recompute = L.recompute != "none" and (L.recompute_layers is None or i < L.recompute_layers)
+                recompute = recomputes(i)
                 keep, back = recomputed if recompute else plain
                 back += leaf_grads * chunks[c]  # token slices: the earlier slices' key/value gradients, every layer
                 carry = wb * v * m.hidden_size if tied else 0.0  # the head's dW waits for the embedding's
@@ -333,9 +337,8 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         io = wb * x.s_r * x.b * m.hidden_size * (((r > 0 or L.vpp > 1) and not shared_input) + (not last or L.vpp > 1))
         per_chunk = sum(u.saved for u in units if u.name == "layer") + io
         # what a unit of each chunk keeps (a balanced or explicit split gives the chunks unequal layers)
-        chunk_kept = tuple(io + sum((recomputed if L.recompute != "none" and (
-            L.recompute_layers is None or i < L.recompute_layers) else plain)[0] for i in range(chunks[c]))
-            for c in range(L.vpp))
+        chunk_kept = tuple(io + sum((recomputed if recomputes(i) else plain)[0] for i in range(chunks[c]))
+                           for c in range(L.vpp))
         if last and L.vpp == 1:  # each micro-batch in flight on the last stage holds its head's (GPipe: many)
             per_chunk += head_kept
         front = 0.0
