@@ -18,7 +18,10 @@ from mpformer.core.layout import ParallelLayout
 NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
-assert set(PLAN_FIELDS) == {f.name for f in fields(FixedPlan)}, "autoconfig.fixed must pin exactly the plan fields"
+# What autoconfig.fixed may pin: the plan, pp_partition, and the fields the search takes as given (priced at
+# the pinned value, the layout's default otherwise); pp_split is refused with a reason (search.py).
+PINNABLE = tuple(f.name for f in fields(FixedPlan))
+assert set(PINNABLE) == {*PLAN_FIELDS, *NOT_SEARCHED, "pp_partition"}, "autoconfig.fixed must name every layout field"
 
 
 class Pins:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from mpformer.autoconfig.candidates import NOT_SEARCHED, PLAN_FIELDS, Candidate, SearchResult
+from mpformer.autoconfig.candidates import NOT_SEARCHED, PINNABLE, Candidate, SearchResult
 from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.cost import calibration
 from mpformer.autoconfig.explain import Explanation, explain_search
@@ -107,8 +107,12 @@ def pinned_fields(composed: Composed) -> dict[str, Any]:
         if key in ("pp_split",):
             raise ConfigError(f"parallel.{key} cannot be combined with parallel=auto (the search splits the layers); "
                               f"pin parallel.pp or parallel.pp_partition instead, or drop parallel=auto")
-        if key in PLAN_FIELDS and not (key == "dp" and cfg.parallel.dp == -1):
+        if key in PINNABLE and not (key == "dp" and cfg.parallel.dp == -1):
             pinned.setdefault(key, getattr(cfg.parallel, key))
+    for key in NOT_SEARCHED:  # not searched: the plan is priced with the run's own value, from YAML or not
+        value = getattr(cfg.parallel, key)
+        if key != "pp_split" and value != getattr(ParallelLayout, key):
+            pinned.setdefault(key, value)
     if "micro_batch_size" in composed.overridden_keys("train"):
         pinned.setdefault("micro_batch_size", cfg.train.micro_batch_size)
     return pinned

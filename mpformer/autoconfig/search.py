@@ -35,7 +35,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from mpformer.autoconfig.candidates import PLAN_FIELDS, Candidate, Pins, SearchResult, with_mbs
+from mpformer.autoconfig.candidates import NOT_SEARCHED, PINNABLE, Candidate, Pins, SearchResult, with_mbs
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.cost import Breakdown, iteration_time
 from mpformer.autoconfig.fit import recompute_choice
@@ -52,9 +52,12 @@ MIN_CP_TOKENS = 2048  # the fewest positions per cp rank the search tries cp at 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, fixed: dict[str, Any] | None = None,
            top_k: int = 5, device: str = "cuda") -> SearchResult:
     fixed = dict(fixed or {})
-    unknown = sorted(set(fixed) - set(PLAN_FIELDS))
+    unknown = sorted(set(fixed) - set(PINNABLE))
     if unknown:
-        raise ConfigError(f"autoconfig.fixed has unknown fields {unknown}; valid: {', '.join(PLAN_FIELDS)}")
+        raise ConfigError(f"autoconfig.fixed has unknown fields {unknown}; valid: {', '.join(PINNABLE)}")
+    if "pp_split" in fixed:
+        raise ConfigError("autoconfig.fixed.pp_split cannot be pinned: the search splits the layers; pin pp or "
+                          "pp_partition instead")
     t0 = time.perf_counter()
     world, gbs = cluster.world_size, workload.global_batch_size
     result = SearchResult([], [])
@@ -208,7 +211,9 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
                         # Layers that do not split evenly go to stages balanced by compute (partition.py).
                         part = "uniform" if model.num_layers % (pp * vpp) == 0 else "balanced"
                         base = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, vpp=vpp, schedule=schedule,
-                                              sequence_parallel=sp, zero=zero, pp_partition=part)
+                                              sequence_parallel=sp, zero=zero,
+                                              pp_partition=fixed.get("pp_partition", part),
+                                              **{k: fixed[k] for k in NOT_SEARCHED if k in fixed})
                         valid = _valid_kinds(model, cluster, w, result, mbs,
                                              [replace(base, cp_kind=k, cp_ulysses=u) for k, u in kinds])
                         if valid:

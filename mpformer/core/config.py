@@ -7,8 +7,8 @@ Entry points turn the composed config into these objects and hand each component
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, get_type_hints
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from mpformer.core.buffers import ZERO3_PREFETCH_NUMEL, ZERO3_REDUCE_NUMEL, ZERO3_UNIT_NUMEL
 from mpformer.core.errors import ConfigError, format_choices
@@ -24,27 +24,43 @@ ON_NAN = ("skip", "halt", "rollback")
 LOAD_AUTO = "auto"  # checkpoint.load=auto: the newest complete checkpoint in the save_dir, or a fresh start
 
 
-def _parallel_layout(self) -> ParallelLayout:
-    """The layout these keys describe."""
-    values = {f.name: getattr(self, f.name) for f in fields(ParallelLayout)}
-    if self.pp_split is not None:
-        values["pp_split"] = tuple(self.pp_split)
-    return ParallelLayout(**values)
+_L = ParallelLayout  # the defaults below are the layout's own: one list of values, spelled once
 
 
-def _parallel_config() -> type:
-    """``parallel.*``: every ParallelLayout field under its own name, type and default (derived, so the
-    two never drift; pp_split is a list, as YAML gives it), and ``auto``: parallel=auto lets the
-    auto-configurator pick the layout (and train.micro_batch_size) for the world size, keys set on
-    the command line staying as given (pinned)."""
-    hints = get_type_hints(ParallelLayout)
-    keys = [(f.name, list[int] | None if f.name == "pp_split" else hints[f.name], field(default=f.default))
-            for f in fields(ParallelLayout)]
-    return make_dataclass("ParallelConfig", [*keys, ("auto", bool, field(default=False))],
-                          namespace={"layout": _parallel_layout, "__module__": __name__})
+@dataclass
+class ParallelConfig:
+    """``parallel.*``: every ParallelLayout field under its own name, type and default (pp_split is a list,
+    as YAML gives it), and ``auto``: parallel=auto lets the auto-configurator pick the layout (and
+    train.micro_batch_size) for the world size, keys set on the command line staying as given (pinned).
+    Written out so type checkers and IDEs see the fields; tests/unit/test_config_fields.py fails if a
+    field of ParallelLayout is missing here or in FixedPlan, or differs in type or default."""
 
+    dp: int = _L.dp
+    tp: int = _L.tp
+    pp: int = _L.pp
+    cp: int = _L.cp
+    cp_kind: str = _L.cp_kind
+    cp_ulysses: int = _L.cp_ulysses
+    vpp: int = _L.vpp
+    sequence_parallel: bool = _L.sequence_parallel
+    zero: int = _L.zero
+    schedule: str = _L.schedule
+    recompute: str = _L.recompute
+    recompute_layers: int | None = _L.recompute_layers
+    pp_split: list[int] | None = None
+    pp_partition: str = _L.pp_partition
+    grad_reduce_dtype: str = _L.grad_reduce_dtype
+    pp_token_slices: int = _L.pp_token_slices
+    offload: str = _L.offload
+    offload_keep: int = _L.offload_keep
+    auto: bool = False
 
-ParallelConfig = _parallel_config()
+    def layout(self) -> ParallelLayout:
+        """The layout these keys describe."""
+        values = {f.name: getattr(self, f.name) for f in fields(ParallelLayout)}
+        if self.pp_split is not None:
+            values["pp_split"] = tuple(self.pp_split)
+        return ParallelLayout(**values)
 
 
 @dataclass
@@ -172,7 +188,10 @@ class EvalConfig:
 
 @dataclass
 class FixedPlan:
-    """Plan fields the auto-configurator keeps as given (None: searched)."""
+    """``autoconfig.fixed.*``: layout fields (and the micro-batch size) the auto-configurator keeps as
+    given; None: searched, or for the fields it does not search (autoconfig/candidates.py NOT_SEARCHED),
+    the run's ``parallel.*`` value. Every ParallelLayout field, typed as there but optional (the test
+    in tests/unit/test_config_fields.py keeps the two lists equal)."""
 
     dp: int | None = None
     tp: int | None = None
@@ -181,14 +200,18 @@ class FixedPlan:
     cp_kind: str | None = None
     cp_ulysses: int | None = None
     vpp: int | None = None
-    micro_batch_size: int | None = None
+    sequence_parallel: bool | None = None
     zero: int | None = None
+    schedule: str | None = None
     recompute: str | None = None
     recompute_layers: int | None = None  # pinned with recompute: the first K layers of each chunk recompute
-    schedule: str | None = None
-    sequence_parallel: bool | None = None
+    pp_split: list[int] | None = None  # refused with parallel=auto: the search splits the layers
+    pp_partition: str | None = None
+    grad_reduce_dtype: str | None = None
+    pp_token_slices: int | None = None
     offload: str | None = None
     offload_keep: int | None = None  # offload=auto's budget (searched: the largest that fits)
+    micro_batch_size: int | None = None
 
     def pinned(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
