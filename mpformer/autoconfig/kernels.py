@@ -24,7 +24,7 @@ outgoing one). ``Workload.kernels`` says how the run implements the elementwise 
                LlamaRMSNorm, and torch before it had a fused rms_norm)
 
 Shapes per micro-batch on one rank: T = (s / cp) b tokens, t = tp, q = a d / t query width, kv = k d / t
-(kv heads replicate when tp exceeds them), f the FFN width / t (gated: two up projections), X the
+(kv heads replicate when tp exceeds them), f the FFN width / t, X the
 residual stream elements (T h, or T h / t under sequence parallelism).
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -78,7 +79,6 @@ def dims(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int) -
     return {"T": s * b, "s": s, "s_k": s * L.cp, "b": b, "h": m.hidden_size, "d": d,
             "q": m.num_attention_heads * d // t, "kv": max(m.kv_heads // t, 1) * d,
             "heads": m.num_attention_heads // t, "f": m.ffn_size // t,
-            "up": (2 if m.gated_mlp else 1) * m.ffn_size // t,
             "X": s * b * m.hidden_size // (t if L.sequence_parallel else 1)}
 
 
@@ -139,21 +139,24 @@ def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: 
     """Every kernel of one decoder layer (pre-norm attention + MLP blocks, as models/transformer.py)."""
     a = FP32 if precision == "fp32" else 2
     x = dims(m, L, seq_length, micro_batch)
-    T, h, q, kv, f, up, X = x["T"], x["h"], x["q"], x["kv"], x["f"], x["up"], x["X"]
+    T, q, kv, f, X = x["T"], x["q"], x["kv"], x["f"], x["X"]
     F, BI, BW = Pass(), Pass(), Pass()
-    # The four GEMMs and their two backward products each. The weight gradient either accumulates
+    # The projections' GEMMs and their two backward products each. The weight gradient either accumulates
     # into the fp32 main gradient inside the GEMM (fused), or is written in the compute dtype and
     # then added into it by a kernel of its own (eager: 3 reads/writes of the weight's size).
     fused_acc = kernels == "fused" and main_grad_fp32
-    for mm, nn_, kk in ((T, q + 2 * kv, h), (T, h, q), (T, up, h), (T, h, f)):
+    # The sublayers' projections as their kinds describe them (core/layer_spec.py; dense: qkv, o, up, down).
+    proj = [(T, g.n, g.k) for kind in (attention_kind(m.attention_kind), mlp_kind(m.mlp_kind))
+            for g in kind.projections(m, L.tp)]
+    for mm, nn_, kk in proj:
         F.gemms.append(Gemm(mm, nn_, kk, out_bytes=a))
         BI.gemms.append(Gemm(mm, kk, nn_, out_bytes=a))
         BW.gemms.append(Gemm(kk, nn_, mm, out_bytes=FP32 if fused_acc else a, accumulate=fused_acc))
         if not fused_acc:
             BW.add(kk * nn_ * (a + 2 * FP32) if main_grad_fp32 else 3 * kk * nn_ * a, 1)
-    F.launches += 4
-    BI.launches += 4
-    BW.launches += 4
+    F.launches += len(proj)
+    BI.launches += len(proj)
+    BW.launches += len(proj)
     rms = m.norm_type == "rmsnorm"
     for _ in range(2):
         _norm(F, BI, X, a, kernels, rms)

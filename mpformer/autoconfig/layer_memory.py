@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -145,10 +146,10 @@ def megatron_layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, mic
         return wb * rows * x.h
     masks = 2 * rows * x.h if m.hidden_dropout > 0 else 0.0
     residual = 4 * wb * rows * x.h + masks
-    attention = wb * tokens * (2 * x.q + 2 * x.kv)
+    attention = wb * tokens * attention_kind(m.attention_kind).saved(m, L.tp)
     if flash:
         attention += 4 * x.a * tokens
     elif mode == "none":
         attention += (2 * wb + 1 if m.attention_dropout > 0 else wb) * x.a * x.s_n * tokens
-    mlp = wb * tokens * x.f * (3 if m.gated_mlp else 2)
+    mlp = wb * tokens * mlp_kind(m.mlp_kind).saved(m, L.tp)
     return residual + attention + mlp

@@ -61,6 +61,7 @@ from mpformer.autoconfig.layer_memory import (
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, parts_gathered, zero3_extras
 from mpformer.autoconfig.step_memory import Peak, Reduction, Unit, walk
 from mpformer.core.buffers import zero3_groups
+from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
@@ -106,13 +107,7 @@ class StageMemory:
 
 def layer_params_per_rank(m: ModelConfig, tp: int) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank."""
-    h, d, f = m.hidden_size, m.head_size, m.ffn_size
-    q = m.num_attention_heads * d // tp
-    kv = max(m.kv_heads // tp, 1) * d  # kv heads replicate when tp exceeds them
-    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if m.attention_bias else 0) + (h if m.out_proj_bias else 0)
-    mlp = (3 if m.gated_mlp else 2) * h * f // tp + (((2 * f if m.gated_mlp else f) // tp + h) if m.mlp_bias else 0)
-    norms = 2 * (2 if m.norm_bias else 1) * h
-    return attn + mlp + norms
+    return sum(layer_param_sizes(m, tp))
 
 
 def stage_params(m: ModelConfig, L: ParallelLayout, stage_layers: int, first: bool, last: bool) -> int:
@@ -191,29 +186,19 @@ def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
 
 
 def layer_param_sizes(m: ModelConfig, tp: int) -> list[int]:
-    """One layer's parameters on one tensor-parallel rank, in model order (how the engine buckets them):
-    attention norm, qkv (and bias), o (and bias), MLP norm, up (gate|up), down (and biases)."""
-    h, d, f = m.hidden_size, m.head_size, m.ffn_size // tp
-    q, kv = m.num_attention_heads * d // tp, max(m.kv_heads // tp, 1) * d
-    norm = [h, h] if m.norm_bias else [h]
-    width = (2 if m.gated_mlp else 1) * f
-    qkv = [h * (q + 2 * kv)] + ([q + 2 * kv] if m.attention_bias else [])
-    o = [q * h] + ([h] if m.out_proj_bias else [])
-    up = [h * width] + ([width] if m.mlp_bias else [])
-    down = [f * h] + ([h] if m.mlp_bias else [])
-    return norm + qkv + o + norm + up + down
+    """One layer's parameters on one tensor-parallel rank, in model order (how the engine buckets them)."""
+    return [n for part in layer_part_sizes(m, tp) for n in part]
 
 
 def layer_part_sizes(m: ModelConfig, tp: int) -> list[list[int]]:
-    """layer_param_sizes by the layer's parts (Block.parts(), how mpformer's ZeRO-3 makes units): attention
-    norm and qkv, output projection, MLP norm and up, down."""
-    sizes = layer_param_sizes(m, tp)
-    norm = 2 if m.norm_bias else 1
-    cuts = [norm + 1 + m.attention_bias, 1 + m.out_proj_bias, norm + 1 + m.mlp_bias, 1 + m.mlp_bias]
-    out, at = [], 0
-    for c in cuts:
-        out.append(sizes[at:at + c])
-        at += c
+    """One layer's parameters by its parts (Block.parts(), how mpformer's ZeRO-3 makes units): each norm
+    with the first part of the sublayer it feeds, as the attention and MLP kinds describe their parts
+    (core/layer_spec.py; dense: norm + qkv, o, norm + up, down)."""
+    norm = [m.hidden_size, m.hidden_size] if m.norm_bias else [m.hidden_size]
+    out: list[list[int]] = []
+    for kind in (attention_kind(m.attention_kind), mlp_kind(m.mlp_kind)):
+        first, *rest = kind.part_sizes(m, tp)
+        out += [norm + first, *rest]
     return out
 
 

@@ -8,13 +8,14 @@ implemented yet (rejected, never silently ignored), world size, batch arithmetic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from mpformer.core import partition
 from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.model_config import ModelConfig, divisors
-from mpformer.core.topology import Topology
+from mpformer.core.topology import MESH_DIMS, Topology
 
 CP_KINDS = ("ring", "allgather", "ulysses", "hybrid")  # Megatron --cp-comm-type p2p | allgather | a2a | a2a+p2p
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
@@ -56,11 +57,15 @@ class ParallelLayout:
     def topology(self) -> Topology:
         if self.dp < 1:
             raise AssertionError("resolve the layout (validate()) before asking for its topology")
-        return Topology(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+        return Topology.of(self)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dp * self.others()
+
+    def others(self) -> int:
+        """The product of every mesh dimension's size but dp (core/topology.py MESH_DIMS): the ranks of one replica."""
+        return math.prod(d.size(self) for d in MESH_DIMS if d.name != "dp")
 
     def local_positions(self, seq_length: int) -> int:
         """Positions of a sequence one rank's activations hold between layers: 1/cp of it, and 1/tp of
@@ -287,7 +292,7 @@ def _check_zero(L: ParallelLayout) -> None:
 
 
 def _resolve_dp(L: ParallelLayout, world_size: int) -> ParallelLayout:
-    others = L.tp * L.pp * L.cp
+    others = L.others()
     if L.dp == -1:
         if world_size % others:
             raise ConfigError(f"world size {world_size} is not divisible by tp*pp*cp={others} "

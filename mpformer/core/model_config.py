@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.layer_spec import ATTENTION_KINDS, MLP_KINDS, mlp_kind
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
@@ -43,6 +44,9 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_std: float = 0.02
+    # What each block is made of (core/layer_spec.py registries): a new MLP or attention is a registered kind.
+    mlp_kind: str = "dense"
+    attention_kind: str = "self"
 
     # ---- derived structure -------------------------------------------------------------
     @property
@@ -104,6 +108,10 @@ class ModelConfig:
             )
         if self.head_size % 2 and not self.learned_positions:
             raise ConfigError(f"model head_dim={self.head_size} must be even for rotary embeddings")
+        for key, table in (("mlp_kind", MLP_KINDS), ("attention_kind", ATTENTION_KINDS)):
+            if getattr(self, key) not in table:
+                raise ConfigError(f"model.{key}={getattr(self, key)!r} is not a registered kind; valid: "
+                                  f"{format_choices(sorted(table))}")
         self._validate_arch()
         return self
 
@@ -132,16 +140,14 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count of the model as built (tied embeddings counted once)."""
-        h, f, d = self.hidden_size, self.ffn_size, self.head_size
+        h, d = self.hidden_size, self.head_size
         q, kv = self.num_attention_heads * d, self.kv_heads * d
         attn = h * (q + 2 * kv) + q * h
         if self.attention_bias:
             attn += q + 2 * kv
         if self.out_proj_bias:
             attn += h
-        mlp = (3 if self.gated_mlp else 2) * h * f
-        if self.mlp_bias:
-            mlp += (2 * f if self.gated_mlp else f) + h
+        mlp = mlp_kind(self.mlp_kind).params(self)
         norm = (2 if self.norm_bias else 1) * h
         layer = attn + mlp + 2 * norm
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
@@ -164,7 +170,7 @@ class ModelConfig:
         """The fields that decide tensor shapes: two configs that agree here can share weights."""
         keys = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
                 "ffn_hidden_size", "vocab_size", "head_dim", "tie_embeddings", "attention_bias",
-                "mlp_bias", "activation")
+                "mlp_bias", "activation", "mlp_kind", "attention_kind")
         d = {k: getattr(self, k) for k in keys}
         d["num_kv_heads"], d["ffn_hidden_size"], d["head_dim"] = self.kv_heads, self.ffn_size, self.head_size
         if self.learned_positions:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mpformer.core.layer_spec import LINEAR_KINDS
 from mpformer.core.layout import RECOMPUTE
 
 if TYPE_CHECKING:
@@ -25,8 +26,9 @@ class ModelOptions:
     """``recompute`` (none | selective | full) applies to the first ``recompute_layers`` layers of each
     pipeline chunk (None: all of them); ``use_apex``: apex's fused norms where installed;
     ``document_eos``: attention stays inside each document of a packed sequence (documents end with
-    this token); ``fused_cross_entropy``: the loss ``cross_entropy_chunk`` tokens at a time, never
-    forming the full logits (False: logits, then the cross entropy)."""
+    this token); ``linear_kind``: the linear layers' kind; ``fused_cross_entropy``: the loss
+    ``cross_entropy_chunk`` tokens at a time, never forming the full logits (False: logits, then the
+    cross entropy)."""
 
     recompute: str = "none"
     recompute_layers: int | None = None
@@ -34,10 +36,13 @@ class ModelOptions:
     document_eos: int | None = None
     fused_cross_entropy: bool = True
     cross_entropy_chunk: int = DEFAULT_CHUNK
+    linear_kind: str = "default"  # the linear layers of every block (core/layer_spec.py LINEAR_KINDS)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}; valid: {', '.join(RECOMPUTE)}")
+        if self.linear_kind not in LINEAR_KINDS:
+            raise ValueError(f"linear_kind={self.linear_kind!r}; valid: {', '.join(sorted(LINEAR_KINDS))}")
         if self.cross_entropy_chunk < 1:
             raise ValueError(f"cross_entropy_chunk={self.cross_entropy_chunk} must be >= 1")
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.model_config import ModelConfig
 
 
@@ -102,9 +103,10 @@ def model_costs(model: ModelConfig, seq_length: int) -> tuple[list[float], float
     A layer counts its GEMMs (2 per weight) and attention's two s x s products (4 s d_head n_heads,
     without the causal halving, as Megatron counts them); norms and activations are left out.
     """
-    h, d, heads, kv = model.hidden_size, model.head_size, model.num_attention_heads, model.kv_heads
-    ffn = model.ffn_size * (3 if model.gated_mlp else 2)  # gate+up+down, or up+down
-    layer = 2.0 * (h * d * (heads + 2 * kv) + heads * d * h + h * ffn) + 4.0 * seq_length * d * heads
+    h, d, heads = model.hidden_size, model.head_size, model.num_attention_heads
+    kinds = (attention_kind(model.attention_kind), mlp_kind(model.mlp_kind))  # core/layer_spec.py
+    gemms = sum(g.flops for kind in kinds for g in kind.projections(model, 1))  # qkv, o; gate+up, down
+    layer = float(gemms) + 4.0 * seq_length * d * heads
     return [layer] * model.num_layers, 0.0, 2.0 * h * model.vocab_size
 
 

@@ -1,62 +1,179 @@
-"""Pure rank <-> coordinate math for the 4-D layout. No torch.distributed here.
+"""Pure rank <-> coordinate math for the mesh, whose dimensions are data. No torch.distributed here.
 
-Ranks are laid out in the order tp-cp-dp-pp with tp fastest (Megatron's order): the ranks of one
-tensor-parallel group are consecutive, so they share a node (NVLink) whenever tp <= GPUs per node,
-and pipeline stages are the slowest dimension, crossing nodes first.
+A mesh dimension is a name, what it shards, and how a layout sizes it (``MeshDim``); ``MESH_DIMS``
+lists them fastest-varying first. Ranks are laid out in the order tp-cp-dp-pp with tp fastest
+(Megatron's order): the ranks of one tensor-parallel group are consecutive, so they share a node
+(NVLink) whenever tp <= GPUs per node, and pipeline stages are the slowest dimension, crossing nodes
+first.
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+A new dimension is one ``register_dim`` (with where it goes in the order); a group folded over
+several dimensions is a named view (``MESH_VIEWS``, ``register_view``): today "data", the dp x cp
+ranks over which replicated weights' gradients are reduced and ZeRO shards them (the cp ranks of a
+replica each hold part of its sequence). An expert-data-parallel group is one more view.
+parallel/groups.py builds one process group per dimension and per view from these lists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-# Fastest-varying first.
-DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+from typing import Any
 
 
 @dataclass(frozen=True)
-class Topology:
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
+class MeshDim:
+    """``name`` (a parallel.* key for the built-in ones), what it ``shards`` (for docs and errors),
+    and ``size(layout)``: its degree in a layout (a ParallelLayout, typed loosely to stay below it)."""
 
-    def __post_init__(self) -> None:
-        for d in DIMS:
-            if getattr(self, d) < 1:
-                raise ValueError(f"{d}={getattr(self, d)} must be >= 1")
+    name: str
+    shards: str
+    size: Callable[[Any], int]
+
+
+@dataclass(frozen=True)
+class MeshView:
+    """A group folded over ``dims`` (every rank that differs only along them); ``tag`` names its bytes
+    in the communication ledger."""
+
+    name: str
+    dims: tuple[str, ...]
+    tag: str
+
+
+# Fastest-varying first.
+MESH_DIMS: list[MeshDim] = [
+    MeshDim("tp", "weights and, under sequence parallelism, activations by position", lambda L: L.tp),
+    MeshDim("cp", "every sequence by position (attention exchanges keys and values)", lambda L: L.cp),
+    MeshDim("dp", "the batch (weights replicated or, under ZeRO, their state sharded)", lambda L: L.dp),
+    MeshDim("pp", "the layers, in stages", lambda L: L.pp),
+]
+MESH_VIEWS: dict[str, MeshView] = {"data": MeshView("data", ("dp", "cp"), "dp.")}
+
+
+def dim_names() -> tuple[str, ...]:
+    return tuple(d.name for d in MESH_DIMS)
+
+
+def register_dim(dim: MeshDim, after: str) -> None:
+    """Add a mesh dimension right after ``after`` in the fastest-first order (it varies more slowly)."""
+    names = dim_names()
+    if dim.name in names:
+        raise ValueError(f"mesh dimension {dim.name!r} exists already; dims: {', '.join(names)}")
+    if after not in names:
+        raise ValueError(f"after={after!r} is not a mesh dimension; valid: {', '.join(names)}")
+    MESH_DIMS.insert(names.index(after) + 1, dim)
+
+
+def register_view(view: MeshView) -> None:
+    unknown = [d for d in view.dims if d not in dim_names()]
+    if unknown or view.name in MESH_VIEWS:
+        raise ValueError(f"mesh view {view.name!r}: unknown dims {unknown} or the name is taken; "
+                         f"dims: {', '.join(dim_names())}, views: {', '.join(MESH_VIEWS)}")
+    MESH_VIEWS[view.name] = view
+
+
+@contextlib.contextmanager
+def registered(dim: MeshDim, after: str, views: tuple[MeshView, ...] = ()) -> Iterator[None]:
+    """A dimension (and views over it) registered for the body only (tests, experiments)."""
+    register_dim(dim, after)
+    try:
+        for v in views:
+            register_view(v)
+        yield
+    finally:
+        MESH_DIMS.remove(dim)
+        for v in views:
+            MESH_VIEWS.pop(v.name, None)
+
+
+class Topology:
+    """The sizes of every mesh dimension (missing ones are 1) and the rank math over them."""
+
+    def __init__(self, **sizes: int) -> None:
+        names = dim_names()
+        unknown = set(sizes) - set(names)
+        if unknown:
+            raise ValueError(f"unknown dims {sorted(unknown)}; valid: {', '.join(names)}")
+        self._sizes = {d: int(sizes.get(d, 1)) for d in names}
+        for d, n in self._sizes.items():
+            if n < 1:
+                raise ValueError(f"{d}={n} must be >= 1")
+
+    @classmethod
+    def of(cls, layout: Any) -> Topology:
+        """The topology of a resolved layout: each registered dimension sized by its own rule."""
+        return cls(**{d.name: d.size(layout) for d in MESH_DIMS})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Topology) and self._sizes == other._sizes
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._sizes.items()))
+
+    def __repr__(self) -> str:
+        return "Topology(" + ", ".join(f"{d}={n}" for d, n in self._sizes.items()) + ")"
+
+    def size(self, dim: str) -> int:
+        return self._sizes[self._known(dim)]
+
+    @property
+    def tp(self) -> int:
+        return self._sizes["tp"]
+
+    @property
+    def cp(self) -> int:
+        return self._sizes["cp"]
+
+    @property
+    def dp(self) -> int:
+        return self._sizes["dp"]
+
+    @property
+    def pp(self) -> int:
+        return self._sizes["pp"]
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
+        n = 1
+        for size in self._sizes.values():
+            n *= size
+        return n
 
     def sizes(self) -> dict[str, int]:
-        return {d: getattr(self, d) for d in DIMS}
+        """{dim: size}, fastest first."""
+        return dict(self._sizes)
+
+    def _known(self, dim: str) -> str:
+        if dim not in self._sizes:
+            raise ValueError(f"unknown dim {dim!r}; valid: {', '.join(self._sizes)}")
+        return dim
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'tp': i, 'cp': j, 'dp': k, 'pp': l} of a global rank."""
+        """{'tp': i, 'cp': j, 'dp': k, 'pp': l, ...} of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside [0, {self.world_size})")
         out, rest = {}, rank
-        for d in DIMS:
-            out[d] = rest % getattr(self, d)
-            rest //= getattr(self, d)
+        for d, n in self._sizes.items():
+            out[d] = rest % n
+            rest //= n
         return out
 
     def rank(self, **coords: int) -> int:
         """Global rank of the given coordinates (missing dims are 0)."""
-        unknown = set(coords) - set(DIMS)
+        unknown = set(coords) - set(self._sizes)
         if unknown:
-            raise ValueError(f"unknown dims {sorted(unknown)}; valid: {', '.join(DIMS)}")
+            raise ValueError(f"unknown dims {sorted(unknown)}; valid: {', '.join(self._sizes)}")
         r, stride = 0, 1
-        for d in DIMS:
+        for d, n in self._sizes.items():
             c = coords.get(d, 0)
-            if not 0 <= c < getattr(self, d):
-                raise ValueError(f"{d} coordinate {c} outside [0, {getattr(self, d)})")
+            if not 0 <= c < n:
+                raise ValueError(f"{d} coordinate {c} outside [0, {n})")
             r += c * stride
-            stride *= getattr(self, d)
+            stride *= n
         return r
 
     def groups(self, *dims: str) -> list[list[int]]:
@@ -66,14 +183,13 @@ class Topology:
         which gradients are reduced once context parallelism exists.
         """
         for d in dims:
-            if d not in DIMS:
-                raise ValueError(f"unknown dim {d!r}; valid: {', '.join(DIMS)}")
-        fixed = [d for d in DIMS if d not in dims]
+            self._known(d)
+        fixed = [d for d in self._sizes if d not in dims]
         out = []
-        for fixed_vals in itertools.product(*(range(getattr(self, d)) for d in fixed)):
+        for fixed_vals in itertools.product(*(range(self._sizes[d]) for d in fixed)):
             base = dict(zip(fixed, fixed_vals))
             ranks = [self.rank(**base, **dict(zip(dims, vals)))
-                     for vals in itertools.product(*(range(getattr(self, d)) for d in dims))]
+                     for vals in itertools.product(*(range(self._sizes[d]) for d in dims))]
             out.append(sorted(ranks))
         return sorted(out)
 

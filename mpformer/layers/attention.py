@@ -23,11 +23,12 @@ from mpformer.context_parallel.context import attention as cp_attention
 from mpformer.context_parallel.dropout_tiles import dropout_attention
 from mpformer.context_parallel.fused import causal_attention
 from mpformer.core import attention_plan
+from mpformer.core.layer_spec import DEFAULT_LINEAR, LinearKind, resolve
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
-from mpformer.layers.linear import Linear, WeightGradStore
-from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, fused_shards, param_shards
+from mpformer.layers.linear import WeightGradStore
+from mpformer.layers.parallel import fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike, kernel_device, recompute_contexts
 from mpformer.parallel.tensor_parallel import Part, TPContext
 
@@ -138,23 +139,25 @@ class Attention(nn.Module):
     """Self-attention with one fused QKV projection laid out [q (n*d) | k (k*d) | v (k*d)]."""
 
     def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, cp: CPContext | None = None,
-                 store: WeightGradStore | None = None, device: DeviceLike = None, dtype: torch.dtype | None = None):
+                 store: WeightGradStore | None = None, linear: LinearKind = DEFAULT_LINEAR, device: DeviceLike = None,
+                 dtype: torch.dtype | None = None):
         """With ``tp``: this rank's heads (kv heads replicated when tp exceeds them), a column-parallel
-        qkv and a row-parallel output projection. With ``cp``: this rank's queries attend over every cp
-        rank's keys (context_parallel/context.py)."""
+        qkv and a row-parallel output projection, of the ``linear`` kind (core/layer_spec.py). With
+        ``cp``: this rank's queries attend over every cp rank's keys (context_parallel/context.py)."""
         super().__init__()
         t, d = (tp.size if tp is not None else 1), cfg.head_size
         self.n_heads, self.n_kv, self.d = cfg.num_attention_heads // t, max(1, cfg.kv_heads // t), d
         self.q_size, self.kv_size = self.n_heads * d, self.n_kv * d
         kw = {"store": store, "device": device, "dtype": dtype}
         if tp is None:
-            self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
-            self.o = Linear(self.q_size, cfg.hidden_size, bias=cfg.out_proj_bias, **kw)
+            plain = resolve(linear.plain)
+            self.qkv = plain(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
+            self.o = plain(self.q_size, cfg.hidden_size, bias=cfg.out_proj_bias, **kw)
         else:
             heads, kv = cfg.num_attention_heads * d, cfg.kv_heads * d
             parts = [Part("q", heads, d), Part("k", kv, d), Part("v", kv, d)]
-            self.qkv = ColumnParallelLinear(cfg.hidden_size, parts, tp, bias=cfg.attention_bias, **kw)
-            self.o = RowParallelLinear(heads, cfg.hidden_size, tp, bias=cfg.out_proj_bias, **kw)
+            self.qkv = resolve(linear.column)(cfg.hidden_size, parts, tp, bias=cfg.attention_bias, **kw)
+            self.o = resolve(linear.row)(heads, cfg.hidden_size, tp, bias=cfg.out_proj_bias, **kw)
         self.dropout_p = cfg.attention_dropout
         self.sliding_window = cfg.sliding_window
         self.rope = not cfg.learned_positions
@@ -198,6 +201,10 @@ class Attention(nn.Module):
             return cp_attention(q_bnsd, k_bksd, v_bksd, self.cp, seq, self.sliding_window, self.d ** -0.5)
         return attention_core(q_bnsd, k_bksd, v_bksd, dropout_p=dropout_p, sliding_window=self.sliding_window,
                               seq=seq)
+
+    def parts(self) -> list[tuple[str, list[nn.Module]]]:
+        """Parameter-holding submodules in forward order, as ZeRO-3 gathers them (the block adds the norm)."""
+        return [("attn_in", [self.qkv]), ("attn_out", [self.o])]
 
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         """q, k, v and o under ``prefix`` as separate tensors (row slices of the fused qkv: views)."""

@@ -88,6 +88,10 @@ class ColumnParallelLinear(nn.Module):
         # the sequence gathered inside the linear: its backward keeps this rank's shard (layers/linear.py)
         return linear(x, self.weight, self.bias, self.store, seq=self.tp.comm)
 
+    def forward_parts(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """The output's ``n`` parts (this rank's rows of each, back to back): one GEMM, then views."""
+        return self(x).chunk(n, dim=-1)
+
     def _local_rows(self) -> list[tuple[int, int]]:
         out, at = [], 0
         for _, n in self.blocks:

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.shards import Shard, stored_name
 from mpformer.parallel.device import DeviceLike
 
 BLOCK_ELEMENTS = 1 << 20  # 4 MiB of fp32: the most one rank draws beyond what it keeps
-_OUT_PROJECTIONS = ("attn.o.weight", "mlp.down.weight")
 
 
 def block_seed(seed: int, name: str, block: int) -> int:
@@ -65,7 +65,13 @@ class ModelInit:
         if name.endswith(".bias") or "norm" in name:
             return None
         std = self.cfg.init_std
-        return std / math.sqrt(2.0 * self.cfg.num_layers) if name.endswith(_OUT_PROJECTIONS) else std
+        return std / math.sqrt(2.0 * self.cfg.num_layers) if name.endswith(self._out_projections) else std
+
+    @property
+    def _out_projections(self) -> tuple[str, ...]:
+        """The weights fed back into the residual stream, as the block's kinds name them (dense: attn.o, mlp.down)."""
+        kinds = (("attn", attention_kind(self.cfg.attention_kind)), ("mlp", mlp_kind(self.cfg.mlp_kind)))
+        return tuple(f"{prefix}.{p}.weight" for prefix, kind in kinds for p in kind.out_projections)
 
     @torch.no_grad()
     def fill(self, out: torch.Tensor, name: str, global_shape: Sequence[int], offsets: Sequence[int]) -> None:

@@ -3,7 +3,8 @@
 Handed a TPContext, the modules build their own parallel layers in their constructors (attention,
 MLP, the transformer's embedding and head), each sized to this rank's shard. ``build_model`` builds
 them on the meta device, checks that every planned pattern matched and that no single-device
-Linear/Embedding stands where the plan wants a parallel one, then materialises only this rank's
+Linear/Embedding stands where the plan wants a parallel one (the block's rows are its kinds'
+``tp_plan``, core/layer_spec.py; below, the dense ones), then materialises only this rank's
 blocks and fills them from the blocked initialiser (models/init.py), or, ``deferred``, leaves the
 parameters on meta for the gradient engine to allocate in its flat buffers (a ZeRO-3 rank: its
 shard alone).
@@ -27,24 +28,29 @@ import torch
 from torch import nn
 
 from mpformer.context_parallel.context import CPContext
+from mpformer.core.layer_spec import attention_kind, linear_kind, mlp_kind, resolve
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.model_options import DEFAULT_OPTIONS, ModelOptions
 from mpformer.core.pipeline_plan import StagePlan, stage_plan
 from mpformer.layers.linear import WeightGradStore
-from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead
 from mpformer.models.init import ModelInit, materialise, materialise_buffers
 from mpformer.models.transformer import Transformer
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.tensor_parallel import GradSpec, TPContext, kv_replicas
 
-# Module-name pattern -> the parallel layer it must be (the attention rows: its heads localised).
-# One decoder, so one plan; kept per architecture so that a future one can differ.
-_DECODER_PLAN: list[tuple[str, type | str]] = [
-    ("embed", VocabParallelEmbedding), ("layers.*.attn", "heads"), ("layers.*.attn.qkv", ColumnParallelLinear),
-    ("layers.*.attn.o", RowParallelLinear), ("layers.*.mlp.up", ColumnParallelLinear),
-    ("layers.*.mlp.down", RowParallelLinear), ("lm_head", VocabParallelHead)]
-TP_PLANS: dict[str, list[tuple[str, type | str]]] = {a: _DECODER_PLAN for a in ("gpt2", "llama", "mistral", "qwen2")}
+
+def tp_plan(cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS) -> list[tuple[str, type | str]]:
+    """Module-name pattern -> the parallel layer it must be (the attention row: its heads localised).
+    The block's rows come from its attention and MLP kinds (core/layer_spec.py), each split ("column",
+    "row") built by the linear kind; the embedding and the head are the decoder's own."""
+    linear = linear_kind(options.linear_kind)
+    splits = {"column": resolve(linear.column), "row": resolve(linear.row), "heads": "heads"}
+    rows: list[tuple[str, type | str]] = [("embed", VocabParallelEmbedding)]
+    for prefix, kind in (("attn", attention_kind(cfg.attention_kind)), ("mlp", mlp_kind(cfg.mlp_kind))):
+        rows += [(f"layers.*.{prefix}" + (f".{sub}" if sub else ""), splits[split]) for sub, split in kind.tp_plan]
+    return [*rows, ("lm_head", VocabParallelHead)]
 
 
 def check_tp_plan(model: nn.Module, tp: TPContext) -> None:
@@ -52,7 +58,7 @@ def check_tp_plan(model: nn.Module, tp: TPContext) -> None:
     embedding or the head, and a tied model has no separate head); raise naming the first that is not."""
     cfg: ModelConfig = model.cfg
     modules = dict(model.named_modules())
-    for pattern, want in TP_PLANS[cfg.arch]:
+    for pattern, want in tp_plan(cfg, model.options):
         matched = [n for n in modules if fnmatch.fnmatchcase(n, pattern) and modules[n] is not None]
         absent = {"embed": model.embed is None, "lm_head": model.lm_head is None}.get(pattern, False)
         if not matched and not absent:
@@ -67,7 +73,14 @@ def check_tp_plan(model: nn.Module, tp: TPContext) -> None:
 
 def grad_specs(model: nn.Module) -> list[GradSpec]:
     """One spec per parameter block; replicated parameters (norms, position embeddings, row biases)
-    are held by every tp rank, and under SP their gradients are partial sums to be all-reduced."""
+    are held by every tp rank, and under SP their gradients are partial sums to be all-reduced. Each
+    names the view its gradient reduces over: a module's ``grad_view`` attribute for all of its
+    parameters (a layer kind whose weights are split over other ranks, as experts are), else "data"."""
+    views = {id(p): m.grad_view for m in model.modules() if hasattr(m, "grad_view") for p in m.parameters()}
+    return [replace(s, reduce_over=views.get(id(s.param), s.reduce_over)) for s in _tp_specs(model)]
+
+
+def _tp_specs(model: nn.Module) -> list[GradSpec]:
     tp: TPContext | None = getattr(model, "tp", None)
     if tp is None:
         return [GradSpec(p) for p in model.parameters() if p.requires_grad]

@@ -29,17 +29,17 @@ from mpformer.context_parallel.blockwise import segment_index
 from mpformer.context_parallel.context import CPContext, SeqShard, document_ids
 from mpformer.context_parallel.token_slices import KVSlices
 from mpformer.core.attention_plan import DocStarts
+from mpformer.core.layer_spec import DEFAULT_LINEAR, LinearKind, attention_kind, linear_kind, mlp_kind, resolve
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.model_options import DEFAULT_OPTIONS, ModelOptions
 from mpformer.core.pipeline_plan import StagePlan
 from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
-from mpformer.layers.attention import Attention, RotaryEmbedding
+from mpformer.layers.attention import RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
 from mpformer.layers.dropout import Dropout
 from mpformer.layers.fused_cross_entropy import fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
-from mpformer.layers.mlp import MLP
 from mpformer.layers.norm import build_norm
 from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, gather_input, param_shards
 from mpformer.models.init import ModelInit, init_weights
@@ -54,16 +54,20 @@ def sp_rng(tp: TPContext | None, active: bool) -> contextlib.AbstractContextMana
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The attention and the MLP are
+    the kinds ``cfg`` names, built with the ``linear`` kind (core/layer_spec.py); each module gives its
+    ``canonical_shards(prefix)`` and ``parts()``."""
 
     def __init__(self, cfg: ModelConfig, *, use_apex: bool, tp: TPContext | None = None, cp: CPContext | None = None,
-                 store: WeightGradStore | None = None, device: DeviceLike = None, dtype: torch.dtype | None = None):
+                 store: WeightGradStore | None = None, linear: LinearKind = DEFAULT_LINEAR, device: DeviceLike = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.attn = Attention(cfg, tp=tp, cp=cp, store=store, **kw)
+        attention = resolve(attention_kind(cfg.attention_kind).module)
+        self.attn = attention(cfg, tp=tp, cp=cp, store=store, linear=linear, **kw)
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.mlp = MLP(cfg, tp=tp, store=store, **kw)
+        self.mlp = resolve(mlp_kind(cfg.mlp_kind).module)(cfg, tp=tp, store=store, linear=linear, **kw)
         self.dropout = Dropout(cfg.hidden_dropout)
         self.tp = tp
 
@@ -74,9 +78,12 @@ class Block(nn.Module):
 
     def parts(self) -> list[tuple[str, list[nn.Module]]]:
         """The block's parameter-holding submodules in forward order, as ZeRO-3 gathers them (optim/engine.py):
-        each norm with the projection it feeds. Every parameter of the block is in exactly one part."""
-        return [("attn_in", [self.attn_norm, self.attn.qkv]), ("attn_out", [self.attn.o]),
-                ("mlp_in", [self.mlp_norm, self.mlp.up]), ("mlp_out", [self.mlp.down])]
+        each norm with the first part of the module it feeds. Every parameter of the block is in exactly one part."""
+        out = []
+        for norm, module in ((self.attn_norm, self.attn), (self.mlp_norm, self.mlp)):
+            (name, first), *rest = module.parts()
+            out += [(name, [norm, *first]), *rest]
+        return out
 
     def _dropout(self, x_sbh: torch.Tensor) -> torch.Tensor:
         # Sequence-parallel chunks differ per tp rank: tp-rank stream. Otherwise every tp rank holds
@@ -134,7 +141,8 @@ class Transformer(nn.Module):
         self.rotary = None if cfg.learned_positions else RotaryEmbedding(cfg, device=device)
         self.embed_dropout = Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(
-            Block(cfg, use_apex=use_apex, tp=tp, cp=cp, store=store, **kw) for _ in self.layer_ids)
+            Block(cfg, use_apex=use_apex, tp=tp, cp=cp, store=store, linear=linear_kind(options.linear_kind), **kw)
+            for _ in self.layer_ids)
         self.final_norm = (build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
                            if head else None)
         self.lm_head = None

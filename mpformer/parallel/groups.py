@@ -1,7 +1,9 @@
 """ProcessGroups: the communicators of one layout, built once and passed explicitly (no globals).
 
-Built on torch's DeviceMesh with dims ("pp", "dp", "cp", "tp") so that tp varies fastest, the
-same order as parallel/topology.py (checked at construction).
+Built on torch's DeviceMesh over every registered mesh dimension, slowest first (core/topology.py
+MESH_DIMS reversed: ("pp", "dp", "cp", "tp") today) so that tp varies fastest, the same order as the
+topology's rank math (checked at construction); then one group per named view (MESH_VIEWS: "data",
+dp x cp). A new dimension or view is an entry there, not a change here.
 """
 
 from __future__ import annotations
@@ -12,18 +14,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mpformer.core.layout import ParallelLayout
-from mpformer.core.topology import Topology
+from mpformer.core.topology import MESH_VIEWS, Topology, dim_names
 from mpformer.parallel.comm import Comm, CommLedger
 from mpformer.parallel.device import Device
 from mpformer.parallel.random import TPRandom
 from mpformer.parallel.tensor_parallel import TPContext
 
-MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
-
 
 @dataclass
 class ProcessGroups:
-    """One process group per parallel dimension, plus this rank's coordinates."""
+    """One process group per mesh dimension and per view, plus this rank's coordinates."""
 
     layout: ParallelLayout
     device: Device
@@ -31,7 +31,12 @@ class ProcessGroups:
     rank: int
     coords: dict[str, int]
     ledger: CommLedger = field(default_factory=CommLedger)
-    data_group: dist.ProcessGroup | None = None  # dp x cp (the dp group when cp == 1)
+    views: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # view name -> this rank's group
+
+    @property
+    def data_group(self) -> dist.ProcessGroup:
+        """dp x cp (the dp group when cp == 1): the "data" view."""
+        return self.views["data"]
 
     @classmethod
     def build(cls, layout: ParallelLayout, device: Device) -> ProcessGroups:
@@ -42,16 +47,20 @@ class ProcessGroups:
         world = dist.get_world_size()
         if world != topo.world_size:
             raise RuntimeError(f"layout needs {topo.world_size} ranks but the world has {world}")
-        shape = tuple(getattr(topo, d) for d in MESH_DIMS)
-        mesh = init_device_mesh(device.kind, shape, mesh_dim_names=MESH_DIMS)
+        names = dim_names()[::-1]  # slowest first
+        mesh = init_device_mesh(device.kind, tuple(topo.size(d) for d in names), mesh_dim_names=names)
         rank = dist.get_rank()
-        data = mesh.get_group("dp") if topo.cp == 1 else _new_groups(topo.groups("dp", "cp"), rank)
-        groups = cls(layout=layout, device=device, mesh=mesh, rank=rank, coords=topo.coords(rank), data_group=data)
+        groups = cls(layout=layout, device=device, mesh=mesh, rank=rank, coords=topo.coords(rank))
+        for view in MESH_VIEWS.values():  # every rank creates every group, in the same order
+            first, *rest = view.dims
+            # Folded over one dimension in effect (the rest of size 1): that dimension's own group.
+            folded = all(topo.size(d) == 1 for d in rest)
+            groups.views[view.name] = mesh.get_group(first) if folded else _new_groups(topo.groups(*view.dims), rank)
         groups._check_against_topology(topo)
         return groups
 
     def _check_against_topology(self, topo: Topology) -> None:
-        for d in MESH_DIMS:
+        for d in dim_names():
             expected = topo.group_of(self.rank, d)
             got = sorted(dist.get_process_group_ranks(self.group(d)))
             assert got == expected, f"{d} group {got} != topology {expected}"
@@ -63,10 +72,16 @@ class ProcessGroups:
         """A byte-counting communicator over ``dim``; all of them write to ``self.ledger``."""
         return Comm(self.group(dim), self.ledger, tag=f"{dim}.")
 
+    def view(self, name: str) -> Comm:
+        """A byte-counting communicator over the named view (core/topology.py MESH_VIEWS)."""
+        if name not in self.views:
+            raise KeyError(f"mesh view {name!r} is unknown; valid: {', '.join(self.views)}")
+        return Comm(self.views[name], self.ledger, tag=MESH_VIEWS[name].tag)
+
     def data_comm(self) -> Comm:
         """Over what gradients of replicated weights are reduced and ZeRO shards: dp x cp (the cp ranks
         of a replica each hold part of its sequence), and metrics summed over both."""
-        return Comm(self.data_group, self.ledger, tag="dp.")
+        return self.view("data")
 
     def dropout_offset(self) -> int:
         """Added to the seed of this rank's dropout streams: distinct for every (cp, dp, pp) coordinate

@@ -100,12 +100,15 @@ class Part:
 @dataclass
 class GradSpec:
     """Rows ``rows`` of ``param`` (all rows if None): ``replicas`` tp ranks hold identical values, and
-    after backward their gradients must be summed over ``sync`` (None: already complete)."""
+    after backward their gradients must be summed over ``sync`` (None: already complete); then they are
+    reduced over the mesh view ``reduce_over`` (core/topology.py MESH_VIEWS; "data": dp x cp, where
+    every dense weight goes) and ZeRO shards the parameter over it."""
 
     param: nn.Parameter
     rows: tuple[int, int] | None = None
     replicas: int = 1
     sync: Comm | None = None
+    reduce_over: str = "data"
 
     def grad(self) -> torch.Tensor | None:
         g = self.param.grad
