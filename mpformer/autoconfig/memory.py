@@ -59,7 +59,7 @@ from mpformer.autoconfig.layer_memory import (
     shape,
 )
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, parts_gathered, zero3_extras
-from mpformer.autoconfig.step_memory import Peak, Reduction, Unit, walk
+from mpformer.autoconfig.step_memory import Peak, ReductionSpec, Unit, walk
 from mpformer.core.buffers import zero3_groups
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
@@ -291,7 +291,7 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
         layer_units = [[n for j in g for n in parts[j]] for g in zero3_groups([sum(p) for p in parts],
                                                                                runtime.unit_numel)]
     rb = BYTES[L.grad_reduce_dtype]
-    red = Reduction(L.zero, n_d, wb if stage3 and runtime.pooled else 4, wb if stage3 and wb < 4 else rb,
+    red = ReductionSpec(L.zero, n_d, wb if stage3 and runtime.pooled else 4, wb if stage3 and wb < 4 else rb,
                     bucket_mb * 2**20 / 4, MAX_IN_FLIGHT, device == "cpu" and 1 < n_d <= MAX_RANKS,
                     pooled=runtime.pooled or not stage3, budget=runtime.reduce_numel)
     shared_input = L.recompute == "full" or m.norm_type == "layernorm" or wb == 4  # the first norm keeps it
