@@ -105,11 +105,12 @@ def stage_units(p: PlanInputs, first: bool, last: bool, chunks: tuple[int, ...])
         head = [(2 if m.norm_bias else 1) * m.hidden_size] + ([] if tied else [p.vocab * m.hidden_size])
         units.append(Unit("head", head, p.head.saved, 0.0, p.head.backward))
     carry = p.wb * p.vocab * m.hidden_size if tied else 0.0  # the head's dW waits for the embedding's
+    leaf_grads = p.leaf_grads
     for c in reversed(range(L.vpp)):
         walked = c == L.vpp - 1
         for i in reversed(range(chunks[c])):
             layer = p.layer(i)
-            back = layer.backward + p.leaf_grads * chunks[c]  # token slices: the earlier slices' key/value gradients
+            back = layer.backward + leaf_grads * chunks[c]  # token slices: the earlier slices' key/value gradients
             for j in reversed(range(len(p.layer_units))):
                 units.append(Unit("layer", p.layer_units[j], layer.saved if walked and j == 0 else 0.0,
                                   back if walked else 0.0, carry, layer=(c, i)))
