@@ -92,7 +92,8 @@ def _memory_worker(cfg_dict: dict, seq: int, cp: int, kind: str, ulysses: int) -
 
 
 def _predicted(cfg: ModelConfig, seq: int, cp: int, kind: str, ulysses: int) -> float:
-    from mpformer.autoconfig.memory import Workload, activation_bytes_per_layer, cp_extra_bytes_per_layer
+    from mpformer.autoconfig.block_memory import cp_extra_bytes_per_layer
+    from mpformer.autoconfig.memory import Workload, activation_bytes_per_layer
     from mpformer.core.layout import ParallelLayout
 
     L = ParallelLayout(dp=1, cp=cp, cp_kind=kind, cp_ulysses=ulysses)

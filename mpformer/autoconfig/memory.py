@@ -16,7 +16,7 @@
                   block (``megatron_layer_bytes``: Korthikanti et al.'s count op by op, for the
                   runtimes that run it and for an attention that writes its scores, as Megatron
                   before FlashAttention did); plus what a cp kind keeps
-                  beyond its own K/V (``cp_extra_bytes_per_layer``), the pipeline's received inputs and
+                  beyond its own K/V (block_memory.py ``cp_extra_bytes_per_layer``), the pipeline's received inputs and
                   kept outputs, and on the last stage the head's: its final norm and the fused cross
                   entropy's fp32 dX [n, h] and dW [v, h], formed in forward and held until backward
     transients    what the point of the step at the peak adds besides activations (step_memory.py
@@ -43,26 +43,26 @@
 ``StageMemory.live`` (state + activations + transients) is what the runtime's tensors hold at the
 peak: benchmarks/bench_memory.py measures it (live tensor bytes on CPU, the allocator's peak on
 CUDA) against this model.
+
+plan_memory in steps: the plan read once (``PlanInputs``: what a layer and the head hold,
+block_memory.py; how the gradients are reduced), each stage shape built once (``StageShape``: its
+persistent bytes and its units, stage_units.py), then per rank what its other units in flight keep
+(``InFlight``) and the walk's peak (step_memory.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mpformer.autoconfig.block_memory import head_live, layer_live
 from mpformer.autoconfig.inflight import inflight, offloaded, weighted_peak
-from mpformer.autoconfig.layer_memory import (
-    BYTES,
-    layer_bytes,
-    megatron_layer_bytes,
-    norm_bytes,
-    recompute_bytes,
-    shape,
-)
-from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head, parts_gathered, zero3_extras
-from mpformer.autoconfig.step_memory import Peak, Reduction, Unit, walk
+from mpformer.autoconfig.layer_memory import BYTES
+from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head
+from mpformer.autoconfig.stage_units import PlanInputs, gathers, stage_units, with_gathered
+from mpformer.autoconfig.step_memory import Peak, ReductionSpec, Unit, walk
 from mpformer.core.buffers import zero3_groups
 from mpformer.core.layer_spec import attention_kind, mlp_kind
-from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout, ulysses_degree
+from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 from mpformer.optim.engine import MAX_IN_FLIGHT
@@ -141,43 +141,11 @@ def activation_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -
         per += 5.0 * a * s / (h * t)  # attention scores, softmax and its dropout mask (s^2 per head)
     return s * b * h * per * BYTES[w.precision] / 2
 
-
-def cp_extra_bytes_per_layer(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
-    """Bytes a cp kind keeps per layer for the backward beyond the rank's own K/V (which the layer's
-    activations already count), without recompute (a recomputed attention core keeps only its inputs).
-
-    allgather  the K/V gathered over the whole sequence: 2 s b k d, less the rank's own 2 (s/cp) b k d
-    ulysses    after the all-to-all each rank keeps q, k, v of U s/cp positions and 1/U of the heads;
-               with kv heads repeated to U (U > k): 2 (s/cp) b (U - k) d more
-    hybrid     the same for its Ulysses degree; the ring keeps only the rank's own K/V
-    (k kv heads per tp rank, d head size, s the whole sequence.)"""
-    if L.cp == 1 or L.recompute != "none":
-        return 0.0
-    seq, b, d, wb = w.seq_length // L.cp, w.micro_batch_size, m.head_size, BYTES[w.precision]
-    kv, u = max(m.kv_heads // L.tp, 1), ulysses_degree(L)
-    if L.cp_kind == "allgather":
-        return 2.0 * (L.cp - 1) * seq * b * kv * d * wb
-    return 2.0 * seq * b * (max(kv, u) - kv) * d * wb
-
-
-def slice_kv_bytes(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str) -> float:
-    """Token slices (context_parallel/token_slices.py): what a slice keeps per layer beyond an s/k
-    sequence's activations (``w`` is the slice's workload). Its own keys and values, kept for the later
-    slices; and, unless the layer recomputes, the attention core's saved keys and values reach back over
-    the earlier slices: (j + 1) slices' for slice j, counted at their mean (k + 1) / 2, less the one
-    slice's the activations count."""
-    k = L.pp_token_slices
-    if k == 1:
-        return 0.0
-    own = 2.0 * w.seq_length * w.micro_batch_size * max(1, m.kv_heads // L.tp) * m.head_size * BYTES[w.precision]
-    return own * (1.0 if mode == "full" else (k + 1) / 2)
-
-
 def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
     """What the last stage's head holds for one micro-batch beyond the layers' activations, as one sum:
     its kept gradient buffers and one chunk's logits (fused), or fp32 logits and their gradient. (An
     upper bound: plan_memory places the kept part and the chunk at the points of the step where each
-    is live, ``_head``.)"""
+    is live, block_memory.py ``head_live``.)"""
     tokens, vocab = w.seq_length // L.cp * w.micro_batch_size, -(-m.vocab_size // L.tp)
     if not w.fused_cross_entropy:  # fp32 logits of this rank's vocabulary block and their gradient
         return 2.0 * tokens * vocab * 4
@@ -202,48 +170,28 @@ def layer_part_sizes(m: ModelConfig, tp: int) -> list[list[int]]:
     return out
 
 
-def _layer(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtime,
-           sunk: bool = False) -> tuple[float, float]:
-    """(kept for backward, live above that in its backward) of one layer under recompute ``mode``; ``sunk``:
-    its projections' weight gradients go straight into the gradient buffers (mpformer's ZeRO-3)."""
-    Lm = replace(L, recompute=mode, recompute_layers=None)
-    kept = cp_extra_bytes_per_layer(m, Lm, w) + slice_kv_bytes(m, L, w, mode)
-    again = cp_extra_bytes_per_layer(m, replace(Lm, recompute="none"), w) if mode != "none" and L.cp > 1 else 0.0
-    x, wb = shape(m, L, w.seq_length, w.micro_batch_size), BYTES[w.precision]
-    tokens = x.s_n * x.b
-    if w.flash_attention and rt.block == "mpformer":  # mpformer's own block (and torchtitan's)
-        args = (w.seq_length, w.micro_batch_size, w.precision)
-        lb = layer_bytes(m, Lm, *args, sunk=sunk)
-        if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
-            saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
-            return saved + kept, layer_bytes(m, Lm, *args, recompute="none").saved - saved + lb.backward
-        return lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args) + again
-    # Megatron's block (layer_memory.megatron_layer_bytes; without a flash kernel, whoever runs it). A
-    # recomputed layer's activations come back in its backward, which adds the gradients of the MLP's
-    # wide activations (while all of them live) or, once the MLP's are freed, the gradient of the
-    # attention probabilities.
-    args = (w.seq_length, w.micro_batch_size, w.precision, w.flash_attention)
-    saved = megatron_layer_bytes(m, Lm, *args)
-    again += megatron_layer_bytes(m, Lm, *args, recompute="none") - saved
-    mlp_part = (wb + (1 if m.hidden_dropout > 0 else 0)) * x.s_r * x.b * x.h + 2 * wb * tokens * x.f
-    probs = wb * x.a * x.s_n * tokens if L.cp == 1 and not w.flash_attention else 0.0
-    return saved + kept, again + max(2 * wb * tokens * x.f, probs - mlp_part)
+@dataclass(frozen=True)
+class StageShape:
+    """What the pipeline ranks with the same ends and chunks share (a deep pipeline's middle ranks differ
+    only in how many units they keep in flight, which the walk adds last)."""
+
+    params: int  # parameters this rank holds (before ZeRO sharding)
+    state: float  # persistent bytes: the ZeRO table's
+    units: tuple[Unit, ...]  # what one micro-batch's backward meets, in order (step_memory.py)
+    per_unit: float  # bytes a unit in flight keeps (the walked chunk's)
+    io: float  # of which its received input and kept output at the stage boundaries
+    chunk_kept: tuple[float, ...]  # bytes a unit of each chunk keeps (a balanced or explicit split: unequal)
+    head_forward: float  # what the end of the forward adds: the head's chunk, the gathered head
 
 
-def _head(m: ModelConfig, L: ParallelLayout, w: Workload) -> tuple[float, float, float]:
-    """The last stage's head per micro-batch: (kept from its forward to its backward, what its forward's
-    chunk adds, what its backward adds). Fused (layers/fused_cross_entropy.py): fp32 dX [n, h] and dW
-    [v, h] kept; a chunk's fp32 logits with, in 16-bit, their 16-bit original, or the 16-bit gradient
-    and dW's 16-bit product; backward casts dX and dW to the compute dtype. Unfused: the fp32 log-softmax
-    [n, v] kept, its gradient and 16-bit cast in backward."""
-    x, wb = shape(m, L, w.seq_length, w.micro_batch_size), BYTES[w.precision]
-    n, v, h = x.s_n * x.b, -(-m.vocab_size // L.tp), m.hidden_size
-    norm = norm_bytes(m, x, wb) if w.flash_attention else wb * x.s_r * x.b * h
-    if not w.fused_cross_entropy:  # logits (16-bit), their fp32 copy and log-softmax; its two fp32 gradients
-        return norm + 4 * n * v + wb * n * h, (wb if wb < 4 else 0) * n * v + 4 * n * v, 8 * n * v
-    c = min(w.cross_entropy_chunk, n)
-    chunk = 4 * c * v if wb == 4 else max((wb + 4) * c * v, wb * c * v + wb * v * h + wb * c * h)
-    return norm + 4 * (n * h + v * h), chunk, (wb * (n * h + v * h) if wb < 4 else 0.0)  # fp32: no cast
+@dataclass(frozen=True)
+class InFlight:
+    """What one rank's other units in flight keep, beside the walked one's."""
+
+    kept: float  # on the device at every point of the walk but the end of the backward
+    last_only: float  # the same when the walked micro-batch is the only one in flight
+    host: float  # offloaded to host memory
+    copying: bool  # some units are copied out (the walk sees two of its layers at a time)
 
 
 def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str = "cuda",
@@ -251,140 +199,121 @@ def plan_memory(m: ModelConfig, L: ParallelLayout, w: Workload, *, device: str =
     """Per pipeline rank (pp entries): the bytes one device of that stage needs at its peak (module
     docstring). ``runtime``: whose runtime runs the plan (mpformer's unless modelling a published run
     of another framework, runtimes.py; default: the workload's)."""
+    p = _plan(m, L, w, device, bucket_mb, w.runtime if runtime is None else runtime)
+    out, shapes = [], {}
+    for r in range(p.L.pp):
+        first, last = rank_ends(p.L, r)  # a V schedule's rank 0 holds both ends
+        chunks = tuple(p.counts[stage_index(p.L, r, c)] for c in range(p.L.vpp))
+        key = (first, last, chunks, r > 0)
+        if key not in shapes:  # one build per shape: most ranks of a deep pipeline share it
+            shapes[key] = _stage_shape(p, r, first, last, chunks)
+        out.append(_rank_memory(p, shapes[key], r))
+    return out
+
+
+def _plan(m: ModelConfig, L: ParallelLayout, w: Workload, device: str, bucket_mb: float,
+          runtime: Runtime) -> PlanInputs:
+    """The plan read once: its in-flight peaks and layer counts (whole sequences), then, per token slice
+    when there are slices, what a layer and the head hold and how the gradients are bucketed."""
     from mpformer.parallel.pairwise import MAX_RANKS
 
-    runtime = w.runtime if runtime is None else runtime
     if L.recompute_layers == 0:  # no layer recomputes
         L = replace(L, recompute="none", recompute_layers=None)
-    wb, n_d = BYTES[w.precision], L.dp * L.cp
     micro = w.global_batch_size // (w.micro_batch_size * L.dp)
     peaks = inflight(L.schedule, L.pp, micro, L.vpp, L.pp_token_slices) if L.pp > 1 else (1,)
-    counts = stage_counts(m, L, w.seq_length)
+    counts = tuple(stage_counts(m, L, w.seq_length))
     if L.pp_token_slices > 1:  # token slices: every unit in flight is a slice, s/k positions (slice_kv_bytes)
         w = replace(w, seq_length=w.seq_length // L.pp_token_slices)
         micro *= L.pp_token_slices
-    x = shape(m, L, w.seq_length, w.micro_batch_size)
-    stage3 = L.zero == 3
+    wb, n_d, stage3 = BYTES[w.precision], L.dp * L.cp, L.zero == 3
     sunk = stage3 and runtime.pooled  # mpformer's ZeRO-3 forms its projections' weight gradients in the buckets
-    recomputed, plain = _layer(m, L, w, L.recompute, runtime, sunk), _layer(m, L, w, "none", runtime, sunk)
-    head_kept, head_fwd, head_bwd = _head(m, L, w)
-    v = -(-m.vocab_size // L.tp)
-    embed = v * m.hidden_size + (m.max_position_embeddings * m.hidden_size if m.learned_positions else 0)
-    layer_units = [layer_param_sizes(m, L.tp)]  # a layer's ZeRO-3 units in forward order (else: one bucket list)
+    layer_units = (tuple(layer_param_sizes(m, L.tp)),)  # a layer as one unit: its parameters go to the buckets
     if stage3 and runtime.units == "parts":
         parts = layer_part_sizes(m, L.tp)
-        layer_units = [[n for j in g for n in parts[j]] for g in zero3_groups([sum(p) for p in parts],
-                                                                               runtime.unit_numel)]
-    rb = BYTES[L.grad_reduce_dtype]
-    red = Reduction(L.zero, n_d, wb if stage3 and runtime.pooled else 4, wb if stage3 and wb < 4 else rb,
-                    bucket_mb * 2**20 / 4, MAX_IN_FLIGHT, device == "cpu" and 1 < n_d <= MAX_RANKS,
-                    pooled=runtime.pooled or not stage3, budget=runtime.reduce_numel)
-    shared_input = L.recompute == "full" or m.norm_type == "layernorm" or wb == 4  # the first norm keeps it
+        groups = zero3_groups([sum(q) for q in parts], runtime.unit_numel)
+        layer_units = tuple(tuple(n for j in g for n in parts[j]) for g in groups)
+    red = ReductionSpec(L.zero, n_d, wb if sunk else 4, wb if stage3 and wb < 4 else BYTES[L.grad_reduce_dtype],
+                        bucket_mb * 2**20 / 4, MAX_IN_FLIGHT, device == "cpu" and 1 < n_d <= MAX_RANKS,
+                        pooled=runtime.pooled or not stage3, budget=runtime.reduce_numel)
+    return PlanInputs(m, L, w, runtime, device, micro, peaks, counts,
+                      layer_live(m, L, w, L.recompute, runtime, sunk), layer_live(m, L, w, "none", runtime, sunk),
+                      head_live(m, L, w), layer_units, red)
 
-    def recomputes(i: int) -> bool:  # a chunk's layer i: the first recompute_layers of each chunk (all: None)
-        return L.recompute != "none" and (L.recompute_layers is None or i < L.recompute_layers)
 
-    def build(r: int, first: bool, last: bool, chunks: tuple[int, ...]) -> tuple:
-        """One stage shape: its parameters, persistent bytes, units and what a micro-batch in flight keeps."""
-        n = stage_params(m, L, sum(chunks), first, last)
-        if stage3 and runtime.shard_bytes is not None:
-            state = sum(runtime.shard_bytes) * n / n_d
-        else:
-            state = zero_formula_bytes(L.zero, n, n_d, w=0 if stage3 and wb < 4 else wb, g=4,
-                                       m=4 if wb < 4 else 0, k=8)
-        tied = m.tie_embeddings and first and last
-        # Token slices: from a slice's backward until the earlier slices' own, their keys' and values'
-        # gradients wait in every layer (context_parallel/token_slices.py): k - 1 slices' worth.
-        leaf_grads = slice_kv_bytes(m, replace(L, recompute="full"), w, "full") * (L.pp_token_slices - 1)
-        # This micro-batch's units in backward order: the head, each chunk's layers from the last, the embedding.
-        units: list[Unit] = []
-        if last:
-            head = [(2 if m.norm_bias else 1) * m.hidden_size] + ([] if tied else [v * m.hidden_size])
-            units.append(Unit("head", head, head_kept, 0.0, head_bwd))
-        # The schedule's in-flight units are (micro-batch, chunk) pairs: the walk runs the last chunk's
-        # layers; the other chunks' layers only carry their parameters into the gradient buckets.
-        # A layer's units from its last: its kept activations end with its first, each sees its backward's
-        # (the layer's peak: conservative for all but the unit where it falls).
-        full = {}  # walked layers that run their forward again in their backward
-        for c in reversed(range(L.vpp)):
-            for i in reversed(range(chunks[c])):
-                recompute = recomputes(i)
-                keep, back = recomputed if recompute else plain
-                back += leaf_grads * chunks[c]  # token slices: the earlier slices' key/value gradients, every layer
-                carry = wb * v * m.hidden_size if tied else 0.0  # the head's dW waits for the embedding's
-                walked = c == L.vpp - 1
-                full[(c, i)] = recompute and L.recompute == "full"
-                for j in reversed(range(len(layer_units))):
-                    units.append(Unit("layer", layer_units[j], keep if walked and j == 0 else 0.0,
-                                      back if walked else 0.0, carry, layer=(c, i)))
-        if first:
-            units.append(Unit("embedding", [embed], 0.0, 0.0, wb * embed))
-        io = wb * x.s_r * x.b * m.hidden_size * (((r > 0 or L.vpp > 1) and not shared_input) + (not last or L.vpp > 1))
-        per_chunk = sum(u.saved for u in units if u.name == "layer") + io
-        # what a unit of each chunk keeps (a balanced or explicit split gives the chunks unequal layers)
-        chunk_kept = tuple(io + sum((recomputed if recomputes(i) else plain)[0] for i in range(chunks[c]))
-                           for c in range(L.vpp))
-        if last and L.vpp == 1:  # each micro-batch in flight on the last stage holds its head's (GPipe: many)
-            per_chunk += head_kept
-        front = 0.0
-        if stage3:
-            # a tied head reads the embedding's weight: its region gathers that unit too
-            reads_embed = [embed if u.name == "head" and tied else 0 for u in units]
-            sizes = [float(sum(u.params) + e) for u, e in zip(units, reads_embed)]
-            biggest = [float(max(*u.params, e)) for u, e in zip(units, reads_embed)]
-            reads = [u.name != "embedding" for u in units]
-            if runtime.units == "parts":
-                gathered = parts_gathered(sizes, reads, [u.layer for u in units],
-                                          [full.get(u.layer, False) for u in units], runtime.prefetch_numel)
-                extras = [wb * g for g in gathered]
-            else:
-                extras = zero3_extras(runtime, sizes, biggest, reads, wb, n_d)
-            units = [replace(u, extra=u.extra + e) for u, e in zip(units, extras)]
-            front = gathered_at_head(runtime, sizes[0], biggest[0], wb) if last else 0.0
-        return n, state, units, per_chunk, io, (head_fwd if last else 0.0) + front, chunk_kept
+def _stage_shape(p: PlanInputs, r: int, first: bool, last: bool, chunks: tuple[int, ...]) -> StageShape:
+    """The stage of rank ``r`` (``chunks``: its layers per chunk): its persistent bytes and its units."""
+    L, tied = p.L, p.m.tie_embeddings and first and last
+    n = stage_params(p.m, L, sum(chunks), first, last)
+    if p.stage3 and p.runtime.shard_bytes is not None:
+        state = sum(p.runtime.shard_bytes) * n / p.n_d
+    else:
+        state = zero_formula_bytes(L.zero, n, p.n_d, w=0 if p.stage3 and p.wb < 4 else p.wb, g=4,
+                                   m=4 if p.wb < 4 else 0, k=8)
+    units = stage_units(p, first, last, chunks)
+    io = p.boundary * (((r > 0 or L.vpp > 1) and not p.shared_input) + (not last or L.vpp > 1))
+    per_unit = sum(u.saved for u in units if u.name == "layer") + io
+    chunk_kept = tuple(io + sum(p.layer(i).saved for i in range(chunks[c])) for c in range(L.vpp))
+    if last and L.vpp == 1:  # each micro-batch in flight on the last stage holds its head's (GPipe: many)
+        per_unit += p.head.saved
+    front = 0.0  # ZeRO-3: the head gathered (a tied head reads the embedding's weight: that unit too)
+    if p.stage3:
+        gathered = gathers(p, units, tied)
+        units = with_gathered(p, units, gathered)
+        front = gathered_at_head(p.runtime, gathered[0].size, gathered[0].biggest, p.wb) if last else 0.0
+    head_forward = (p.head.forward if last else 0.0) + front
+    return StageShape(n, state, tuple(units), per_unit, io, chunk_kept, head_forward)
 
-    # Ranks of the same shape (most of a deep pipeline) differ only in how many micro-batches they
-    # keep in flight, which walk() adds last: one build per shape.
-    out, shapes = [], {}
-    for r in range(L.pp):
-        first, last = rank_ends(L, r)  # a V schedule's rank 0 holds both ends
-        chunks = tuple(counts[stage_index(L, r, c)] for c in range(L.vpp))
-        key = (first, last, chunks, r > 0)
-        if key not in shapes:
-            shapes[key] = build(r, first, last, chunks)
-        n, state, units, per_chunk, io, head_forward, chunk_kept = shapes[key]
-        held, copying = offloaded(L, peaks[r], device)
-        # Host memory: every unit in flight but the ``held - 1`` kept whole (the walked one is moved too);
-        # a moved unit's received input and sent output stay on the device (engine).
-        host = (peaks[r] - held + copying) * (per_chunk - io)
-        # A unit being copied out still holds its last layer's activations on the device (the copy trails
-        # the forward by about a layer).
-        pending = (recomputed if L.recompute != "none" else plain)[0] if copying else 0.0
-        kept = (held - 1) * per_chunk + (peaks[r] - held) * io + io + pending
-        if not copying and L.pp > 1 and L.pp_token_slices == 1 and len(set(chunk_kept)) > 1:
-            # the units in flight weighed by their own chunks; the walked one is the last chunk's
-            kept = weighted_peak(L.schedule, L.pp, micro, L.vpp, r, chunk_kept) - per_chunk + io
-        # The speculative step's copy (optim/speculate.py: parameters, Adam's m and v, and the gradient
-        # shards) held through the next step's forward/backward while its check is in flight.
-        held = 16.0 * n / (n_d if L.zero >= 1 else 1) if runtime.overlap_validation else 0.0
-        peak = walk(units, red, state=state + held, kept=kept, head_forward=head_forward, micro=micro,
-                    offloaded=copying)
-        if red.stage < 2 and micro > 1 and L.schedule not in SPLIT_BACKWARD and runtime.name == MPFORMER.name:
-            # Stages 0-1 reduce in the step's last micro-batch's backward only (the engine's no_sync), and
-            # then no other micro-batch is in flight on the rank: its peak in flight meets no reduction,
-            # the reductions meet only the last micro-batch (a rehearsal of GPT-3 175B, ZeRO-1, full
-            # recompute, found the two counted together 5% high).
-            during = walk(units, replace(red, dp=1), state=state + held, kept=kept, head_forward=head_forward,
-                          micro=micro, offloaded=copying)
-            last = walk(units, red, state=state + held, kept=io + pending, head_forward=head_forward, micro=micro,
-                        offloaded=copying)
-            peak = during if during.live >= last.live else last
-        # The step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
-        if runtime.post_validation and not runtime.overlap_validation:
-            copy = state + 12.0 * n / (n_d if L.zero >= 1 else 1)
-            if copy > peak.live:
-                peak = Peak(copy, 0.0, "optimizer step (post-validation copy)")
-        transients = peak.live - state - held - peak.activations
-        overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0)
-        out.append(StageMemory(n, state, peak.activations, transients, overhead, peak.where, host, held))
-    return out
+
+def _in_flight(p: PlanInputs, s: StageShape, r: int) -> InFlight:
+    """Rank ``r``'s units in flight besides the walked one, on the device and offloaded."""
+    L, peak = p.L, p.peaks[r]
+    on_device, copying = offloaded(L, peak, p.device)  # units kept whole on the device (the walked one too)
+    # Host memory: every unit in flight but the ``on_device - 1`` kept whole (the walked one is moved too);
+    # a moved unit's received input and sent output stay on the device (engine).
+    host = (peak - on_device + copying) * (s.per_unit - s.io)
+    # A unit being copied out still holds its last layer's activations on the device (the copy trails
+    # the forward by about a layer).
+    trailing = (p.recomputed if L.recompute != "none" else p.plain).saved if copying else 0.0
+    kept = (on_device - 1) * s.per_unit + (peak - on_device) * s.io + s.io + trailing
+    if not copying and L.pp > 1 and L.pp_token_slices == 1 and len(set(s.chunk_kept)) > 1:
+        # the units in flight weighed by their own chunks; the walked one is the last chunk's
+        kept = weighted_peak(L.schedule, L.pp, p.micro, L.vpp, r, s.chunk_kept) - s.per_unit + s.io
+    return InFlight(kept, s.io + trailing, host, copying)
+
+
+def _rank_memory(p: PlanInputs, s: StageShape, r: int) -> StageMemory:
+    """Rank ``r`` of stage shape ``s``: its peak and what the peak is made of."""
+    flight = _in_flight(p, s, r)
+    # The speculative step's copy (optim/speculate.py: parameters, Adam's m and v, and the gradient
+    # shards) held through the next step's forward/backward while its check is in flight.
+    speculation = 16.0 * s.params / (p.n_d if p.L.zero >= 1 else 1) if p.runtime.overlap_validation else 0.0
+    peak = _peak(p, s, flight, s.state + speculation)
+    transients = peak.live - s.state - speculation - peak.activations
+    overhead = (ALLOCATOR_FACTOR - 1) * max(transients, 0.0)
+    return StageMemory(s.params, s.state, peak.activations, transients, overhead, peak.where, flight.host,
+                       speculation)
+
+
+def _peak(p: PlanInputs, s: StageShape, flight: InFlight, state: float) -> Peak:
+    """The rank's peak: the walk's, or the post-validation copy at the optimizer step (``state``: the
+    persistent bytes with the speculative copy)."""
+    def walked(red: ReductionSpec, kept: float) -> Peak:
+        return walk(s.units, red, state=state, kept=kept, head_forward=s.head_forward, micro=p.micro,
+                    offloaded=flight.copying)
+
+    if p.red.stage < 2 and p.micro > 1 and p.L.schedule not in SPLIT_BACKWARD and p.runtime.name == MPFORMER.name:
+        # Stages 0-1 reduce in the step's last micro-batch's backward only (the engine's no_sync), and
+        # then no other micro-batch is in flight on the rank: its peak in flight meets no reduction,
+        # the reductions meet only the last micro-batch (a rehearsal of GPT-3 175B, ZeRO-1, full
+        # recompute, found the two counted together 5% high).
+        during = walked(replace(p.red, dp=1), flight.kept)
+        reducing = walked(p.red, flight.last_only)
+        peak = during if during.live >= reducing.live else reducing
+    else:
+        peak = walked(p.red, flight.kept)
+    # The step's saved copy (optim/speculate.py): fp32 stepped parameters, Adam's m, v
+    if p.runtime.post_validation and not p.runtime.overlap_validation:
+        copy = s.state + 12.0 * s.params / (p.n_d if p.L.zero >= 1 else 1)
+        if copy > peak.live:
+            peak = Peak(copy, 0.0, "optimizer step (post-validation copy)")
+    return peak

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from mpformer.autoconfig.links import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
@@ -197,21 +198,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda":
         return _profile_gpu(Path(args.out), t0)
     phases, t = {}, time.perf_counter()
-    reference, loaded, layouts, collectives, cp_attention, phases["ranks"] = profile_shared(args.ranks)
-    phases["ranks"]["total"], t = time.perf_counter() - t, time.perf_counter()
-    result = summarise(profile_matmul(threads=args.threads), collectives)
+    shared = asdict(profile_shared(args.ranks))  # the JSON sections: the fields are its keys (profile_results.py)
+    phases["ranks"] = {**shared["seconds"], "total": time.perf_counter() - t}
+    t = time.perf_counter()
+    result = summarise(profile_matmul(threads=args.threads), shared["collectives"])
     phases["matmul"], t = time.perf_counter() - t, time.perf_counter()
     # The split backward and short micro-batches against one pass, alone, step by step in turn.
-    reference = {**_reference_meta(), **reference, **profile_alone_ratios(args.threads)}
+    reference = {**_reference_meta(), **shared["reference"], **asdict(profile_alone_ratios(args.threads))}
     phases["split_backward"], t = time.perf_counter() - t, time.perf_counter()
     result["cluster"]["memory_bandwidth"] = profile_memory_bandwidth(args.threads)
     result["attention"] = profile_attention(threads=args.threads)
     phases["memory_attention"] = time.perf_counter() - t
     result["phase_seconds"] = phases
     result["reference"] = reference
-    result["loaded"] = loaded
-    result["layouts"] = layouts
-    result["cp_attention"] = cp_attention
+    result["loaded"] = shared["loaded"]
+    result["layouts"] = shared["layouts"]
+    result["cp_attention"] = shared["cp_attention"]
     result["seconds"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"profile written to {args.out} in {result['seconds']:.0f} s: peak "

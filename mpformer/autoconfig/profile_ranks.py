@@ -3,6 +3,7 @@ every rank, the reference model alone, by k ranks at once and in a few layouts, 
 
 On a host whose ranks share cores the machine's speed drifts by tens of percent within minutes, not
 within a round of these measurements: each figure is a ratio within a round, the median over rounds.
+The results are profile_results.py's dataclasses.
 """
 
 from __future__ import annotations
@@ -12,11 +13,22 @@ import time
 from collections.abc import Sequence
 
 from mpformer.autoconfig.links import RING_FACTOR  # bus bytes per buffer byte, as the cost model counts them
+from mpformer.autoconfig.profile_results import (
+    AloneRatios,
+    CollectiveTime,
+    CPAttention,
+    CPAttentionRow,
+    LayoutStep,
+    Loaded,
+    PhaseSeconds,
+    ReferenceAlone,
+    SharedProfile,
+)
 
 SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 16 * 2**20]  # collective message bytes
 
 
-def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], compute_n: int) -> list[dict]:
+def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], compute_n: int) -> list[CollectiveTime]:
     """Every rank of the world runs ``compute_n``-sized GEMMs between collectives, in concurrent groups
     of n, as training does: on a host whose ranks share cores, a collective's latency is mostly the
     wait for the other ranks to be scheduled, which an idle benchmark does not see. The time of the
@@ -53,8 +65,7 @@ def _collectives_worker(sizes: Sequence[int], group_sizes: Sequence[int], comput
             reps = 12 if size <= 64 * 2**10 else 6 if size <= 2**20 else 3  # the same on every rank
             for name, fn in ops.items():
                 sec = max(timed(fn, reps) - base, 1e-6)
-                out.append({"op": name, "ranks": n, "world": world, "bytes": elems * 4,
-                            "bus_bytes": RING_FACTOR[name] * elems * 4 * (n - 1) / n, "seconds": sec})
+                out.append(CollectiveTime(name, n, world, elems * 4, RING_FACTOR[name] * elems * 4 * (n - 1) / n, sec))
     return out
 
 
@@ -87,7 +98,7 @@ def _reference_tokens():
 SHORT = 4  # the short micro-batches: the reference's sequence in this many pieces, one after the other
 
 
-def profile_alone_ratios(threads: int = 1, rounds: int = 8) -> dict[str, float]:
+def profile_alone_ratios(threads: int = 1, rounds: int = 8) -> AloneRatios:
     """The reference alone, three ways, one step each in turn for ``rounds`` rounds (this machine's
     speed drifts within seconds under other load; adjacent steps see the same); medians of the
     rounds' ratios to the one-pass step:
@@ -127,8 +138,8 @@ def profile_alone_ratios(threads: int = 1, rounds: int = 8) -> dict[str, float]:
     for fn in (one, split_step, short_steps):  # warm-up
         fn()
     rows = [(timed(one), timed(split_step), timed(short_steps)) for _ in range(rounds)]
-    return {"split_backward_ratio": statistics.median(b / a for a, b, _ in rows),
-            "short_micro_batches_ratio": statistics.median(c / a for a, _, c in rows), "short_pieces": SHORT}
+    return AloneRatios(statistics.median(b / a for a, b, _ in rows), statistics.median(c / a for a, _, c in rows),
+                       SHORT)
 
 
 def reference_layouts(world: int) -> dict[str, dict]:
@@ -310,15 +321,14 @@ def _shared_worker(ks: Sequence[int], rounds: int, sizes: Sequence[int], group_s
     collectives = _collectives_worker(sizes, group_sizes, compute_n)
     t_cp = time.perf_counter()
     cp = _cp_attention_worker(group_sizes, compute_n)
-    seconds = {"build": t_rounds - t_build, "rounds": t_collectives - t_rounds,
-               "collectives": t_cp - t_collectives, "cp_attention": time.perf_counter() - t_cp}
+    seconds = PhaseSeconds(t_rounds - t_build, t_collectives - t_rounds, t_cp - t_collectives,
+                           time.perf_counter() - t_cp)
     return {"shared": shared, "layouts": layouts, "tp_waits": tp_waits, "busy": busy, "collectives": collectives,
             "cp_attention": cp, "seconds": seconds}
 
 
 def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n: int = 384,
-                   sizes: Sequence[int] = SIZES
-                   ) -> tuple[dict, dict[str, dict], dict[str, dict], list[dict], dict[str, dict], dict]:
+                   sizes: Sequence[int] = SIZES) -> SharedProfile:
     """One run of max(ranks) processes (``_shared_worker``): the reference alone (``seconds``, the
     median over rounds), the slowdown with k computing (median over rounds of the time over the same
     round's alone), each reference layout's step time relative to alone and to the steps with every
@@ -336,36 +346,34 @@ def profile_shared(ranks: Sequence[int] = (2, 3, 4), rounds: int = 2, compute_n:
         return sum(per_rank[i]["shared"][k][r] for i in range(k)) / k
 
     alone = [at(1, r) for r in range(rounds)]
-    loaded = {str(k): {"ranks": k, "seconds": statistics.median(at(k, r) for r in range(rounds)),
-                       "slowdown": statistics.median(at(k, r) / alone[r] for r in range(rounds))}
+    loaded = {str(k): Loaded(k, statistics.median(at(k, r) for r in range(rounds)),
+                             statistics.median(at(k, r) / alone[r] for r in range(rounds)))
               for k in ks if k > 1}
+
     def busy(r: int, i: int) -> float:  # the all-busy step of 2 micro-batches a rank around layout i
         return sum(p["busy"][r][i] + p["busy"][r][i + 1] for p in per_rank) / world
 
     fields = reference_layouts(world)
-    layouts = {name: {"layout": fields[name], "world": world, "microbatches": 2 * world,
-                      "seconds": statistics.median(times),
-                      "relative": statistics.median(t / a for t, a in zip(times, alone)),
-                      "relative_to_busy": statistics.median(t / busy(r, i) for r, t in enumerate(times)),
-                      # the tensor-parallel collectives' waits within it, mean over the ranks
-                      "tp_waits_relative_to_busy": statistics.median(
-                          statistics.fmean(p["tp_waits"][name][r] for p in per_rank) / busy(r, i)
-                          for r in range(rounds))}
+    layouts = {name: LayoutStep(fields[name], world, 2 * world, statistics.median(times),
+                                statistics.median(t / a for t, a in zip(times, alone)),
+                                statistics.median(t / busy(r, i) for r, t in enumerate(times)),
+                                statistics.median(statistics.fmean(p["tp_waits"][name][r] for p in per_rank)
+                                                  / busy(r, i) for r in range(rounds)))
                for i, (name, times) in enumerate(per_rank[0]["layouts"].items())}
-    reference = {"seconds": statistics.median(alone), "seconds_alone_runs": alone}
-    return reference, loaded, layouts, per_rank[0]["collectives"], cp_extras(per_rank), per_rank[0]["seconds"]
+    return SharedProfile(ReferenceAlone(statistics.median(alone), alone), loaded, layouts,
+                         per_rank[0]["collectives"], cp_extras(per_rank), per_rank[0]["seconds"])
 
 
-def cp_extras(per_rank: Sequence[dict]) -> dict[str, dict]:
+def cp_extras(per_rank: Sequence[dict]) -> dict[str, CPAttention]:
     """What each measured cp kind and degree costs beyond the fused kernel the cost model times for a
-    cp rank (forward + backward), per sequence length, mean over the ranks."""
+    cp rank (forward + backward), per sequence length, mean over the ranks (``per_rank``: each rank's
+    ``_shared_worker`` result)."""
     out = {}
     for key, first in per_rank[0]["cp_attention"].items():
         rows = []
         for i, row in enumerate(first["rows"]):
-            mean = {f: statistics.fmean(r["cp_attention"][key]["rows"][i][f] for r in per_rank)
-                    for f in ("seconds", "fused_s")}
-            rows.append({"seq": row["seq"], "scores_per_rank": row["scores_per_rank"], **mean,
-                         "extra_s": mean["seconds"] - mean["fused_s"]})
-        out[key] = {k: v for k, v in first.items() if k != "rows"} | {"rows": rows}
+            seconds, fused = (statistics.fmean(r["cp_attention"][key]["rows"][i][f] for r in per_rank)
+                              for f in ("seconds", "fused_s"))
+            rows.append(CPAttentionRow(row["seq"], row["scores_per_rank"], seconds, fused, seconds - fused))
+        out[key] = CPAttention(first["heads"], first["kv_heads"], first["head_dim"], rows)
     return out

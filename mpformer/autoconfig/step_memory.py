@@ -45,8 +45,9 @@ class Unit:
 
 
 @dataclass(frozen=True)
-class Reduction:
-    """How the stage's gradients are bucketed and reduced."""
+class ReductionSpec:
+    """How the stage's gradients are bucketed and reduced: the settings of the engine's Reduction and
+    buckets (optim/engine.py) that the memory walk reads, not the runtime object."""
 
     stage: int  # ZeRO stage
     dp: int  # ranks the gradients are reduced over (dp x cp)
@@ -85,34 +86,36 @@ class _Pool:
 
 
 @dataclass(frozen=True)
-class Bucket:
+class BucketSpan:
+    """A gradient bucket of the walk: its size and the units (backward order) its buffer is live over."""
+
     elems: float
     first: int  # the unit (backward order) whose gradients reach it first: its buffer is taken then
     last: int  # the unit whose backward completes it: it launches then
 
 
-def buckets(units: Sequence[Unit], red: Reduction) -> list[Bucket]:
+def buckets(units: Sequence[Unit], red: ReductionSpec) -> list[BucketSpan]:
     """The engine's buckets in launch order: stage 3 one per unit; stages 0-2 the parameters packed
     last first (core/buffers.py plan_buckets: a bucket closes before the parameter that would pass
     the cap; a larger parameter gets one of its own)."""
     if red.stage == 3:
-        return [Bucket(float(sum(u.params)), k, k) for k, u in enumerate(units)]
-    out: list[Bucket] = []
+        return [BucketSpan(float(sum(u.params)), k, k) for k, u in enumerate(units)]
+    out: list[BucketSpan] = []
     size, first, last = 0.0, 0, 0
     for k, u in enumerate(units):
         for n in reversed(u.params):
             if size and size + n > red.bucket_elems:
-                out.append(Bucket(size, first, last))
+                out.append(BucketSpan(size, first, last))
                 size = 0.0
             if not size:
                 first = k
             size, last = size + n, k
     if size:
-        out.append(Bucket(size, first, last))
+        out.append(BucketSpan(size, first, last))
     return out
 
 
-def comm_bytes(elems: float, red: Reduction) -> float:
+def comm_bytes(elems: float, red: ReductionSpec) -> float:
     """What one reduction in flight holds besides its input buffer: its output shard (stages 1-3), the
     receive buffers of gloo's pairwise reduce-scatter, and a copy in the collective's dtype when it
     differs from the buffer's."""
@@ -131,7 +134,7 @@ class Peak:
     where: str
 
 
-def walk(units: Sequence[Unit], red: Reduction, *, state: float, kept: float, head_forward: float,
+def walk(units: Sequence[Unit], red: ReductionSpec, *, state: float, kept: float, head_forward: float,
          micro: int = 1, offloaded: bool = False) -> Peak:
     """The stage's peak and where it occurs, in the last of ``micro`` micro-batches of a step. ``units``
     in backward order (the head first, the embedding last); ``state``: the persistent bytes; ``kept``:
@@ -163,7 +166,7 @@ def walk(units: Sequence[Unit], red: Reduction, *, state: float, kept: float, he
 _WALKS: dict[tuple, tuple[Peak, Peak | None]] = {}
 
 
-def _walk(units: Sequence[Unit], red: Reduction, state: float, head_forward: float, micro: int,
+def _walk(units: Sequence[Unit], red: ReductionSpec, state: float, head_forward: float, micro: int,
           offloaded: bool = False) -> tuple[Peak, Peak | None]:
     """walk() without ``kept``: the largest point that includes it, and the end of the backward."""
     pool = _Pool(red.in_flight, float("inf")) if red.stage < 3 else _Pool(None, red.budget * red.grad_bytes)
@@ -193,7 +196,7 @@ def _resident(units: Sequence[Unit], offloaded: bool) -> list[float]:
     return after
 
 
-def _backward(units: Sequence[Unit], red: Reduction, pool: _Pool, state: float, offloaded: bool = False
+def _backward(units: Sequence[Unit], red: ReductionSpec, pool: _Pool, state: float, offloaded: bool = False
               ) -> tuple[Peak, Peak | None]:
     """One micro-batch's backward: the largest total at any unit (without ``kept``), and at its end
     (stages 0-1, whose reductions all stay in flight until the step's end; None at stages 2-3).

@@ -29,7 +29,7 @@ from mpformer.core.shards import Shard
 
 
 @dataclass(frozen=True)
-class Part:
+class CheckpointPart:
     """One stateful piece of a run; every callable is optional."""
 
     name: str
@@ -42,7 +42,7 @@ class Part:
 
 
 class Checkpointer:
-    def __init__(self, save_dir: Path, parts: Sequence[Part], *, rank: int, keep: int = 0,
+    def __init__(self, save_dir: Path, parts: Sequence[CheckpointPart], *, rank: int, keep: int = 0,
                  extra: Callable[[], dict[str, Any]] | None = None,
                  populate: Callable[[Path], None] | None = None,
                  owner: Callable[[], str | None] | None = None) -> None:

@@ -121,6 +121,10 @@ class StateDictAdapter:
     # ---- key map ---------------------------------------------------------------------------------
     def active_rules(self, cfg: ModelConfig) -> list[Rule]:
         """The concrete rows for this config; asserts that they cover every canonical tensor once."""
+        if (cfg.mlp_kind, cfg.attention_kind) != ("dense", "self"):
+            raise ConfigError(f"model.mlp_kind={cfg.mlp_kind!r}, attention_kind={cfg.attention_kind!r}: the "
+                              f"{self.hf_architecture} key map covers the dense MLP and self-attention only; "
+                              "valid: mlp_kind=dense, attention_kind=self")
         expected = expected_canonical(cfg)
         active, covered = [], []
         for rule in (r for row in self.rules for r in row.expand(cfg.num_layers)):

@@ -99,7 +99,7 @@ def check_comm(overlap: bool, ledger) -> Comm | None:
 
 
 @dataclass
-class Pending:
+class PendingStep:
     """A speculative step whose check is in flight."""
 
     step: int  # its number (1-based)
@@ -157,7 +157,7 @@ class OverlappedSteps:
                  global_batch_size: int) -> None:
         self.ops, self.engine, self.rng, self.progress = ops, engine, rng, progress
         self.global_batch_size = global_batch_size
-        self.pending: Pending | None = None
+        self.pending: PendingStep | None = None
 
     def step(self, settle_now: bool, lap: Callable[[], float]) -> list[Settled]:
         """Step ``progress.step + 1`` speculatively (settled too if ``settle_now``); returns the steps
@@ -179,7 +179,7 @@ class OverlappedSteps:
         spec = self.engine.speculate(publish=True)
         assert spec is not None, "overlap_validation runs no fp16 (config.py)"
         check = ops.launch_check(loss_sum, async_op=True)
-        self.pending = Pending(progress.step + 1, progress.consumed_samples, lr, spec, check)
+        self.pending = PendingStep(progress.step + 1, progress.consumed_samples, lr, spec, check)
         progress.advance(self.global_batch_size)  # the next step reads the samples after this one's
         if settle_now:  # no step ran on its parameters yet: nothing to run again
             step, metrics, _ = self._settle()[0]

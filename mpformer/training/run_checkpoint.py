@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from mpformer.checkpoint.checkpointer import Checkpointer, Manifest, Part
+from mpformer.checkpoint.checkpointer import Checkpointer, CheckpointPart, Manifest
 from mpformer.checkpoint.io import verify_checksums
 from mpformer.checkpoint.manifest import MANIFEST, check_model_matches, newest_complete
 from mpformer.core.config import LOAD_AUTO
@@ -88,13 +88,13 @@ class RunCheckpoint:
             out["tokenizer"] = "tokenizer"  # checkpoints carry their tokenizer, so exports are complete
         return out
 
-    def _parts(self) -> list[Part]:
+    def _parts(self) -> list[CheckpointPart]:
         """Weights and optimizer state; where the run stands; the loss scale; the dropout streams."""
-        parts = [Part("model", tensors=self.weights.tensors, load_tensors=self._load_tensors),
-                 Part("trainer", state=lambda: self.progress.state(self.cfg), load_state=self._load_progress)]
+        parts = [CheckpointPart("model", tensors=self.weights.tensors, load_tensors=self._load_tensors),
+                 CheckpointPart("trainer", state=lambda: self.progress.state(self.cfg), load_state=self._load_progress)]
         if self.scaler is not None:
-            parts.append(Part("loss_scaler", state=self.scaler.state_dict, load_state=self._load_scaler))
-        parts.append(Part("rng", rank_state=self.rng.state, load_rank_state=self._load_rng))
+            parts.append(CheckpointPart("loss_scaler", state=self.scaler.state_dict, load_state=self._load_scaler))
+        parts.append(CheckpointPart("rng", rank_state=self.rng.state, load_rank_state=self._load_rng))
         return parts
 
     def _verified(self, manifest: Manifest) -> Manifest:

@@ -16,7 +16,7 @@ import torch
 
 from mpformer.autoconfig.layer_memory import Shape, layer_bytes, norm_bytes, recompute_bytes
 from mpformer.autoconfig.memory import layer_param_sizes, layer_params_per_rank, layer_part_sizes
-from mpformer.autoconfig.step_memory import Reduction, Unit, buckets
+from mpformer.autoconfig.step_memory import ReductionSpec, Unit, buckets
 from mpformer.core.buffers import plan_buckets
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -217,7 +217,7 @@ def test_buckets_are_the_engines():
     units = [Unit("head", head, 0.0)] + [Unit("layer", layer_param_sizes(LLAMA, 1), 0.0)] * 2 + \
         [Unit("embedding", [embed], 0.0)]
     for cap in (10_000, 50_000, 10**9):
-        red = Reduction(2, 2, 4, 4, cap, 2, False)
+        red = ReductionSpec(2, 2, 4, 4, cap, 2, False)
         assert [b.elems for b in buckets(units, red)] == [lay.used for lay in plan_buckets(params, 1, cap)]
 
 

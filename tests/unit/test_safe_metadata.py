@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import mpformer.checkpoint.io as ckpt_io
 import mpformer.checkpoint.saving as ckpt_save
-from mpformer.checkpoint.checkpointer import Checkpointer, Part
+from mpformer.checkpoint.checkpointer import Checkpointer, CheckpointPart
 from mpformer.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from mpformer.checkpoint.safe_metadata import ALLOWED, METADATA, MetadataUnpickler, read_checkpoint_metadata
 from mpformer.core.errors import ConfigError
@@ -60,7 +60,7 @@ def _trained_engine() -> GradEngine:
 
 def _checkpointer(save_dir: Path, engine: GradEngine) -> Checkpointer:
     """The trainer's model part: engine.tensors to save, engine.load (-> io.load_tensors) to restore."""
-    return Checkpointer(save_dir, [Part("model", tensors=engine.tensors,
+    return Checkpointer(save_dir, [CheckpointPart("model", tensors=engine.tensors,
                                         load_tensors=lambda d, m: engine.load(d, optimizer=True))],
                         rank=0, extra=lambda: {"model": CFG.to_dict(), "has_optimizer": True})
 
