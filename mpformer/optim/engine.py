@@ -37,7 +37,7 @@ gradient buffer outlives its backward; their buffers come from a pool (stage 3: 
 ``finish()`` makes the gradients final in the order the step needs them: a tied embedding's two
 pipeline copies summed, every reduction launched and waited for, partial tensor-parallel gradients
 summed over tp, and for fp16 the loss scale divided out (an inf or nan anywhere skips the step).
-``clip()`` (stepping.py's Stepper: the engine builds it from what the step reads and delegates to it)
+``clip()`` (stepping.py's ShardStep: the engine builds it from what the step reads and delegates to it)
 takes one global norm over the shards, each element counted once over dp, tp and pp;
 ``step()`` runs the wrapped elementwise optimizer on this rank's shard, casts the masters back into
 16-bit parameters and posts the parameters' all-gather (stages 1-2), which each block waits for
@@ -67,7 +67,7 @@ from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.param_gather import ParamGather
 from mpformer.optim.speculate import Speculation
 from mpformer.optim.state import EngineState
-from mpformer.optim.stepping import Stepper
+from mpformer.optim.stepping import ShardStep
 from mpformer.optim.units import ZERO3_DEFAULTS, Zero3Settings, build_units
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import DeviceLike
@@ -167,9 +167,9 @@ class GradEngine:
         self.state = EngineState(model, self.shards, self.optimizer, self.canonical, stage=stage,
                                  not_mine=self.not_mine, masters_are_weights=param_dtype != torch.float32 or stage == 3)
         norm_comms = [c for c in (norm_comm if stage > 0 else None, red.tp, red.pp) if c is not None]
-        self.stepper = Stepper(buckets=self.buckets, shards=self.shards, optimizer=self.optimizer, stage=stage,
-                               dp_rank=self.comm.rank, norm_comms=norm_comms, param_gather=self.param_gather,
-                               norm_specs=[s for s in red.specs if id(s.param) not in self.not_mine])
+        self.stepping = ShardStep(buckets=self.buckets, shards=self.shards, optimizer=self.optimizer, stage=stage,
+                                dp_rank=self.comm.rank, norm_comms=norm_comms, param_gather=self.param_gather,
+                                norm_specs=[s for s in red.specs if id(s.param) not in self.not_mine])
 
     # ---- construction ------------------------------------------------------------------------
     def _plan(self, bucket_mb: float) -> list[tuple[nn.Module | None, BucketLayout]]:
@@ -315,52 +315,52 @@ class GradEngine:
             self.gather.reset()
         for g, spec in shard_grads(self.shards, [s for s in self.red.specs if s.sync is not None]):
             spec.sync.all_reduce(g)  # tp ranks share dp rank and layout: the same shards
-        self.stepper.begin(self.red.scaler)
+        self.stepping.begin(self.red.scaler)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.reset(self.persistent)
 
-    # ---- the step (stepping.py's Stepper owns it; these are the engine's interface to it) ------------
+    # ---- the step (stepping.py's ShardStep owns it; these are the engine's interface to it) ------------
     @property
     def skipped(self) -> bool:
         """This step's fp16 overflow: no optimizer step (set by finish())."""
-        return self.stepper.skipped
+        return self.stepping.skipped
 
     @property
     def steps_taken(self) -> int:
-        return self.stepper.steps_taken
+        return self.stepping.steps_taken
 
     def shard_grads(self, specs: Sequence[GradSpec]) -> list[tuple[torch.Tensor, GradSpec]]:
         return shard_grads(self.shards, specs)
 
     def norm_square(self, *, world: bool = False) -> torch.Tensor:
-        return self.stepper.norm_square(world=world)
+        return self.stepping.norm_square(world=world)
 
     def clip(self, max_norm: float, *, speculation: Speculation | None = None) -> float:
-        return self.stepper.clip(max_norm, speculation=speculation)
+        return self.stepping.clip(max_norm, speculation=speculation)
 
     def take_norm(self, norm: torch.Tensor, max_norm: float, value: float, *,
                   speculation: Speculation | None = None) -> float:
-        return self.stepper.take_norm(norm, max_norm, value, speculation=speculation)
+        return self.stepping.take_norm(norm, max_norm, value, speculation=speculation)
 
     def speculate(self, *, publish: bool = False) -> Speculation | None:
-        return self.stepper.speculate(publish=publish)
+        return self.stepping.speculate(publish=publish)
 
     def settle(self, speculation: Speculation, *, skip: bool) -> bool:
-        return self.stepper.settle(speculation, skip=skip)
+        return self.stepping.settle(speculation, skip=skip)
 
     def undo(self, speculation: Speculation | None) -> None:
-        self.stepper.undo(speculation)
+        self.stepping.undo(speculation)
 
     def step(self, speculation: Speculation | None = None) -> None:
-        self.stepper.step(speculation)
+        self.stepping.step(speculation)
 
     def write_back(self) -> None:
-        self.stepper.write_back()
+        self.stepping.write_back()
 
     def wait_params(self) -> None:
-        self.stepper.wait_params()
+        self.stepping.wait_params()
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, counted from the tensors (memory.py)."""
@@ -381,4 +381,4 @@ class GradEngine:
         self.state.load_weights(ckpt_dir)
         self.write_back()  # the loaded masters into the 16-bit parameters
         if optimizer:
-            self.stepper.steps_taken = self.state.load_state(ckpt_dir)
+            self.stepping.steps_taken = self.state.load_state(ckpt_dir)

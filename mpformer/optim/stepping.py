@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mpformer.optim.param_gather import ParamGather
 
 
-class Stepper:
+class ShardStep:
     """The step over the engine's buckets and shards. ``norm_comms``: the groups the norm and the fp16
     overflow flag are reduced over, in order (the data-parallel norm group when the gradients are
     sharded, tp, pp; one of size 1 is skipped); ``dp_rank``: this rank's place among the data replicas
