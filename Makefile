@@ -43,6 +43,7 @@ test: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/python tools/check_cycles.py  # every import, TYPE_CHECKING and lazy ones too: no module cycle
 	$(BIN)/hadolint docker/Dockerfile
 
 # What benchmarks/gpu_check.sh needs beyond torch on an offline GPU machine (it installs, from .whl/, only

@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mpformer.checkpoint.safe_metadata import METADATA, read_checkpoint_metadata
 from mpformer.core.errors import ConfigError
 from mpformer.core.model_config import ModelConfig
 
@@ -195,6 +194,9 @@ def check_files(manifest: Manifest, *, checksums: bool = False, share: tuple[int
                               f"{info['bytes']} (truncated or overwritten)")
         if checksums and i % share[1] == share[0] and sha256_file(p) != info["sha256"]:
             raise ConfigError(f"checkpoint {d}: file {rel} fails its sha256 check (corrupt)")
+    # torch's DCP classes load here, not at import: a bad config must fail before torch loads (~1 s)
+    from mpformer.checkpoint.safe_metadata import METADATA, read_checkpoint_metadata
+
     if (d / METADATA).is_file():
         read_checkpoint_metadata(d)
 

@@ -16,10 +16,20 @@ from mpformer.core.composed import Composed
 from mpformer.core.errors import ConfigError, RunHalted, user_errors_to_exit
 from mpformer.parallel.launch import world_size_from_env
 from mpformer.training.preflight import preflight_train
+from mpformer.training.startup import StartupStop
 
 
 def run_pretraining(composed: Composed) -> list[float]:
     """Validate, start (or join) the process group, train; returns the losses of the steps run."""
+    # Until the first step has finished a SIGTERM ends the process at once (startup.py): nothing to save yet.
+    startup = StartupStop().install()
+    try:
+        return _run(composed, startup)
+    finally:
+        startup.end()
+
+
+def _run(composed: Composed, startup: StartupStop) -> list[float]:
     spec = preflight_train(composed, world_size_from_env())
     cfg, prediction = spec.cfg, spec.prediction
     # torch and friends load only once the config is known to be good: bad input exits in ~1 s.
@@ -57,7 +67,7 @@ def run_pretraining(composed: Composed) -> list[float]:
                 (run_dir / "autoconfig.json").write_text(json.dumps(prediction.to_dict(), indent=1))
                 print(prediction.summary(), flush=True)
         t0 = time.perf_counter()
-        trainer = Trainer(build_run(spec, groups))
+        trainer = Trainer(build_run(spec, groups), startup=startup)
         if heartbeat is not None:
             trainer.on_phase = heartbeat.set_phase
         losses = trainer.fit()

@@ -346,10 +346,7 @@ def check_training_config(cfg: Config) -> None:
                 else "checkpoint.keep" if ck.keep else "train.on_nan=rollback")
         raise ConfigError(f"checkpoint.enabled=false with {what}: a run that writes no checkpoint has nothing to "
                           "save, keep or roll back to; valid: checkpoint.enabled=true, or drop that setting")
-    if cfg.model.learned_positions and t.seq_length > cfg.model.max_position_embeddings:
-        raise ConfigError(f"train.seq_length={t.seq_length} exceeds model.max_position_embeddings="
-                          f"{cfg.model.max_position_embeddings} (learned positions); valid: <= "
-                          f"{cfg.model.max_position_embeddings}")
+    cfg.model.check_sequence(t.seq_length)  # learned or rotary positions alike (Megatron's rule)
     if cfg.eval.interval < 0 or (cfg.eval.interval and not cfg.eval.tokens):
         raise ConfigError(f"eval.interval={cfg.eval.interval} needs eval.tokens=FILE.npy (and must be >= 0)")
     if cfg.data.weights is not None and (any(w < 0 for w in cfg.data.weights) or not sum(cfg.data.weights) > 0):

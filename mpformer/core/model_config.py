@@ -115,6 +115,18 @@ class ModelConfig:
         self._validate_arch()
         return self
 
+    def check_sequence(self, seq_length: int, key: str = "train.seq_length") -> None:
+        """A run's sequence length against the positions the model is built for, as Megatron checks it:
+        a learned position table has no row past max_position_embeddings, and RoPE models are rejected
+        the same way (their frequencies and any scaling are set for that length; raise the field to
+        train longer)."""
+        limit = self.max_position_embeddings
+        if seq_length > limit:
+            kind = "learned positions" if self.learned_positions else "rotary positions"
+            raise ConfigError(f"{key}={seq_length} exceeds model.max_position_embeddings={limit} ({kind}, "
+                              f"arch={self.arch}); valid: 1 <= {key} <= {limit}, or raise "
+                              "model.max_position_embeddings")
+
     def _validate_arch(self) -> None:
         a = self.arch
         if a == "gpt2":

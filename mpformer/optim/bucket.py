@@ -8,6 +8,9 @@
                        or accumulated into the persistent fp32 shard (stages 2-3, every micro-batch)
     reset()            zero_grad
 
+``ShardParam`` names a piece of a bucket this rank's optimizer steps; ``shard_grads`` finds a gradient
+spec's block among them (the engine's tensor-parallel sums and the step's norm both read it).
+
 The engine (engine.py) decides when each happens and bounds how many are in flight. At stages 2-3
 the full buffers come from a small ``GradPool`` and go back to it once reduced: a fresh 25 MB buffer
 every micro-batch costs its page faults (first touch, ~1.4 GB/s on the CPU machines here) each time
@@ -17,14 +20,16 @@ The pool is emptied at the end of each step, so that between steps a rank holds 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpformer.core.buffers import BucketLayout
+from mpformer.core.buffers import BucketLayout, Piece
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.tensor_parallel import GradSpec
 
 
 class GradPool:
@@ -131,3 +136,32 @@ class Bucket:
         else:
             self.grad_shard.zero_()
             self.grad_buf = None
+
+
+@dataclass(frozen=True)
+class ShardParam:
+    """A piece of model parameter ``name`` that this rank updates: elements ``[lo, hi)`` of the flat
+    parameter, as the tensor ``master`` the wrapped optimizer steps (``bucket``: where it lives)."""
+
+    name: str
+    param: nn.Parameter
+    piece: Piece
+    bucket: int
+    master: torch.Tensor
+
+
+def shard_grads(shards: Sequence[ShardParam], specs: Sequence[GradSpec]) -> list[tuple[torch.Tensor, GradSpec]]:
+    """This rank's part of each spec's gradient block (views into the gradient shards)."""
+    by_param: dict[int, list[ShardParam]] = {}
+    for s in shards:
+        by_param.setdefault(id(s.param), []).append(s)
+    out = []
+    for spec in specs:
+        p = spec.param
+        row = p.numel() // p.shape[0] if p.dim() > 0 else 1
+        lo, hi = (0, p.numel()) if spec.rows is None else (spec.rows[0] * row, spec.rows[1] * row)
+        for s in by_param.get(id(p), []):
+            a, b = max(lo, s.piece.lo), min(hi, s.piece.hi)
+            if a < b:
+                out.append((s.master.grad.reshape(-1)[a - s.piece.lo:b - s.piece.lo], spec))
+    return out

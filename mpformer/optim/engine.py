@@ -37,7 +37,8 @@ gradient buffer outlives its backward; their buffers come from a pool (stage 3: 
 ``finish()`` makes the gradients final in the order the step needs them: a tied embedding's two
 pipeline copies summed, every reduction launched and waited for, partial tensor-parallel gradients
 summed over tp, and for fp16 the loss scale divided out (an inf or nan anywhere skips the step).
-``clip()`` (stepping.py) takes one global norm over the shards, each element counted once over dp, tp and pp;
+``clip()`` (stepping.py's ShardStep: the engine builds it from what the step reads and delegates to it)
+takes one global norm over the shards, each element counted once over dp, tp and pp;
 ``step()`` runs the wrapped elementwise optimizer on this rank's shard, casts the masters back into
 16-bit parameters and posts the parameters' all-gather (stages 1-2), which each block waits for
 when its next forward begins (param_gather.py). Every rank must produce gradients
@@ -54,18 +55,19 @@ import torch
 from torch import nn
 
 from mpformer.checkpoint.rows import canonical_rows
-from mpformer.core.buffers import BucketLayout, Piece, Slot, plan_buckets
+from mpformer.core.buffers import BucketLayout, Slot, plan_buckets
 from mpformer.core.shards import Shard
 from mpformer.layers.linear import set_grad_sink
 from mpformer.models.init import ModelInit
-from mpformer.optim.bucket import Bucket, GradPool
+from mpformer.optim.bucket import Bucket, GradPool, ShardParam, shard_grads
 from mpformer.optim.gather import Region, UnitGather
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.param_gather import ParamGather
+from mpformer.optim.speculate import Speculation
 from mpformer.optim.state import EngineState
-from mpformer.optim.stepping import EngineStep
+from mpformer.optim.stepping import ShardStep
 from mpformer.optim.units import ZERO3_DEFAULTS, Zero3Settings, build_units
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import DeviceLike
@@ -102,19 +104,7 @@ class Reduction:
     replicas: int | None = None
 
 
-@dataclass(frozen=True)
-class ShardParam:
-    """A piece of model parameter ``name`` that this rank updates: elements ``[lo, hi)`` of the flat
-    parameter, as the tensor ``master`` the wrapped optimizer steps (``bucket``: where it lives)."""
-
-    name: str
-    param: nn.Parameter
-    piece: Piece
-    bucket: int
-    master: torch.Tensor
-
-
-class GradEngine(EngineStep):
+class GradEngine:
     def __init__(self, model: nn.Module, red: Reduction, *, stage: int, groups: Sequence[dict],
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
                  param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
@@ -135,7 +125,7 @@ class GradEngine(EngineStep):
         self.persistent = stage < 2  # full gradients live for the whole step; the shard is their view
         self.views = self.persistent and param_dtype == torch.float32
         self.reduces = not (self.persistent and self.comm.size == 1)  # one replica: nothing to do
-        self.sync, self.skipped, self.steps_taken = True, False, 0
+        self.sync = True
         names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [names[id(p)] for p in self.params]
@@ -164,8 +154,7 @@ class GradEngine(EngineStep):
                                          for i, g in enumerate(groups)])
         tied = red.tied
         self.not_mine = {id(tied.param)} if tied is not None and not tied.owner else set()
-        self._norm_specs = [s for s in red.specs if id(s.param) not in self.not_mine]
-        self._norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
+        norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
         self.gather = UnitGather(self.buckets, self.comm, self._regions, model, param_dtype,
                                  zero3.prefetch_numel) if stage == 3 else None
         # Stages 1-2: the step's parameter all-gather overlaps the next forward (param_gather.py).
@@ -175,7 +164,12 @@ class GradEngine(EngineStep):
             p.register_post_accumulate_grad_hook(self._on_grad)
         for p in self._sunk:  # stage 3's projections: weight gradients formed in their unit's buffer
             set_grad_sink(p, self)
-        self.state = EngineState(self)
+        self.state = EngineState(model, self.shards, self.optimizer, self.canonical, stage=stage,
+                                 not_mine=self.not_mine, masters_are_weights=param_dtype != torch.float32 or stage == 3)
+        norm_comms = [c for c in (norm_comm if stage > 0 else None, red.tp, red.pp) if c is not None]
+        self.stepping = ShardStep(buckets=self.buckets, shards=self.shards, optimizer=self.optimizer, stage=stage,
+                                dp_rank=self.comm.rank, norm_comms=norm_comms, param_gather=self.param_gather,
+                                norm_specs=[s for s in red.specs if id(s.param) not in self.not_mine])
 
     # ---- construction ------------------------------------------------------------------------
     def _plan(self, bucket_mb: float) -> list[tuple[nn.Module | None, BucketLayout]]:
@@ -319,32 +313,54 @@ class GradEngine(EngineStep):
             self.pool.clear()  # between steps a rank holds its model state alone
         if self.gather is not None:
             self.gather.reset()
-        for g, spec in self.shard_grads([s for s in self.red.specs if s.sync is not None]):
+        for g, spec in shard_grads(self.shards, [s for s in self.red.specs if s.sync is not None]):
             spec.sync.all_reduce(g)  # tp ranks share dp rank and layout: the same shards
-        scaler, self.skipped, self._coeff, self._clipped = self.red.scaler, False, None, False
-        if scaler is not None:
-            self.skipped = scaler.update(self._unscale(1.0 / scaler.scale))
+        self.stepping.begin(self.red.scaler)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.reset(self.persistent)
 
-    # ---- the gradient shards (the step itself: stepping.py) --------------------------------------
+    # ---- the step (stepping.py's ShardStep owns it; these are the engine's interface to it) ------------
+    @property
+    def skipped(self) -> bool:
+        """This step's fp16 overflow: no optimizer step (set by finish())."""
+        return self.stepping.skipped
+
+    @property
+    def steps_taken(self) -> int:
+        return self.stepping.steps_taken
+
     def shard_grads(self, specs: Sequence[GradSpec]) -> list[tuple[torch.Tensor, GradSpec]]:
-        """This rank's part of each spec's gradient block (views into the gradient shards)."""
-        by_param: dict[int, list[ShardParam]] = {}
-        for s in self.shards:
-            by_param.setdefault(id(s.param), []).append(s)
-        out = []
-        for spec in specs:
-            p = spec.param
-            row = p.numel() // p.shape[0] if p.dim() > 0 else 1
-            lo, hi = (0, p.numel()) if spec.rows is None else (spec.rows[0] * row, spec.rows[1] * row)
-            for s in by_param.get(id(p), []):
-                a, b = max(lo, s.piece.lo), min(hi, s.piece.hi)
-                if a < b:
-                    out.append((s.master.grad.reshape(-1)[a - s.piece.lo:b - s.piece.lo], spec))
-        return out
+        return shard_grads(self.shards, specs)
+
+    def norm_square(self, *, world: bool = False) -> torch.Tensor:
+        return self.stepping.norm_square(world=world)
+
+    def clip(self, max_norm: float, *, speculation: Speculation | None = None) -> float:
+        return self.stepping.clip(max_norm, speculation=speculation)
+
+    def take_norm(self, norm: torch.Tensor, max_norm: float, value: float, *,
+                  speculation: Speculation | None = None) -> float:
+        return self.stepping.take_norm(norm, max_norm, value, speculation=speculation)
+
+    def speculate(self, *, publish: bool = False) -> Speculation | None:
+        return self.stepping.speculate(publish=publish)
+
+    def settle(self, speculation: Speculation, *, skip: bool) -> bool:
+        return self.stepping.settle(speculation, skip=skip)
+
+    def undo(self, speculation: Speculation | None) -> None:
+        self.stepping.undo(speculation)
+
+    def step(self, speculation: Speculation | None = None) -> None:
+        self.stepping.step(speculation)
+
+    def write_back(self) -> None:
+        self.stepping.write_back()
+
+    def wait_params(self) -> None:
+        self.stepping.wait_params()
 
     def memory(self) -> dict[str, int]:
         """Model-state bytes this rank holds, counted from the tensors (memory.py)."""
@@ -357,11 +373,12 @@ class GradEngine(EngineStep):
     def tensors(self) -> dict[str, Shard]:
         """What this rank writes: the weights and the optimizer state."""
         self.wait_params()
-        return {**self.state.weight_shards(), **self.state.state_shards()}
+        return {**self.state.weight_shards(), **self.state.state_shards(self.steps_taken)}
 
     def load(self, ckpt_dir: str, *, optimizer: bool) -> None:
         """The weights, and the optimizer state with its step count when ``optimizer``."""
         self.wait_params()  # no gather may still be writing into the buffers being loaded
         self.state.load_weights(ckpt_dir)
+        self.write_back()  # the loaded masters into the 16-bit parameters
         if optimizer:
-            self.steps_taken = self.state.load_state(ckpt_dir)
+            self.stepping.steps_taken = self.state.load_state(ckpt_dir)

@@ -2,8 +2,11 @@
 and its speculative form (optimizer post-validation, speculate.py), and the parameters written back
 and gathered.
 
-A mix-in of ``GradEngine`` (engine.py), which owns the buckets and reductions these work on; kept
-apart because the step's order is what post-validation changes, and it reads best in one place:
+Owned by ``GradEngine`` (engine.py), which builds it from exactly what the step reads (the buckets'
+gradient shards and masters, this rank's shards, the optimizer, the norm's groups and specs, the
+parameters' gather) and delegates to it; it changes the gradient shards, the optimizer's state and the
+parameters, and keeps the step's own flags (skipped, the clip coefficient, the optimizer steps taken).
+Kept apart because the step's order is what post-validation changes, and it reads best in one place:
 
     synchronous            clip (norm over dp, tp, pp; scale) -> step -> publish
     post-validation        speculate (step on unclipped) -> clip -> step(speculation): kept, or
@@ -15,13 +18,14 @@ apart because the step's order is what post-validation changes, and it reads bes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from mpformer.optim.bucket import ShardParam, shard_grads
 from mpformer.optim.speculate import Speculation
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.host_syncs import REPORT_BOUNDARY
@@ -29,31 +33,36 @@ from mpformer.parallel.tensor_parallel import GradSpec
 
 if TYPE_CHECKING:
     from mpformer.optim.bucket import Bucket
-    from mpformer.optim.engine import Reduction, ShardParam
+    from mpformer.optim.loss_scale import LossScaler
     from mpformer.optim.param_gather import ParamGather
 
 
-class EngineStep:
-    """The step's methods; the attributes are GradEngine's."""
+class ShardStep:
+    """The step over the engine's buckets and shards. ``norm_comms``: the groups the norm and the fp16
+    overflow flag are reduced over, in order (the data-parallel norm group when the gradients are
+    sharded, tp, pp; one of size 1 is skipped); ``dp_rank``: this rank's place among the data replicas
+    (stage 0's replicas hold the same gradients, so only the first counts them in a world-wide sum)."""
 
-    buckets: list[Bucket]
-    shards: list[ShardParam]
-    optimizer: torch.optim.Optimizer
-    param_gather: ParamGather | None
-    stage: int
-    comm: Comm
-    red: Reduction
-    skipped: bool
-    steps_taken: int
-    _coeff: torch.Tensor | None
-    _clipped: bool
-    _norm_comm: Comm
-    _norm_specs: list[GradSpec]
-    shard_grads: Callable[[Sequence[GradSpec]], list[tuple[torch.Tensor, GradSpec]]]
+    def __init__(self, *, buckets: Sequence[Bucket], shards: Sequence[ShardParam], optimizer: torch.optim.Optimizer,
+                 stage: int, dp_rank: int, norm_comms: Sequence[Comm], norm_specs: Sequence[GradSpec],
+                 param_gather: ParamGather | None) -> None:
+        self.buckets, self.shards, self.optimizer = buckets, shards, optimizer
+        self.stage, self.dp_rank, self.norm_comms, self.norm_specs = stage, dp_rank, norm_comms, norm_specs
+        self.param_gather = param_gather
+        self.skipped, self.steps_taken = False, 0
+        self._coeff: torch.Tensor | None = None
+        self._clipped = False
+
+    def begin(self, scaler: LossScaler | None) -> None:
+        """A step's gradients are final: nothing clipped yet; fp16's loss scale divided out, an inf or
+        nan anywhere skipping the step."""
+        self.skipped, self._coeff, self._clipped = False, None, False
+        if scaler is not None:
+            self.skipped = scaler.update(self._unscale(1.0 / scaler.scale))
 
     def _world_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        for comm in (self._norm_comm if self.stage > 0 else None, self.red.tp, self.red.pp):
-            if comm is not None and comm.size > 1:
+        for comm in self.norm_comms:
+            if comm.size > 1:
                 comm.all_reduce(t, op=op)
 
     def norm_square(self, *, world: bool = False) -> torch.Tensor:
@@ -61,9 +70,9 @@ class EngineStep:
         (the trainer's step check), where the data replicas of stage 0, holding the same gradients,
         count once (the first); otherwise for ``_world_reduce``'s groups."""
         total = torch.zeros((), device=self.buckets[0].grad_shard.device)
-        if world and self.stage == 0 and self.comm.rank != 0:
+        if world and self.stage == 0 and self.dp_rank != 0:
             return total
-        for g, spec in self.shard_grads(self._norm_specs):
+        for g, spec in shard_grads(self.shards, self.norm_specs):
             total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
         return total
 

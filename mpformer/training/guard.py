@@ -1,12 +1,15 @@
 """Step-level reliability: preemption by SIGTERM, and steps whose loss or gradient is not finite.
 
-Preemption. Schedulers send SIGTERM before they kill a job, and torchrun forwards it to every
-worker. The handler only sets a flag; the ranks agree on it (ranks may get the signal in different
-steps, and a checkpoint is collective) in the step check, the one all-reduce that ends every step
-(training/overlap.py; under train.overlap_validation that check completes during the next step, so
-the run stops a step later), then the trainer saves and the run ends with exit code 0, as a stop_at does
-(Megatron's --exit-signal-handler does the same). A second SIGTERM is not caught: the default
-action, termination, runs at once.
+Start-up (until this process's first step has finished) is startup.py's: SIGTERM ends it at once.
+
+Preemption. Once the first step has finished, SIGTERM waits for a step boundary. Schedulers send
+SIGTERM before they kill a job, and torchrun forwards it to every worker. The handler only sets a
+flag; the ranks agree on it (ranks may get the signal in different steps, and a checkpoint is
+collective) in the step check, the one all-reduce that ends every step (training/overlap.py; under
+train.overlap_validation that check completes during the next step, so the run stops a step later),
+then the trainer saves and the run ends with exit code 0, as a stop_at does
+(Megatron's --exit-signal-handler does the same). A second SIGTERM is not caught: the default action,
+termination, runs at once.
 
 Bad steps (``train.on_nan``): a loss or gradient norm that is not finite, or, with
 ``train.spike_factor=K``, a gradient norm above K times the median of the last SPIKE_WINDOW good
@@ -62,16 +65,18 @@ class Preemption:
     """The SIGTERM flag (agreed over the world in the step check, training/overlap.py)."""
 
     def __init__(self) -> None:
-        self.requested, self._previous = False, None
+        self.requested, self._previous, self.installed = False, None, False
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        self.installed = True
 
     def uninstall(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+        self.installed = False
 
     def _on_signal(self, signum: int, frame) -> None:
         self.requested = True

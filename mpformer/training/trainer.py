@@ -21,11 +21,14 @@ from mpformer.training.guard import agree
 from mpformer.training.metrics import StepTimer
 from mpformer.training.overlap import Settled
 from mpformer.training.reporting import TraceWindow, banner, memory_report
+from mpformer.training.startup import StartupStop
 
 
 class Trainer:
-    def __init__(self, parts: RunParts) -> None:
-        self.parts = parts
+    def __init__(self, parts: RunParts, startup: StartupStop | None = None) -> None:
+        """``startup``: the CLI's SIGTERM-at-start-up stop (startup.py), ended once the first step has
+        finished, when the step-boundary preemption takes SIGTERM over."""
+        self.parts, self.startup = parts, startup
         self.spec, self.groups, self.device = parts.spec, parts.groups, parts.groups.device
         self.cfg, self.layout = parts.spec.cfg, parts.spec.layout
         self.model, self.engine, self.pipeline = parts.model, parts.engine, parts.pipeline
@@ -54,11 +57,11 @@ class Trainer:
         losses: list[float] = []
         timer = StepTimer()
         self._fit_t0 = time.perf_counter()
-        self.parts.preemption.install()
         try:
             self._loop(end, trace, timer, losses)
         finally:
             self.parts.preemption.uninstall()
+            self._end_startup()
             self.loader.close()
             uninstall()  # the run's kernel choice goes with it (a process may build other models after)
         if (done := self.checkpointer.wait()) is not None:
@@ -73,6 +76,9 @@ class Trainer:
             trace.before(self.progress.step)
             self.on_phase(f"step {self.progress.step + 1}")
             settled = self._steps(end, trace, timer)
+            if not self.parts.preemption.installed:  # the first step is done: SIGTERM now waits for a boundary
+                self._end_startup()
+                self.parts.preemption.install()
             for i, (step, m, dt) in enumerate(settled):
                 if m is None:  # rolled back: the steps since the checkpoint run again
                     timer.restart()
@@ -85,6 +91,10 @@ class Trainer:
                         if m is not None:
                             self.metrics.log(step, self._record(step, m, dt, end, timer, losses))
                     return
+
+    def _end_startup(self) -> None:
+        if self.startup is not None:
+            self.startup.end()
 
     def _steps(self, end: int, trace: TraceWindow, timer: StepTimer) -> list[Settled]:
         """The next step; the steps it settled (overlap.py), each with its wall time."""
