@@ -10,7 +10,6 @@ plus what a cp kind keeps beyond the rank's own K/V and what token slices keep o
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from mpformer.autoconfig.layer_memory import (
     BYTES,
@@ -21,11 +20,9 @@ from mpformer.autoconfig.layer_memory import (
     shape,
 )
 from mpformer.autoconfig.runtimes import Runtime
+from mpformer.autoconfig.workload import Workload
 from mpformer.core.layout import ParallelLayout, ulysses_degree
 from mpformer.core.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from mpformer.autoconfig.memory import Workload
 
 
 @dataclass(frozen=True)

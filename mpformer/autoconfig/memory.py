@@ -60,6 +60,7 @@ from mpformer.autoconfig.layer_memory import BYTES
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head
 from mpformer.autoconfig.stage_units import PlanInputs, gathers, stage_units, with_gathered
 from mpformer.autoconfig.step_memory import Peak, ReductionSpec, Unit, walk
+from mpformer.autoconfig.workload import Workload
 from mpformer.core.buffers import zero3_groups
 from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
@@ -69,20 +70,6 @@ from mpformer.optim.engine import MAX_IN_FLIGHT
 from mpformer.optim.memory import zero_formula_bytes
 
 ALLOCATOR_FACTOR = 1.08  # caching-allocator fragmentation on top of the transients (an allowance, not derived)
-
-@dataclass(frozen=True)
-class Workload:
-    """What one step computes: the global batch, the sequence, the precision."""
-
-    global_batch_size: int
-    micro_batch_size: int
-    seq_length: int
-    precision: str = "bf16"
-    flash_attention: bool = True  # False: attention scores materialised (Megatron before FlashAttention)
-    fused_cross_entropy: bool = True  # train.fused_cross_entropy (layers/fused_cross_entropy.py)
-    cross_entropy_chunk: int = 1024  # train.cross_entropy_chunk: tokens per chunk of the fused head
-    runtime: Runtime = MPFORMER  # whose software runs it (runtimes.py): mpformer's, or a published run's
-
 
 @dataclass(frozen=True)
 class StageMemory:

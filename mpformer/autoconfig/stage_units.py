@@ -11,17 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from mpformer.autoconfig.block_memory import HeadLive, LayerLive, slice_kv_bytes
 from mpformer.autoconfig.layer_memory import BYTES, shape
 from mpformer.autoconfig.runtimes import Runtime, parts_gathered, zero3_extras
 from mpformer.autoconfig.step_memory import ReductionSpec, Unit
+from mpformer.autoconfig.workload import Workload
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from mpformer.autoconfig.memory import Workload
 
 
 @dataclass(frozen=True)
