@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,17 @@ class MeshDim:
 @dataclass(frozen=True)
 class MeshView:
     """A group folded over ``dims`` (every rank that differs only along them); ``tag`` names its bytes
-    in the communication ledger."""
+    in the communication ledger; ``partial``: the dims whose ranks hold partial sums of one replica's
+    gradient rather than replicas of it (cp: each rank its part of the sequence), left out of the
+    divisor that makes a reduced gradient a mean (``replicas``)."""
 
     name: str
     dims: tuple[str, ...]
     tag: str
+    partial: tuple[str, ...] = ()
+
+    def replicas(self, topology: Topology) -> int:
+        return math.prod(topology.size(d) for d in self.dims if d not in self.partial)
 
 
 # Fastest-varying first.
@@ -51,7 +58,7 @@ MESH_DIMS: list[MeshDim] = [
     MeshDim("dp", "the batch (weights replicated or, under ZeRO, their state sharded)", lambda L: L.dp),
     MeshDim("pp", "the layers, in stages", lambda L: L.pp),
 ]
-MESH_VIEWS: dict[str, MeshView] = {"data": MeshView("data", ("dp", "cp"), "dp.")}
+MESH_VIEWS: dict[str, MeshView] = {"data": MeshView("data", ("dp", "cp"), "dp.", partial=("cp",))}
 
 
 def dim_names() -> tuple[str, ...]:

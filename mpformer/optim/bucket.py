@@ -82,6 +82,7 @@ class Bucket:
     pool: GradPool | None = None  # stages 2-3: where full buffers come from and go back to
     lent: torch.Tensor | None = None  # the pooled buffer of the reduction in flight
     grad_dtype: torch.dtype = torch.float32  # of the full gradients: stage 3 keeps the parameter dtype
+    view: str = "data"  # the mesh view its gradients reduce over and its shards are taken on (engine.py)
 
     def full_grads(self) -> torch.Tensor:
         if self.grad_buf is None:  # stages 2-3: the first gradient of a micro-batch, or none came

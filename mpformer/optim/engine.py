@@ -9,6 +9,11 @@ Where parameters live and how gradients are reduced are settings of it, not clas
     3      sharded, gathered per unit  per unit in the parameter dtype, reduce-   this rank's shard
                                        scattered every micro-batch
 
+Each parameter reduces over the mesh view its GradSpec names (``reduce_over``: "data", dp x cp, for
+every dense weight; a layer kind may name another, core/topology.py MESH_VIEWS), and ZeRO shards it
+over that view's group: a bucket holds one view's parameters, and its reduction, its shard and its
+gathers use that view's group; the norm sums each view's part over its own group before tp and pp.
+
 Buckets (core/buffers.py): stages 0-2 pack the parameters, last first (roughly the order backward
 produces gradients), into buckets of ``bucket_mb``; stage 3 makes one per unit (the embedding, each
 transformer layer's submodules merged up to ``zero3.unit_numel`` elements, the head: final norm and
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -61,10 +66,10 @@ from mpformer.layers.linear import set_grad_sink
 from mpformer.models.init import ModelInit
 from mpformer.optim.bucket import Bucket, GradPool, ShardParam, shard_grads
 from mpformer.optim.gather import Region, UnitGather
-from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
 from mpformer.optim.param_gather import ParamGather
+from mpformer.optim.reduction import Reduction
 from mpformer.optim.speculate import Speculation
 from mpformer.optim.state import EngineState
 from mpformer.optim.stepping import ShardStep
@@ -75,33 +80,6 @@ from mpformer.parallel.tensor_parallel import GradSpec
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.grad_reduce_dtype
 MAX_IN_FLIGHT = 2  # stage 2: full gradient buffers reducing at once (and idle in the pool)
-
-
-@dataclass(frozen=True)
-class TiedCopy:
-    """A weight held by two pipeline stages (a tied embedding): its gradients are summed over ``comm``
-    before the data-parallel reduction; only the ``owner`` counts it in the norm and saves it."""
-
-    param: nn.Parameter
-    comm: Comm
-    owner: bool
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """Over what gradients are made final: the data-parallel group (data x context parallel: the cp
-    ranks of a replica hold partial sums of its gradient), the tp and pp groups of the norm, the
-    tensor-parallel specs, a tied copy, fp16's loss scaler; ``replicas``: how many data replicas
-    the group holds (dp; None: the group's size), the divisor that makes the sum a mean."""
-
-    dp: Comm
-    tp: Comm | None = None
-    pp: Comm | None = None
-    specs: Sequence[GradSpec] = ()
-    tied: TiedCopy | None = None
-    scaler: LossScaler | None = None
-    reduce_dtype: torch.dtype = torch.float32
-    replicas: int | None = None
 
 
 class GradEngine:
@@ -121,13 +99,15 @@ class GradEngine:
         self.model, self.red, self.comm, self.stage, self.param_dtype = model, red, red.dp, stage, param_dtype
         # Stage 3 reduce-scatters 16-bit parameters' gradients in their dtype (FSDP's and DeepSpeed's default).
         self.reduce_dtype = param_dtype if stage == 3 and param_dtype != torch.float32 else red.reduce_dtype
-        self.shard_rank, self.shard_dp = (0, 1) if stage == 0 else (self.comm.rank, self.comm.size)
         self.persistent = stage < 2  # full gradients live for the whole step; the shard is their view
         self.views = self.persistent and param_dtype == torch.float32
-        self.reduces = not (self.persistent and self.comm.size == 1)  # one replica: nothing to do
         self.sync = True
         names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Each parameter's view (its spec's reduce_over; "data" for dense weights) and each view's group.
+        named = {id(s.param): s.reduce_over for s in red.specs}
+        self.param_views = [named.get(id(p), "data") for p in self.params]
+        self.groups = {v: red.view(v) for v in dict.fromkeys(["data", *self.param_views])}
         self.names = [names[id(p)] for p in self.params]
         self.canonical = canonical_rows(model, self.params)  # before any storage moves or is freed
         self.init = init
@@ -140,7 +120,7 @@ class GradEngine:
         grad_bytes = torch.finfo(param_dtype).bits // 8
         self.pool = None if self.persistent else GradPool(MAX_IN_FLIGHT) if stage == 2 else \
             GradPool(None, zero3.reduce_numel * grad_bytes)
-        self.buckets = [self._materialise(k, layout, module) for k, (module, layout) in enumerate(plan)]
+        self.buckets = [self._materialise(k, layout, module, view) for k, (module, layout, view) in enumerate(plan)]
         # (a rehearsal's engine keeps them there)
         left = [n for n, p in model.named_parameters() if p.is_meta and self.device.type != "meta"]
         assert not left, f"parameters left on the meta device (no gradient, so in no bucket): {left}"
@@ -154,11 +134,11 @@ class GradEngine:
                                          for i, g in enumerate(groups)])
         tied = red.tied
         self.not_mine = {id(tied.param)} if tied is not None and not tied.owner else set()
-        norm_comm = Comm(self.comm.group, self.comm.ledger, tag=self.comm.tag + "norm.")  # scalars
-        self.gather = UnitGather(self.buckets, self.comm, self._regions, model, param_dtype,
+        comms = [self.groups[b.view].comm for b in self.buckets]
+        self.gather = UnitGather(self.buckets, comms, self._regions, model, param_dtype,
                                  zero3.prefetch_numel) if stage == 3 else None
         # Stages 1-2: the step's parameter all-gather overlaps the next forward (param_gather.py).
-        self.param_gather = ParamGather(self.buckets, self.comm, model if overlap_param_gather else None) \
+        self.param_gather = ParamGather(self.buckets, comms, model if overlap_param_gather else None) \
             if stage in (1, 2) else None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -166,49 +146,64 @@ class GradEngine:
             set_grad_sink(p, self)
         self.state = EngineState(model, self.shards, self.optimizer, self.canonical, stage=stage,
                                  not_mine=self.not_mine, masters_are_weights=param_dtype != torch.float32 or stage == 3)
-        norm_comms = [c for c in (norm_comm if stage > 0 else None, red.tp, red.pp) if c is not None]
+        # The norm: each view's sum over its own group (the shards differ there past stage 0), then tp, pp.
+        views = {v: Comm(g.comm.group, g.comm.ledger, tag=g.comm.tag + "norm.") for v, g in self.groups.items()}
         self.stepping = ShardStep(buckets=self.buckets, shards=self.shards, optimizer=self.optimizer, stage=stage,
-                                dp_rank=self.comm.rank, norm_comms=norm_comms, param_gather=self.param_gather,
-                                norm_specs=[s for s in red.specs if id(s.param) not in self.not_mine])
+                                  view_comms=views, norm_comms=[c for c in (red.tp, red.pp) if c is not None],
+                                  param_gather=self.param_gather,
+                                  norm_specs=[s for s in red.specs if id(s.param) not in self.not_mine])
 
     # ---- construction ------------------------------------------------------------------------
-    def _plan(self, bucket_mb: float) -> list[tuple[nn.Module | None, BucketLayout]]:
-        """Buckets as (unit module, layout) with slots naming parameters by their index in ``params``."""
+    def shard_of(self, view: str) -> tuple[int, int]:
+        """(this rank's shard, shards) of a view's buckets: stage 0 keeps them whole."""
+        comm = self.groups[view].comm
+        return (0, 1) if self.stage == 0 else (comm.rank, comm.size)
+
+    def _plan(self, bucket_mb: float) -> list[tuple[nn.Module | None, BucketLayout, str]]:
+        """Buckets as (unit module, layout, view) with slots naming parameters by their index in ``params``;
+        a bucket holds the parameters of one view (a stage-3 unit of two views is a bucket of each, and
+        its region gathers both)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         if self.stage == 3:
             found = build_units(self.model, self.params, self.zero3.unit_numel)
-            self._regions, self._sunk = found.regions, found.sunk
+            self._sunk = found.sunk
             units, cap = list(zip(found.modules, found.params)), 2**62
         else:
             units, cap = [(None, self.params)], max(1, int(bucket_mb * 2**20 / 4))  # fp32 gradient elements
-        out = []
+        out, of_unit = [], []
         for module, ps in units:
-            for lay in plan_buckets([p.numel() for p in ps], self.shard_dp, cap):
-                slots = tuple(Slot(index[id(ps[s.index])], s.start, s.numel) for s in lay.slots)
-                out.append((module, BucketLayout(slots, lay.size, lay.dp)))
+            of_unit.append([])
+            for view in dict.fromkeys(self.param_views[index[id(p)]] for p in ps):
+                mine = [p for p in ps if self.param_views[index[id(p)]] == view]
+                for lay in plan_buckets([p.numel() for p in mine], self.shard_of(view)[1], cap):
+                    slots = tuple(Slot(index[id(mine[s.index])], s.start, s.numel) for s in lay.slots)
+                    of_unit[-1].append(len(out))
+                    out.append((module, BucketLayout(slots, lay.size, lay.dp), view))
+        if self.stage == 3:  # regions name units; a unit is now its views' buckets
+            self._regions = [replace(r, units=tuple(k for u in r.units for k in of_unit[u])) for r in found.regions]
         return out
 
-    def _materialise(self, index: int, layout: BucketLayout, module: nn.Module | None) -> Bucket:
+    def _materialise(self, index: int, layout: BucketLayout, module: nn.Module | None, view: str) -> Bucket:
         params = [self.params[s.index] for s in layout.slots]
-        dev = self.device
+        dev, rank = self.device, self.shard_of(view)[0]
         # The parameters now live in the bucket (materialise.py; a meta-built model: filled from init).
-        buf, shard, masters = bucket_weights(params, layout, rank=self.shard_rank, stage=self.stage,
+        buf, shard, masters = bucket_weights(params, layout, rank=rank, stage=self.stage,
                                              dtype=self.param_dtype, device=dev, canonical=self.canonical,
                                              init=self.init)
-        lo, hi = layout.shard_range(self.shard_rank)
+        lo, hi = layout.shard_range(rank)
         if not self.persistent:
             return Bucket(layout, params, buf, shard, torch.zeros(hi - lo, device=dev), None, masters, module, index,
-                          pool=self.pool, grad_dtype=self.param_dtype if self.stage == 3 else torch.float32)
+                          pool=self.pool, grad_dtype=self.param_dtype if self.stage == 3 else torch.float32, view=view)
         grads = torch.zeros(layout.size, device=dev)
         if self.views:
             for p, s in zip(params, layout.slots):
                 p.grad = grads[s.start:s.end].view_as(p)
-        return Bucket(layout, params, buf, shard, grads[lo:hi], grads, masters, module, index)
+        return Bucket(layout, params, buf, shard, grads[lo:hi], grads, masters, module, index, view=view)
 
     def _shard_params(self) -> list[ShardParam]:
         out = []
         for k, b in enumerate(self.buckets):
-            for piece in b.layout.pieces(self.shard_rank):
+            for piece in b.layout.pieces(self.shard_of(b.view)[0]):
                 p = self.params[piece.index]
                 at = slice(piece.shard_offset, piece.shard_offset + piece.numel)
                 if self.stage == 0 and self.views:  # the optimizer steps the parameters themselves
@@ -254,14 +249,15 @@ class GradEngine:
     def grad_arrived(self, p: nn.Parameter) -> None:
         """``p``'s gradient of this micro-batch is in its bucket: launch the bucket's reduction once all are."""
         b = self.buckets[self._where[id(p)][0]]
-        if self.sync and self.reduces and b.ready_after(p):
+        if self.sync and self._reduces(b) and b.ready_after(p):
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
         if b.pending is not None:  # stages 2-3: this bucket's previous micro-batch is still reducing
             self._in_flight.remove(b)
             b.complete(self.stage, self.persistent)
-        b.launch(self.comm, self.stage, self.reduce_dtype, self.persistent, self.red.replicas or self.comm.size)
+        group = self.groups[b.view]
+        b.launch(group.comm, self.stage, self.reduce_dtype, self.persistent, group.replicas)
         if self.gather is not None:
             self.gather.release(b.index)
         self._in_flight.append(b)
@@ -279,12 +275,14 @@ class GradEngine:
             self._in_flight.pop(0).complete(self.stage, self.persistent)
         self._launched = 0
 
+    def _reduces(self, b: Bucket) -> bool:
+        """Whether ``b``'s gradients are reduced at all (stages 0-1 over one replica: nothing to do)."""
+        return not (self.persistent and self.groups[b.view].comm.size == 1)
+
     def _launch_owed(self) -> None:
-        if not self.reduces:
-            return
         for b in self.buckets:
             owed = not b.launched if self.persistent else b.grad_buf is not None
-            if owed and b.pending is None:
+            if owed and b.pending is None and self._reduces(b):
                 self._launch(b)
 
     def start(self) -> None:

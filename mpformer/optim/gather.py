@@ -73,9 +73,10 @@ class Region:
 
 
 class UnitGather:
-    def __init__(self, units: Sequence[Bucket], comm: Comm, regions: Sequence[Region], model: nn.Module,
+    def __init__(self, units: Sequence[Bucket], comms: Sequence[Comm], regions: Sequence[Region], model: nn.Module,
                  compute_dtype: torch.dtype, prefetch_numel: float = float("inf")) -> None:
-        self.units, self.comm, self.regions, self.dtype = list(units), comm, list(regions), compute_dtype
+        """``comms``: each unit's group (its view's, engine.py)."""
+        self.units, self.comms, self.regions, self.dtype = list(units), list(comms), list(regions), compute_dtype
         self.model, self.prefetch_numel = model, prefetch_numel
         n = len(self.units)
         self.gathered = [True] * n
@@ -110,7 +111,7 @@ class UnitGather:
         u.param_buf.untyped_storage().resize_(u.param_buf.numel() * u.param_buf.element_size())
         # 16-bit parameters: the fp32 masters cast here (kept alive by the work until it is waited for)
         src = u.param_shard if u.masters is None else u.masters.to(self.dtype)
-        self.gathering[k] = self.comm.all_gather_into(u.param_buf, src, async_op=True)
+        self.gathering[k] = self.comms[k].all_gather_into(u.param_buf, src, async_op=True)
         if self.gathering[k] is None:
             self.gathered[k] = True
         elif not async_op:

@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 
 
 class ParamGather:
-    def __init__(self, buckets: Sequence[Bucket], comm: Comm, model: nn.Module | None) -> None:
-        """``model=None``: no overlap, every gather waited in ``launch`` (the engine's default)."""
-        self.buckets, self.comm = list(buckets), comm
+    def __init__(self, buckets: Sequence[Bucket], comms: Sequence[Comm], model: nn.Module | None) -> None:
+        """``comms``: each bucket's group (its view's); ``model=None``: no overlap, every gather waited in
+        ``launch`` (the engine's default)."""
+        self.buckets, self.comms = list(buckets), list(comms)
         self.pending: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (work, its input kept alive)
         where = {id(p): b.index for b in self.buckets for p in b.params}
         in_blocks: set[int] = set()
@@ -49,7 +50,7 @@ class ParamGather:
         self.wait()
         for b in reversed(self.buckets):
             src = b.param_shard
-            self.pending[b.index] = (self.comm.all_gather_into(b.param_buf, src, async_op=True), src)
+            self.pending[b.index] = (self.comms[b.index].all_gather_into(b.param_buf, src, async_op=True), src)
         self.wait(self.root)
 
     def wait(self, indices: Iterable[int] | None = None) -> None:

@@ -18,7 +18,7 @@ Kept apart because the step's order is what post-validation changes, and it read
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,16 +38,17 @@ if TYPE_CHECKING:
 
 
 class ShardStep:
-    """The step over the engine's buckets and shards. ``norm_comms``: the groups the norm and the fp16
-    overflow flag are reduced over, in order (the data-parallel norm group when the gradients are
-    sharded, tp, pp; one of size 1 is skipped); ``dp_rank``: this rank's place among the data replicas
-    (stage 0's replicas hold the same gradients, so only the first counts them in a world-wide sum)."""
+    """The step over the engine's buckets and shards. ``view_comms``: each gradient view's group (past
+    stage 0 a view's shards differ over it, so its part of the norm and of the fp16 overflow flag is
+    reduced there first; at stage 0 its replicas hold the same gradients, so only its rank 0 counts
+    them in a world-wide sum); ``norm_comms``: the groups the whole norm is reduced over next, in
+    order (tp, pp; one of size 1 is skipped)."""
 
     def __init__(self, *, buckets: Sequence[Bucket], shards: Sequence[ShardParam], optimizer: torch.optim.Optimizer,
-                 stage: int, dp_rank: int, norm_comms: Sequence[Comm], norm_specs: Sequence[GradSpec],
-                 param_gather: ParamGather | None) -> None:
+                 stage: int, view_comms: Mapping[str, Comm], norm_comms: Sequence[Comm],
+                 norm_specs: Sequence[GradSpec], param_gather: ParamGather | None) -> None:
         self.buckets, self.shards, self.optimizer = buckets, shards, optimizer
-        self.stage, self.dp_rank, self.norm_comms, self.norm_specs = stage, dp_rank, norm_comms, norm_specs
+        self.stage, self.view_comms, self.norm_comms, self.norm_specs = stage, view_comms, norm_comms, norm_specs
         self.param_gather = param_gather
         self.skipped, self.steps_taken = False, 0
         self._coeff: torch.Tensor | None = None
@@ -65,15 +66,29 @@ class ShardStep:
             if comm.size > 1:
                 comm.all_reduce(t, op=op)
 
+    def _view_reduce(self, t: torch.Tensor, view: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        comm = self.view_comms[view]
+        if self.stage > 0 and comm.size > 1:
+            comm.all_reduce(t, op=op)
+
+    def _view_sums(self, world: bool) -> dict[str, torch.Tensor]:
+        """Each view's part of the squared norm on this rank (``world``: stage 0's replicas count once)."""
+        sums = {v: torch.zeros((), device=self.buckets[0].grad_shard.device) for v in self.view_comms}
+        for g, spec in shard_grads(self.shards, self.norm_specs):
+            if world and self.stage == 0 and self.view_comms[spec.reduce_over].rank != 0:
+                continue
+            sums[spec.reduce_over] += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas
+        return sums
+
     def norm_square(self, *, world: bool = False) -> torch.Tensor:
         """This rank's share of the squared global gradient norm. ``world``: for one sum over every rank
-        (the trainer's step check), where the data replicas of stage 0, holding the same gradients,
-        count once (the first); otherwise for ``_world_reduce``'s groups."""
+        (the trainer's step check), where the replicas of stage 0, holding the same gradients, count
+        once; otherwise each view's part reduced over its group, for ``_world_reduce``'s groups."""
         total = torch.zeros((), device=self.buckets[0].grad_shard.device)
-        if world and self.stage == 0 and self.dp_rank != 0:
-            return total
-        for g, spec in shard_grads(self.shards, self.norm_specs):
-            total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / spec.replicas  # no squared copy
+        for view, part in self._view_sums(world).items():
+            if not world:
+                self._view_reduce(part, view)
+            total += part
         return total
 
     def clip(self, max_norm: float, *, speculation: Speculation | None = None) -> float:
@@ -146,6 +161,8 @@ class ShardStep:
         for b in self.buckets:
             b.grad_shard.mul_(inv_scale)
             found = torch.maximum(found, (~torch.isfinite(b.grad_shard)).any().float())
+        for view in self.view_comms:
+            self._view_reduce(found, view, op=dist.ReduceOp.MAX)
         self._world_reduce(found, op=dist.ReduceOp.MAX)
         with torch.profiler.record_function(REPORT_BOUNDARY):
             return bool(found)

@@ -78,6 +78,10 @@ class ProcessGroups:
             raise KeyError(f"mesh view {name!r} is unknown; valid: {', '.join(self.views)}")
         return Comm(self.views[name], self.ledger, tag=MESH_VIEWS[name].tag)
 
+    def view_replicas(self, name: str) -> int:
+        """How many data replicas the named view's group holds: the divisor that makes its sum a mean."""
+        return MESH_VIEWS[name].replicas(self.layout.topology)
+
     def data_comm(self) -> Comm:
         """Over what gradients of replicated weights are reduced and ZeRO shards: dp x cp (the cp ranks
         of a replica each hold part of its sequence), and metrics summed over both."""

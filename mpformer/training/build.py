@@ -23,21 +23,20 @@ import torch
 
 from mpformer.context_parallel.blockwise import doc_starts
 from mpformer.context_parallel.context import document_ids
-from mpformer.core.errors import ConfigError
 from mpformer.core.model_options import ModelOptions
 from mpformer.data.loader import MicroBatch, StepLoader
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices, sample_origin
 from mpformer.models.parallelize import RankModel, build_rank, grad_specs
 from mpformer.optim.builder import build_engine
-from mpformer.optim.engine import REDUCE_DTYPES, GradEngine, Reduction, TiedCopy
+from mpformer.optim.engine import REDUCE_DTYPES, GradEngine
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
+from mpformer.optim.reduction import Reduction, TiedCopy, ViewGroup
 from mpformer.optim.units import Zero3Settings
 from mpformer.parallel.device import Device
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.kernel_choice import KernelChoice, choose, install
 from mpformer.parallel.random import DropoutStreams
-from mpformer.parallel.tensor_parallel import GradSpec
 from mpformer.pipeline.build import GradHooks, build_pipeline
 from mpformer.pipeline.engine import PipelineEngine
 from mpformer.training.guard import Preemption
@@ -120,26 +119,17 @@ def build_engine_for(spec: RunSpec, groups: ProcessGroups, rank: RankModel, prec
     if plan is not None and cfg.model.tie_embeddings and not plan.v:
         pair = groups.embedding_comm()  # collective; None on the stages between the first and the last
         tied = TiedCopy(rank.model.embed.weight, pair, owner=plan.has_embedding) if pair else None
-    # Over the view the specs name: dense weights over dp x cp ("data"; a replica's cp ranks hold partial
-    # sums of its gradient, each its part of the sequence).
+    # Dense weights over dp x cp ("data"; a replica's cp ranks hold partial sums of its gradient, each its
+    # part of the sequence); a parameter whose spec names another mesh view over that view's group.
     specs = grad_specs(rank.model)
-    red = Reduction(groups.view(reduce_view(specs)), rank.tp.comm, groups.comm("pp") if plan is not None else None,
-                    specs, tied, precision.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype], replicas=layout.dp)
+    views = {v: ViewGroup(groups.view(v), groups.view_replicas(v)) for v in sorted({s.reduce_over for s in specs})}
+    red = Reduction(groups.data_comm(), rank.tp.comm, groups.comm("pp") if plan is not None else None,
+                    specs, tied, precision.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype], replicas=layout.dp,
+                    views={v: g for v, g in views.items() if v != "data"})
     return build_engine(rank.model, red, layout.zero, cfg.optim, groups.device.kind, t.grad_bucket_mb,
                         precision.dtype, init=rank.init, device=groups.device.torch_device,
                         overlap_param_gather=t.overlap_param_gather,
                         zero3=Zero3Settings(t.zero3_unit_numel, t.zero3_prefetch_numel, t.zero3_reduce_numel))
-
-
-def reduce_view(specs: list[GradSpec]) -> str:
-    """The one mesh view this rank's gradients reduce over. One gradient engine reduces over one group:
-    parameters naming different views (experts beside dense weights) need an engine per view, which
-    the mixture-of-experts work adds; until then such a model fails here, in one line."""
-    views = sorted({s.reduce_over for s in specs})
-    if len(views) > 1:
-        raise ConfigError(f"this model's parameters reduce over several mesh views {views}; one gradient engine "
-                          "reduces over one: valid: every parameter on one view")
-    return views[0] if views else "data"
 
 
 def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:

@@ -2,11 +2,15 @@
 
 The MLP is a test-only variant (squared ReLU, Primer's: down(relu(up(x))^2)), registered in
 core/layer_spec.py with its description; the mesh dimension "xp" (size 1, after cp) in
-core/topology.py. Nothing else in mpformer knows of either. Oracles: the memory model's parameter
-count (read from the kind's description) equals what the model built; the tp=2 + SP run, split by
-the kind's own tp plan, gives the one-process run's losses and gradient norms (fp32, within 1e-5
-relative: the two sum the same products in another order); the process groups carry the new
-dimension, and the rank math places it where it was registered.
+core/topology.py, with a view "data_xp" folded over dp, cp and xp. Nothing else in mpformer knows of
+any of them. Oracles: the memory model's parameter count (read from the kind's description) equals
+what the model built; the tp=2 + SP run, split by the kind's own tp plan, gives the one-process
+run's losses and gradient norms (fp32, within 1e-5 relative: the two sum the same products in another
+order); the process groups carry the new dimension, and the rank math places it where it was
+registered. A second variant names "data_xp" as its gradients' view (``grad_view``): at dp=2 under
+ZeRO 0-3 its MLP weights reduce and shard over that view's own group (its bytes are in the ledger
+under the view's tag) and the run gives the one-view run's losses and norms (within 1e-6 relative:
+the norm is summed per view, then added).
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpformer.core.layer_spec import MLP_KINDS, MLPKind, Projection, register_mlp, resolve
-from mpformer.core.topology import MESH_DIMS, MeshDim, registered
+from mpformer.core.topology import MESH_DIMS, MeshDim, MeshView, registered
 from mpformer.parallel.spawn import run_distributed
 from mpformer.parallel.tensor_parallel import Part
 from mpformer.testing.train import overrides, train
 
 RTOL = 1e-5  # fp32, the same sums in another order (tp splits the MLP's and attention's GEMMs)
+VIEW_RTOL = 1e-6  # fp32: only the gradient norm's sum is grouped differently (per view, then added)
+ZERO_STAGES = (0, 1, 2, 3)
 BASE = {"model": "tiny-llama", "model.num_layers": 2, "model.vocab_size": 256, "model.mlp_kind": "relu2",
         "train.seq_length": 32, "train.steps": 3, "train.global_batch_size": 4, "train.micro_batch_size": 2,
         "train.device": "cpu", "optim.lr": 3e-3, "optim.warmup_steps": 1, "logging.progress": False}
@@ -59,11 +65,19 @@ class ReluSquaredMLP(nn.Module):
         return out
 
 
+class ReluSquaredOnView(ReluSquaredMLP):
+    """The same MLP, its gradients reduced (and ZeRO-sharded) over the "data_xp" view."""
+
+    grad_view = "data_xp"
+
+
 def register_test_kinds() -> None:
-    """The one place the new MLP is described (idempotent: spawned ranks import this module afresh)."""
-    if "relu2" not in MLP_KINDS:
+    """The one place the new MLPs are described (idempotent: spawned ranks import this module afresh)."""
+    for name, module in (("relu2", ReluSquaredMLP), ("relu2_xp", ReluSquaredOnView)):
+        if name in MLP_KINDS:
+            continue
         register_mlp(MLPKind(
-            "relu2", ReluSquaredMLP,
+            name, module,
             part_sizes=lambda m, tp: [[m.hidden_size * (m.ffn_size // tp)], [(m.ffn_size // tp) * m.hidden_size]],
             projections=lambda m, tp: [Projection("up", m.hidden_size, m.ffn_size // tp),
                                        Projection("down", m.ffn_size // tp, m.hidden_size)],
@@ -72,6 +86,7 @@ def register_test_kinds() -> None:
 
 
 XP = MeshDim("xp", "nothing yet (a test dimension of size 1)", lambda layout: 1)
+DATA_XP = MeshView("data_xp", ("dp", "cp", "xp"), "dpx.", partial=("cp",))
 
 
 def _worker(world: int, data: str, root: str) -> dict:
@@ -86,7 +101,7 @@ def _worker(world: int, data: str, root: str) -> dict:
 
     register_test_kinds()
     out: dict = {}
-    with registered(XP, after="cp"):
+    with registered(XP, after="cp", views=(DATA_XP,)):
         layout = ParallelLayout(tp=world, dp=1, sequence_parallel=world > 1)
         groups = ProcessGroups.build(layout, resolve_device("cpu"))
         out["mesh"] = groups.mesh.mesh_dim_names
@@ -100,6 +115,12 @@ def _worker(world: int, data: str, root: str) -> dict:
         out["num_params"] = (sum(p.numel() for p in model.parameters()), cfg.model.num_params())
         kw = {"parallel.tp": world, "parallel.sequence_parallel": world > 1}
         out["run"] = train(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / f"tp{world}", **kw))
+        if world == 2:  # the second view, at dp=2 under each ZeRO stage, against the one-view run
+            for zero in ZERO_STAGES:
+                for kind in ("relu2", "relu2_xp"):
+                    kw = {"parallel.dp": 2, "parallel.zero": zero, "model.mlp_kind": kind}
+                    run_dir = Path(root) / f"dp2_z{zero}_{kind}"
+                    out[(zero, kind)] = train(overrides({**BASE, "data.paths": f"[{data}]"}, run_dir, **kw))
     out["dims_after"] = [d.name for d in MESH_DIMS]
     return out
 
@@ -147,3 +168,13 @@ def test_a_kind_or_dimension_that_is_not_registered_fails_in_one_line():
         Topology(xp=1)
     with pytest.raises(ValueError, match="exists already"):
         register_dim(MeshDim("tp", "", lambda layout: 1), after="cp")
+
+
+@pytest.mark.parametrize("zero", ZERO_STAGES)
+def test_a_parameter_reduces_and_shards_over_the_view_its_module_names(runs, zero):
+    one_view, two_views = runs[2][0][(zero, "relu2")], runs[2][0][(zero, "relu2_xp")]
+    for a, b in zip(one_view["losses"] + one_view["grad_norms"], two_views["losses"] + two_views["grad_norms"]):
+        assert b == pytest.approx(a, rel=VIEW_RTOL)
+    on_view = {k: v for k, v in two_views["comm_by_kind"][0].items() if k.startswith("dpx.")}
+    assert on_view and all(v > 0 for v in on_view.values()), two_views["comm_by_kind"][0]
+    assert not any(k.startswith("dpx.") for k in one_view["comm_by_kind"][0])
