@@ -28,7 +28,7 @@ import torch
 
 from mpformer.context_parallel.fused import block_backward as fused_backward
 from mpformer.context_parallel.fused import block_forward as fused_forward
-from mpformer.core.attention_plan import Block, DocStarts, plan
+from mpformer.core.attention_plan import DocStarts, ScoreBlock, plan
 from mpformer.core.sequence import Segments
 from mpformer.parallel.device import no_autocast
 
@@ -74,7 +74,7 @@ def doc_starts(doc_ids_bs: torch.Tensor) -> tuple[DocStarts, ...]:
 
 
 def row_plans(batch: int, q_segments: Segments, k_segments: Segments, docs: Docs, window: int | None
-              ) -> list[tuple[slice, tuple[Block, ...]]]:
+              ) -> list[tuple[slice, tuple[ScoreBlock, ...]]]:
     """Runs of batch rows that share one plan (the same document starts), each with it."""
     if docs is None:
         return [(slice(0, batch), plan(q_segments, k_segments, window))]
@@ -86,7 +86,7 @@ def row_plans(batch: int, q_segments: Segments, k_segments: Segments, docs: Docs
     return out
 
 
-def _row_groups(qp: QueryPart, kv: KVBlock) -> list[tuple[slice, tuple[Block, ...]]]:
+def _row_groups(qp: QueryPart, kv: KVBlock) -> list[tuple[slice, tuple[ScoreBlock, ...]]]:
     return row_plans(qp.q.shape[0], qp.segments, kv.segments, qp.docs, qp.window)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from mpformer.context_parallel.fused import repeat_kv
-from mpformer.core.attention_plan import CAUSAL, FULL, Block
+from mpformer.core.attention_plan import CAUSAL, FULL, ScoreBlock
 
 NEG_INF = float("-inf")
 
@@ -29,7 +29,7 @@ NEG_INF = float("-inf")
 TILE = 512  # a tile's side: its scores, probabilities and dropout mask, per head, are the transient
 
 
-def _tiles(block: Block, window: int | None) -> list[Block]:
+def _tiles(block: ScoreBlock, window: int | None) -> list[ScoreBlock]:
     """``block`` cut into tiles of at most TILE x TILE (positions follow rows within a non-full block),
     the tiles nobody sees left out. A causal square's tiles below its diagonal see everything (full);
     a masked block's tiles keep its mask, and a row of one may see nothing (the kernel takes -inf rows)."""
@@ -37,7 +37,7 @@ def _tiles(block: Block, window: int | None) -> list[Block]:
     for a in range(0, block.q_len, TILE):
         for c in range(0, block.k_len, TILE):
             qn, kn = min(TILE, block.q_len - a), min(TILE, block.k_len - c)
-            t = Block(block.q_row + a, block.k_row + c, qn, kn, block.q_pos + a, block.k_pos + c, block.kind)
+            t = ScoreBlock(block.q_row + a, block.k_row + c, qn, kn, block.q_pos + a, block.k_pos + c, block.kind)
             if t.kind == FULL:
                 out.append(t)
                 continue
@@ -45,7 +45,7 @@ def _tiles(block: Block, window: int | None) -> list[Block]:
             if t.k_pos > last_q or (window is not None and t.q_pos - last_k >= window):
                 continue  # every key after every query, or all beyond the window
             if t.kind == CAUSAL and c != a:  # below the diagonal (tiles are aligned): every key before
-                t = Block(t.q_row, t.k_row, qn, kn, t.q_pos, t.k_pos, FULL)
+                t = ScoreBlock(t.q_row, t.k_row, qn, kn, t.q_pos, t.k_pos, FULL)
             out.append(t)
     return out
 
@@ -55,7 +55,7 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _seen(t: Block, window: int | None, device: torch.device) -> torch.Tensor | None:
+def _seen(t: ScoreBlock, window: int | None, device: torch.device) -> torch.Tensor | None:
     """The tile's mask of seen pairs (None: all seen). A full block's tiles see everything."""
     if t.kind == FULL:
         return None
@@ -83,7 +83,7 @@ def tile_seed(seed: int, q_pos: int, k_pos: int) -> int:
     return _mix(_mix(_mix(seed & _M64) ^ q_pos) ^ k_pos) % 2**63
 
 
-def _keep(seed: int, t: Block, shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
+def _keep(seed: int, t: ScoreBlock, shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
     """The tile's dropout keep-mask scaled by 1/(1-p), the same on every call with this seed."""
     g = torch.Generator(device=device).manual_seed(tile_seed(seed, t.q_pos, t.k_pos))
     r = torch.rand(shape, generator=g, device=device)
@@ -149,7 +149,7 @@ class DropoutTiles(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def dropout_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, blocks: tuple[Block, ...],
+def dropout_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, blocks: tuple[ScoreBlock, ...],
                       window: int | None, scale: float, p: float) -> torch.Tensor:
     """The plan ``blocks`` (one batch-row group's) with attention dropout ``p``, tile by tile."""
     # From the caller's generator on the queries' device (the tp-rank stream; a selective recompute

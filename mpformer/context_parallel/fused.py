@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from mpformer.core.attention_plan import CAUSAL, MASKED, Block
+from mpformer.core.attention_plan import CAUSAL, MASKED, ScoreBlock
 from mpformer.parallel.device import kernel_device
 
 _aten = torch.ops.aten
@@ -49,7 +49,7 @@ def block_mask(offset: int, q_len: int, k_len: int, window: int, dtype: torch.dt
     return out[:, :k_len]
 
 
-def _mask(q: torch.Tensor, block: Block, window: int | None) -> torch.Tensor | None:
+def _mask(q: torch.Tensor, block: ScoreBlock, window: int | None) -> torch.Tensor | None:
     if block.kind != MASKED:
         return None
     assert window is not None, "a masked block comes only from a sliding window"
@@ -145,7 +145,7 @@ def _cuda_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq, dk, dv
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, window: int | None,
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: ScoreBlock, window: int | None,
                   scale: float, dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, Rng]:
     """``(out [b, n, q, d] in q's dtype, lse [b, n, q] fp32, rng)`` of one block (rows already sliced);
     ``rng``: the CUDA kernel's dropout state for the backward (None without dropout)."""
@@ -158,7 +158,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Bloc
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, block: Block, window: int | None, scale: float, dropout: float = 0.0,
+                   lse: torch.Tensor, block: ScoreBlock, window: int | None, scale: float, dropout: float = 0.0,
                    rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block, given the rows' final ``out`` (q's dtype) and ``lse``, and the
     block's own ``rng`` from its forward."""

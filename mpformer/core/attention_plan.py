@@ -42,7 +42,7 @@ DocStarts = tuple[int, ...]  # the positions at which a document starts (0 impli
 
 
 @dataclass(frozen=True)
-class Block:
+class ScoreBlock:
     """Storage rows ``[q_row, q_row + q_len)`` of the queries against ``[k_row, k_row + k_len)`` of the
     keys, whose first global positions are ``q_pos`` and ``k_pos`` (runs: positions follow rows)."""
 
@@ -94,8 +94,8 @@ def _runs(segments: Segments, doc_starts: DocStarts) -> list[tuple[int, _Run]]:
     return out
 
 
-def _rect(q: _Run, k: _Run, kind: str) -> Block:
-    return Block(q.row, k.row, q.length, k.length, q.pos, k.pos, kind)
+def _rect(q: _Run, k: _Run, kind: str) -> ScoreBlock:
+    return ScoreBlock(q.row, k.row, q.length, k.length, q.pos, k.pos, kind)
 
 
 def _sub(r: _Run, lo: int, hi: int) -> _Run:
@@ -103,7 +103,7 @@ def _sub(r: _Run, lo: int, hi: int) -> _Run:
     return _Run(lo, r.row + lo - r.pos, hi - lo)
 
 
-def _causal(q: _Run, k: _Run) -> list[Block]:
+def _causal(q: _Run, k: _Run) -> list[ScoreBlock]:
     """The seen part of q x k under the causal rule: at most one full block, one causal square and one
     full block below it."""
     a, m, c, n = q.pos, q.length, k.pos, k.length
@@ -123,7 +123,7 @@ def _split_point(length: int, tile: int) -> int:
     return max(tile, (length // 2) // tile * tile)
 
 
-def _trim(b: Block, w: int) -> Block | None:
+def _trim(b: ScoreBlock, w: int) -> ScoreBlock | None:
     """A masked rectangle cut to the rows that see some key and the keys some row sees."""
     q0 = max(b.q_pos, b.k_pos)
     q1 = min(b.q_pos + b.q_len - 1, b.k_pos + b.k_len - 1 + w - 1)
@@ -131,10 +131,10 @@ def _trim(b: Block, w: int) -> Block | None:
     k1 = min(b.k_pos + b.k_len - 1, b.q_pos + b.q_len - 1)
     if q0 > q1 or k0 > k1:
         return None
-    return Block(b.q_row + q0 - b.q_pos, b.k_row + k0 - b.k_pos, q1 - q0 + 1, k1 - k0 + 1, q0, k0, MASKED)
+    return ScoreBlock(b.q_row + q0 - b.q_pos, b.k_row + k0 - b.k_pos, q1 - q0 + 1, k1 - k0 + 1, q0, k0, MASKED)
 
 
-def _windowed(b: Block, w: int, tile: int) -> list[Block]:
+def _windowed(b: ScoreBlock, w: int, tile: int) -> list[ScoreBlock]:
     """``b`` (full or causal) restricted to pairs with i - j < w."""
     far = b.q_pos + b.q_len - 1 - b.k_pos  # the largest i - j in the block
     near = b.q_pos - (b.k_pos + b.k_len - 1)  # the smallest (a causal square: negative)
@@ -147,36 +147,36 @@ def _windowed(b: Block, w: int, tile: int) -> list[Block]:
         return [] if t is None else [t]
     if b.kind == CAUSAL:  # two smaller squares and the full block between them
         h = _split_point(b.q_len, tile)
-        parts = [Block(b.q_row, b.k_row, h, h, b.q_pos, b.k_pos, CAUSAL),
-                 Block(b.q_row + h, b.k_row + h, b.q_len - h, b.q_len - h, b.q_pos + h, b.k_pos + h, CAUSAL),
-                 Block(b.q_row + h, b.k_row, b.q_len - h, h, b.q_pos + h, b.k_pos, FULL)]
+        parts = [ScoreBlock(b.q_row, b.k_row, h, h, b.q_pos, b.k_pos, CAUSAL),
+                 ScoreBlock(b.q_row + h, b.k_row + h, b.q_len - h, b.q_len - h, b.q_pos + h, b.k_pos + h, CAUSAL),
+                 ScoreBlock(b.q_row + h, b.k_row, b.q_len - h, h, b.q_pos + h, b.k_pos, FULL)]
     elif b.q_len >= b.k_len:
         h = _split_point(b.q_len, tile)
-        parts = [Block(b.q_row, b.k_row, h, b.k_len, b.q_pos, b.k_pos, FULL),
-                 Block(b.q_row + h, b.k_row, b.q_len - h, b.k_len, b.q_pos + h, b.k_pos, FULL)]
+        parts = [ScoreBlock(b.q_row, b.k_row, h, b.k_len, b.q_pos, b.k_pos, FULL),
+                 ScoreBlock(b.q_row + h, b.k_row, b.q_len - h, b.k_len, b.q_pos + h, b.k_pos, FULL)]
     else:
         h = _split_point(b.k_len, tile)
-        parts = [Block(b.q_row, b.k_row, b.q_len, h, b.q_pos, b.k_pos, FULL),
-                 Block(b.q_row, b.k_row + h, b.q_len, b.k_len - h, b.q_pos, b.k_pos + h, FULL)]
+        parts = [ScoreBlock(b.q_row, b.k_row, b.q_len, h, b.q_pos, b.k_pos, FULL),
+                 ScoreBlock(b.q_row, b.k_row + h, b.q_len, b.k_len - h, b.q_pos, b.k_pos + h, FULL)]
     return [x for p in parts for x in _windowed(p, w, tile)]
 
 
-def _merge(blocks: list[Block]) -> list[Block]:
+def _merge(blocks: list[ScoreBlock]) -> list[ScoreBlock]:
     """Full blocks over the same query rows and adjacent key rows joined (then the same across query
     rows): fewer, larger kernel calls. Positions do not matter to a block without a mask."""
     for along_keys in (True, False):
-        def key(b: Block, along_keys: bool = along_keys) -> tuple:
+        def key(b: ScoreBlock, along_keys: bool = along_keys) -> tuple:
             return (b.kind != FULL, b.q_row, b.q_len, b.k_row) if along_keys else \
                 (b.kind != FULL, b.k_row, b.k_len, b.q_row)
-        out: list[Block] = []
+        out: list[ScoreBlock] = []
         for b in sorted(blocks, key=key):
             p = out[-1] if out else None
             if p is not None and p.kind == b.kind == FULL:
                 if along_keys and (p.q_row, p.q_len) == (b.q_row, b.q_len) and p.k_row + p.k_len == b.k_row:
-                    out[-1] = Block(p.q_row, p.k_row, p.q_len, p.k_len + b.k_len, p.q_pos, p.k_pos, FULL)
+                    out[-1] = ScoreBlock(p.q_row, p.k_row, p.q_len, p.k_len + b.k_len, p.q_pos, p.k_pos, FULL)
                     continue
                 if not along_keys and (p.k_row, p.k_len) == (b.k_row, b.k_len) and p.q_row + p.q_len == b.q_row:
-                    out[-1] = Block(p.q_row, p.k_row, p.q_len + b.q_len, p.k_len, p.q_pos, p.k_pos, FULL)
+                    out[-1] = ScoreBlock(p.q_row, p.k_row, p.q_len + b.q_len, p.k_len, p.q_pos, p.k_pos, FULL)
                     continue
             out.append(b)
         blocks = out
@@ -184,7 +184,7 @@ def _merge(blocks: list[Block]) -> list[Block]:
 
 
 def plan(q_segments: Segments, k_segments: Segments, window: int | None = None, doc_starts: DocStarts = (),
-         tile: int | None = None) -> tuple[Block, ...]:
+         tile: int | None = None) -> tuple[ScoreBlock, ...]:
     """The blocks that cover exactly the seen pairs of ``q_segments`` x ``k_segments``, in query-row
     order; masked blocks at most ``tile`` (default TILE) a side."""
     return _plan(q_segments, k_segments, window, doc_starts, TILE if tile is None else tile)
@@ -192,12 +192,12 @@ def plan(q_segments: Segments, k_segments: Segments, window: int | None = None, 
 
 @functools.lru_cache(maxsize=512)
 def _plan(q_segments: Segments, k_segments: Segments, window: int | None, doc_starts: DocStarts,
-          tile: int) -> tuple[Block, ...]:
+          tile: int) -> tuple[ScoreBlock, ...]:
     """(cached: every layer of a micro-batch asks for the same few)"""
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window}: must be at least 1")
     q_runs, k_runs = _runs(q_segments, doc_starts), _runs(k_segments, doc_starts)
-    blocks: list[Block] = []
+    blocks: list[ScoreBlock] = []
     for qd, q in q_runs:
         for kd, k in k_runs:
             if qd != kd or k.pos >= q.pos + q.length:
@@ -212,6 +212,6 @@ def doc_starts_of(doc_ids: Sequence[int]) -> DocStarts:
     return tuple(p for p in range(1, len(doc_ids)) if doc_ids[p] != doc_ids[p - 1])
 
 
-def plan_pairs(blocks: Sequence[Block]) -> int:
+def plan_pairs(blocks: Sequence[ScoreBlock]) -> int:
     """Query-key products a plan computes (the cost model's and the benchmark's count)."""
     return sum(b.pairs for b in blocks)
