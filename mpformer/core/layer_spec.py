@@ -131,6 +131,9 @@ def _heads(m: AttentionShape, tp: int) -> tuple[int, int]:
 def _self_part_sizes(m: AttentionShape, tp: int) -> list[list[int]]:
     (q, kv), h = _heads(m, tp), m.hidden_size
     qkv = [h * (q + 2 * kv)] + ([q + 2 * kv] if m.attention_bias else [])
+    qk_norm = getattr(m, "qk_norm", None)
+    if qk_norm is not None:  # the per-head gains are whole on every tp rank; the projection's split
+        qkv += [m.head_size] * 2 if qk_norm == "head" else [q, kv]
     return [qkv, [q * h] + ([h] if m.out_proj_bias else [])]  # o's bias is whole on every tp rank
 
 
@@ -162,6 +165,33 @@ def _dense_saved(m: MLPShape, tp: int) -> int:
     return (3 if m.gated_mlp else 2) * (m.ffn_size // tp)
 
 
+# ---- the MoE MLP (layers/moe.py): a router, E experts (gate|up, down), optional shared experts ----------
+def _moe_part_sizes(m: Any, tp: int) -> list[list[int]]:
+    h, f, e, fs = m.hidden_size, m.expert_ffn_size, m.num_experts, m.shared_expert_ffn_size
+    first = [e * h] + ([h * 2 * fs // tp] if fs else []) + [e * 2 * f * h, e * h * f]  # router, shared up, experts
+    last = ([fs // tp * h] if fs else []) + ([h] if m.shared_expert_gate else [])
+    return [first] + ([last] if last else [])
+
+
+def _moe_projections(m: Any, tp: int) -> list[Projection]:
+    h, f, k, fs = m.hidden_size, m.expert_ffn_size, m.num_experts_per_tok, m.shared_expert_ffn_size
+    out = [Projection("router", h, m.num_experts), Projection("experts_up", h, k * 2 * f),
+           Projection("experts_down", k * f, h)]
+    if fs:
+        out += [Projection("shared_up", h, 2 * fs // tp), Projection("shared_down", fs // tp, h)]
+    return out
+
+
+def _moe_saved(m: Any, tp: int) -> int:
+    # per token: its k dispatched rows (h each) and 3 f per expert as the dense MLP, the router's fp32
+    # probabilities (2 elements each at 16 bits: counted as such) and the combine's k slots
+    k, f, h = m.num_experts_per_tok, m.expert_ffn_size, m.hidden_size
+    shared = 3 * (m.shared_expert_ffn_size // tp)
+    return k * (2 * h + 3 * f) + 2 * m.num_experts + shared
+
+
+MOE_MLP = MLPKind("moe", "mpformer.layers.moe:MoE", _moe_part_sizes, _moe_projections, _moe_saved,
+                  out_projections=("experts.*.down", "shared.down"))
 DENSE_MLP = MLPKind("dense", "mpformer.layers.mlp:MLP", _dense_part_sizes, _dense_projections, _dense_saved,
                     tp_plan=(("up", "column"), ("down", "row")), out_projections=("down",))
 SELF_ATTENTION = AttentionKind("self", "mpformer.layers.attention:Attention", _self_part_sizes, _self_projections,
@@ -213,5 +243,6 @@ def linear_kind(name: str) -> LinearKind:
 
 
 register_mlp(DENSE_MLP)
+register_mlp(MOE_MLP)
 register_attention(SELF_ATTENTION)
 register_linear(DEFAULT_LINEAR)

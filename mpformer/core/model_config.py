@@ -1,4 +1,5 @@
-"""ModelConfig: one decoder-only family covering GPT-2, Llama, Mistral and Qwen2.
+"""ModelConfig: one decoder-only family covering GPT-2, Llama, Mistral, Qwen2/3 and the MoE families
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; DeepSeek-V3's router).
 
 The architecture name fixes the structural choices that Hugging Face fixes per class (norm type,
 position encoding, which projections carry biases), so that every valid config can be exported to
@@ -8,14 +9,17 @@ eps, sliding window, optional biases) are fields here with the same meaning.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.layer_spec import ATTENTION_KINDS, MLP_KINDS, mlp_kind
+from mpformer.core.moe_config import MOE_ARCHS, QK_NORM_ARCHS, is_moe_layer, validate_moe
 
-ARCHS = ("gpt2", "llama", "mistral", "qwen2")
+ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+NO_BIAS_ARCHS = ("mistral", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+WINDOW_ARCHS = ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass
@@ -47,6 +51,26 @@ class ModelConfig:
     # What each block is made of (core/layer_spec.py registries): a new MLP or attention is a registered kind.
     mlp_kind: str = "dense"
     attention_kind: str = "self"
+    # ---- mixture of experts (core/moe_config.py; HF's names where HF has one) ----------------
+    num_experts: int = 0  # 0: a dense model; >0 with mlp_kind=moe on the sparse layers
+    num_experts_per_tok: int = 2
+    moe_ffn_hidden_size: int | None = None  # one expert's ffn width (HF moe_intermediate_size); None: ffn_size
+    shared_expert_ffn_size: int = 0  # shared experts' total ffn width (Qwen2-MoE, DeepSeek); 0: none
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert's output
+    norm_topk_prob: bool = True  # renormalise the chosen k weights to sum to 1
+    router_score: str = "softmax"  # softmax over experts then top-k | sigmoid (DeepSeek-V3)
+    router_bias: bool = False  # DeepSeek-V3's selection bias (e_score_correction_bias): picks, never weighs
+    router_groups: int = 1  # DeepSeek-V3 group-limited routing: experts in n_group groups ...
+    router_topk_groups: int = 1  # ... of which the best topk_group are eligible
+    routed_scaling_factor: float = 1.0
+    router_aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss, E * sum_i f_i P_i per layer
+    router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss, mean logsumexp(logits)^2
+    router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing: the bias's step (needs router_bias)
+    capacity_factor: float | None = None  # None: dropless; else each expert takes at most cf * T * k / E slots
+    decoder_sparse_step: int = 1  # Qwen-MoE: layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and it is not listed here ...
+    first_k_dense: int = 0  # ... and i >= first_k_dense (DeepSeek's first_k_dense_replace)
+    qk_norm: str | None = None  # RMSNorm on queries and keys before RoPE: "head" (Qwen3) | "projection" (OLMoE)
 
     # ---- derived structure -------------------------------------------------------------
     @property
@@ -82,6 +106,17 @@ class ModelConfig:
     def norm_bias(self) -> bool:
         return self.norm_type == "layernorm"
 
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def layer_mlp_kind(self, layer: int) -> str:
+        """The MLP kind of layer ``layer``: ``mlp_kind`` on the sparse layers, "dense" between them."""
+        return self.mlp_kind if is_moe_layer(self, layer) else "dense"
+
+    def layer_kinds(self) -> list[str]:
+        return [self.layer_mlp_kind(i) for i in range(self.num_layers)]
+
     # ---- checks and sizes ----------------------------------------------------------------
     def validate(self) -> ModelConfig:
         """Check the config on its own (layouts are checked by core.layout.validate)."""
@@ -113,6 +148,7 @@ class ModelConfig:
                 raise ConfigError(f"model.{key}={getattr(self, key)!r} is not a registered kind; valid: "
                                   f"{format_choices(sorted(table))}")
         self._validate_arch()
+        validate_moe(self)
         return self
 
     def check_sequence(self, seq_length: int, key: str = "train.seq_length") -> None:
@@ -147,6 +183,9 @@ class ModelConfig:
             if a == "qwen2" and (not self.attention_bias or self.mlp_bias):
                 raise ConfigError("arch=qwen2 has biases on q, k, v only: set model.attention_bias=true "
                                   "and model.mlp_bias=false")
+        if a in QK_NORM_ARCHS and self.qk_norm != QK_NORM_ARCHS[a]:
+            raise ConfigError(f"arch={a} normalises queries and keys per {QK_NORM_ARCHS[a]}: set "
+                              f"model.qk_norm={QK_NORM_ARCHS[a]}")
         if self.sliding_window is not None and a in ("gpt2", "llama"):
             raise ConfigError(f"model.sliding_window is not available for arch={a}; valid: mistral, qwen2")
 
@@ -159,13 +198,22 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.out_proj_bias:
             attn += h
-        mlp = mlp_kind(self.mlp_kind).params(self)
+        if self.qk_norm is not None:
+            attn += 2 * d if self.qk_norm == "head" else q + kv
         norm = (2 if self.norm_bias else 1) * h
-        layer = attn + mlp + 2 * norm
+        mlps = sum(mlp_kind(k).params(self) for k in self.layer_kinds())
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         if self.learned_positions:
             embed += self.max_position_embeddings * h
-        return self.num_layers * layer + embed + norm
+        return self.num_layers * (attn + 2 * norm) + mlps + embed + norm
+
+    def active_params(self) -> int:
+        """Parameters one token's forward reads (MoE: its k routed experts, not all of them)."""
+        if self.num_experts == 0:
+            return self.num_params()
+        sparse = sum(1 for k in self.layer_kinds() if k != "dense")
+        per_expert = (3 if self.gated_mlp else 2) * self.hidden_size * self.expert_ffn_size
+        return self.num_params() - sparse * (self.num_experts - self.num_experts_per_tok) * per_expert
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,7 +230,9 @@ class ModelConfig:
         """The fields that decide tensor shapes: two configs that agree here can share weights."""
         keys = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
                 "ffn_hidden_size", "vocab_size", "head_dim", "tie_embeddings", "attention_bias",
-                "mlp_bias", "activation", "mlp_kind", "attention_kind")
+                "mlp_bias", "activation", "mlp_kind", "attention_kind", "num_experts", "moe_ffn_hidden_size",
+                "shared_expert_ffn_size", "shared_expert_gate", "router_bias", "decoder_sparse_step",
+                "mlp_only_layers", "first_k_dense", "qk_norm")
         d = {k: getattr(self, k) for k in keys}
         d["num_kv_heads"], d["ffn_hidden_size"], d["head_dim"] = self.kv_heads, self.ffn_size, self.head_size
         if self.learned_positions:
@@ -198,7 +248,7 @@ def divisors(n: int) -> list[int]:
 def model_flops_per_step(model: ModelConfig, global_batch: int, seq: int) -> float:
     """Model FLOPs of one step (no recompute counted): 6 N T for the weights' GEMMs (embedding lookups
     excluded) plus attention's 12 L s d_q T (the full score matrix, as MFU conventions count it)."""
-    n = model.num_params() - (0 if model.tie_embeddings else model.vocab_size * model.hidden_size)
+    n = model.active_params() - (0 if model.tie_embeddings else model.vocab_size * model.hidden_size)
     if model.learned_positions:
         n -= model.max_position_embeddings * model.hidden_size
     tokens = global_batch * seq

@@ -28,9 +28,10 @@ from mpformer.core.model_config import ModelConfig
 from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.linear import WeightGradStore
+from mpformer.layers.norm import RMSNorm
 from mpformer.layers.parallel import fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike, kernel_device, recompute_contexts
-from mpformer.parallel.tensor_parallel import Part, TPContext
+from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -158,6 +159,17 @@ class Attention(nn.Module):
             parts = [Part("q", heads, d), Part("k", kv, d), Part("v", kv, d)]
             self.qkv = resolve(linear.column)(cfg.hidden_size, parts, tp, bias=cfg.attention_bias, **kw)
             self.o = resolve(linear.row)(heads, cfg.hidden_size, tp, bias=cfg.out_proj_bias, **kw)
+        # Query/key RMSNorms before RoPE: per head (Qwen3: [d] gains, any tp) or over the whole projection
+        # (OLMoE: [n*d] and [k*d] gains, whose statistics span every head: one device for now).
+        self.qk_norm = cfg.qk_norm
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm == "projection" and tp is not None:
+            raise NotImplementedError("model.qk_norm=projection (OLMoE) with tensor parallelism: its statistics "
+                                      "span the heads of every tp rank; use parallel.tp=1")
+        if cfg.qk_norm is not None:
+            q_dim, k_dim = (d, d) if cfg.qk_norm == "head" else (self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, device=device, dtype=dtype)
         self.dropout_p = cfg.attention_dropout
         self.sliding_window = cfg.sliding_window
         self.rope = not cfg.learned_positions
@@ -168,8 +180,13 @@ class Attention(nn.Module):
         qkv = self.qkv(x_sbh)  # under sequence parallelism the input is s/t long, qkv is all-gathered to s
         s, b = qkv.shape[:2]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q_bnsd = q.view(s, b, self.n_heads, self.d).permute(1, 2, 0, 3)
-        k_bksd = k.view(s, b, self.n_kv, self.d).permute(1, 2, 0, 3)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_sbnd, k_sbkd = q.view(s, b, self.n_heads, self.d), k.view(s, b, self.n_kv, self.d)
+        if self.qk_norm == "head":
+            q_sbnd, k_sbkd = self.q_norm(q_sbnd), self.k_norm(k_sbkd)
+        q_bnsd = q_sbnd.permute(1, 2, 0, 3)
+        k_bksd = k_sbkd.permute(1, 2, 0, 3)
         v_bksd = v.view(s, b, self.n_kv, self.d).permute(1, 2, 0, 3)
         if self.rope:
             assert seq.rope is not None
@@ -204,11 +221,21 @@ class Attention(nn.Module):
 
     def parts(self) -> list[tuple[str, list[nn.Module]]]:
         """Parameter-holding submodules in forward order, as ZeRO-3 gathers them (the block adds the norm)."""
-        return [("attn_in", [self.qkv]), ("attn_out", [self.o])]
+        first = [self.qkv] + ([self.q_norm, self.k_norm] if self.q_norm is not None else [])
+        return [("attn_in", first), ("attn_out", [self.o])]
+
+    def grad_specs(self) -> list[GradSpec]:
+        """Per-head q/k norm gains under tp: every rank's heads add to their gradients (partial sums)."""
+        if self.tp is None or self.q_norm is None:
+            return []
+        return [GradSpec(m.weight, None, self.tp.size, self.tp.comm) for m in (self.q_norm, self.k_norm)]
 
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         """q, k, v and o under ``prefix`` as separate tensors (row slices of the fused qkv: views)."""
         names = {n: f"{prefix}.{n}" for n in ("q", "k", "v")}
         out = fused_shards(self.qkv, names, (self.q_size, self.kv_size, self.kv_size))
         out.update(param_shards(f"{prefix}.o", self.o))
+        if self.q_norm is not None:
+            out.update(param_shards(f"{prefix}.q_norm", self.q_norm))
+            out.update(param_shards(f"{prefix}.k_norm", self.k_norm))
         return out

@@ -26,6 +26,7 @@ non-parameter buffers and fills every block. The gradient engine fills its flat 
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import math
 from collections.abc import Sequence
@@ -65,13 +66,16 @@ class ModelInit:
         if name.endswith(".bias") or "norm" in name:
             return None
         std = self.cfg.init_std
-        return std / math.sqrt(2.0 * self.cfg.num_layers) if name.endswith(self._out_projections) else std
+        out = any(fnmatch.fnmatchcase(name, p) for p in self._out_projections)
+        return std / math.sqrt(2.0 * self.cfg.num_layers) if out else std
 
     @property
     def _out_projections(self) -> tuple[str, ...]:
-        """The weights fed back into the residual stream, as the block's kinds name them (dense: attn.o, mlp.down)."""
-        kinds = (("attn", attention_kind(self.cfg.attention_kind)), ("mlp", mlp_kind(self.cfg.mlp_kind)))
-        return tuple(f"{prefix}.{p}.weight" for prefix, kind in kinds for p in kind.out_projections)
+        """Patterns of the weights fed back into the residual stream, as the block's kinds name them
+        (dense: attn.o, mlp.down; experts: mlp.experts.*.down)."""
+        kinds = [("attn", attention_kind(self.cfg.attention_kind))]
+        kinds += [("mlp", mlp_kind(k)) for k in sorted(set(self.cfg.layer_kinds()))]
+        return tuple(f"*.{prefix}.{p}.weight" for prefix, kind in kinds for p in kind.out_projections)
 
     @torch.no_grad()
     def fill(self, out: torch.Tensor, name: str, global_shape: Sequence[int], offsets: Sequence[int]) -> None:

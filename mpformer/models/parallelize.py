@@ -48,7 +48,9 @@ def tp_plan(cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS) -> list[t
     linear = linear_kind(options.linear_kind)
     splits = {"column": resolve(linear.column), "row": resolve(linear.row), "heads": "heads"}
     rows: list[tuple[str, type | str]] = [("embed", VocabParallelEmbedding)]
-    for prefix, kind in (("attn", attention_kind(cfg.attention_kind)), ("mlp", mlp_kind(cfg.mlp_kind))):
+    kinds = [("attn", attention_kind(cfg.attention_kind))]
+    kinds += [("mlp", mlp_kind(k)) for k in sorted(set(cfg.layer_kinds()))]
+    for prefix, kind in kinds:
         rows += [(f"layers.*.{prefix}" + (f".{sub}" if sub else ""), splits[split]) for sub, split in kind.tp_plan]
     return [*rows, ("lm_head", VocabParallelHead)]
 

@@ -60,14 +60,16 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, use_apex: bool, tp: TPContext | None = None, cp: CPContext | None = None,
                  store: WeightGradStore | None = None, linear: LinearKind = DEFAULT_LINEAR, device: DeviceLike = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, layer: int = 0):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
         attention = resolve(attention_kind(cfg.attention_kind).module)
         self.attn = attention(cfg, tp=tp, cp=cp, store=store, linear=linear, **kw)
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.mlp = resolve(mlp_kind(cfg.mlp_kind).module)(cfg, tp=tp, store=store, linear=linear, **kw)
+        self.mlp = resolve(mlp_kind(cfg.layer_mlp_kind(layer)).module)(cfg, tp=tp, store=store, linear=linear, **kw)
+        if hasattr(self.mlp, "layer"):  # an MLP that reports per layer (experts' load) learns its index
+            self.mlp.layer = layer
         self.dropout = Dropout(cfg.hidden_dropout)
         self.tp = tp
 
@@ -141,8 +143,9 @@ class Transformer(nn.Module):
         self.rotary = None if cfg.learned_positions else RotaryEmbedding(cfg, device=device)
         self.embed_dropout = Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(
-            Block(cfg, use_apex=use_apex, tp=tp, cp=cp, store=store, linear=linear_kind(options.linear_kind), **kw)
-            for _ in self.layer_ids)
+            Block(cfg, use_apex=use_apex, tp=tp, cp=cp, store=store, linear=linear_kind(options.linear_kind),
+                  layer=i, **kw)
+            for i in self.layer_ids)
         self.final_norm = (build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
                            if head else None)
         self.lm_head = None

@@ -1,0 +1,271 @@
+"""Mixture of experts: a router choosing k of E experts per token, the experts, and shared experts.
+
+Shape legend: s sequence, b micro-batch, h hidden, T = s*b tokens (s-major: token t = s_i*b + b_i),
+k experts per token, E experts, E_l this rank's experts, f one expert's ffn width, M routed rows.
+
+    x_th --router--> weights_tk, experts_tk          (core/moe_config.py: softmax or sigmoid routing)
+    x_th --dispatch--> x_mh (grouped by local expert, counts)   (layers/moe_dispatch.py)
+    x_mh --experts--> y_mh                            one grouped GEMM per projection (layers/expert_gemm.py)
+    y_mh --combine--> slots [T*k, h] --sum_j weights_tj * slot_tj--> y_th   (+ shared experts)
+
+Router training (``RouterLoss``): the load-balancing loss E * sum_i f_i * P_i (Switch/GShard; f_i the
+share of the k*T choices that went to expert i, P_i the mean router probability of expert i) and the
+router z-loss (ST-MoE: mean logsumexp(logits)^2) are taken *per sequence* and averaged over sequences,
+as the cross entropy is: the same value whatever the micro-batching, dp, pp; counts over a sequence
+split by cp or sequence parallelism are summed over those ranks first. The losses reach backward without
+passing through the pipeline's loss: ``AddAuxGrad`` returns the layer's output unchanged and, in backward,
+gives the loss's gradient (its coefficient times the step's loss scale over the micro-batches: the same
+factor the cross entropy's gradient carries) to the router (Megatron's MoEAuxLossAutoScaler). DeepSeek-V3's
+auxiliary-loss-free balancing moves a per-expert selection bias by the step's observed load (``update_bias``)
+outside the gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpformer.core.layer_spec import DEFAULT_LINEAR, LinearKind
+from mpformer.core.model_config import ModelConfig
+from mpformer.core.shards import Shard
+from mpformer.layers.expert_gemm import choose_method, expert_mlp
+from mpformer.layers.linear import WeightGradStore
+from mpformer.layers.mlp import MLP
+from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher
+from mpformer.layers.parallel import param_shards
+from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.tensor_parallel import TPContext
+
+
+class AddAuxGrad(torch.autograd.Function):
+    """Identity on ``y``; in backward, ``aux`` (a scalar loss computed from the router) gets gradient
+    ``scale``, as if ``scale * aux`` had been added to the loss being differentiated."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_shape, ctx.aux_dtype = scale, aux.shape, aux.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=g.device), None
+
+
+@dataclasses.dataclass
+class RouterStats:
+    """What one MoE layer saw over the micro-batches since the last ``take`` (on the device, no sync):
+    tokens routed per expert, slots dropped by the capacity limit, and the summed per-micro-batch aux
+    and z losses (unscaled by their coefficients)."""
+
+    load: torch.Tensor  # [E] fp32
+    dropped: torch.Tensor  # [] fp32
+    aux: torch.Tensor  # [] fp32
+    z: torch.Tensor  # [] fp32
+    micro_batches: int = 0
+
+
+class Router(nn.Module):
+    """Scores ``[T, E]`` from one ``[E, h]`` weight (replicated: every tp rank routes alike), the top k,
+    and their weights. ``bias``: DeepSeek-V3's selection bias, a buffer moved outside the gradient
+    (``update_bias``), fp32."""
+
+    def __init__(self, cfg: ModelConfig, device: DeviceLike = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        e = cfg.num_experts
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, device=device, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(e, device=device) if cfg.router_bias else None)
+        self.k, self.e, self.score, self.norm = cfg.num_experts_per_tok, e, cfg.router_score, cfg.norm_topk_prob
+        self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
+        self.scaling = cfg.routed_scaling_factor
+
+    def reset_buffers(self, device: DeviceLike) -> None:
+        if self.bias is not None:
+            self.bias = torch.zeros(self.e, device=device)
+
+    def forward(self, x_th: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights_tk fp32, experts_tk int64, probs_te fp32 (for the balancing loss), logits_te)."""
+        logits = F.linear(x_th, self.weight)
+        if self.score == "softmax":
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights, experts = torch.topk(probs, self.k, dim=-1)
+            if self.norm:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, experts, probs, logits
+        probs = torch.sigmoid(logits.float())
+        choice = probs if self.bias is None else probs + self.bias
+        if self.groups > 1:  # keep the experts of the best groups (by their two best scores), as DeepSeek-V3
+            t = choice.shape[0]
+            grouped = choice.view(t, self.groups, -1)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.e // self.groups, dim=1), 0.0)
+        experts = torch.topk(choice, self.k, dim=-1).indices
+        weights = probs.gather(1, experts)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts, probs, logits
+
+
+class Experts(nn.Module):
+    """E_l SwiGLU experts in two flat parameters, so a grouped GEMM reads them as ``[E_l, 2f, h]`` and
+    ``[E_l, h, f]`` views: ``up`` holds each expert's gate rows then its up rows (``[E_l*2f, h]``),
+    ``down`` each expert's ``[h, f]`` (``[E_l*h, f]``). Whole rows per expert: checkpoints and the
+    ZeRO state map see per-expert canonical tensors (``experts.{e}.gate|up|down.weight``, HF's)."""
+
+    def __init__(self, cfg: ModelConfig, local: range, device: DeviceLike = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.local, self.h, self.f = local, cfg.hidden_size, cfg.expert_ffn_size
+        n = len(local)
+        self.up = nn.Parameter(torch.empty(n * 2 * self.f, self.h, device=device, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(n * self.h, self.f, device=device, dtype=dtype))
+
+    def forward(self, x_mh: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        n = len(self.local)
+        method = choose_method(x_mh.device.type, x_mh.dtype, self.h, self.f)
+        return expert_mlp(x_mh, counts, self.up.view(n, 2 * self.f, self.h), self.down.view(n, self.h, self.f),
+                          method=method)
+
+    def canonical_shards(self, prefix: str) -> dict[str, Shard]:
+        out = {}
+        f, h = self.f, self.h
+        for i, e in enumerate(self.local):
+            up = self.up[i * 2 * f:(i + 1) * 2 * f]
+            out[f"{prefix}.{e}.gate.weight"] = Shard.full(up[:f])
+            out[f"{prefix}.{e}.up.weight"] = Shard.full(up[f:])
+            out[f"{prefix}.{e}.down.weight"] = Shard.full(self.down[i * h:(i + 1) * h])
+        return out
+
+
+class MoE(nn.Module):
+    """A sparse layer's MLP: routed experts (and shared experts, Qwen2-MoE's optionally gated)."""
+
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, store: WeightGradStore | None = None,
+                 linear: LinearKind = DEFAULT_LINEAR, device: DeviceLike = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if tp is not None:
+            raise NotImplementedError("tensor parallelism for expert layers lands with parallel.etp (issue 34 part 4)")
+        kw = {"device": device, "dtype": dtype}
+        self.router = Router(cfg, **kw)
+        self.experts = Experts(cfg, range(cfg.num_experts), **kw)
+        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts)
+        self.shared = None
+        if cfg.shared_expert_ffn_size:
+            self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=cfg.shared_expert_ffn_size), tp=tp,
+                              store=store, linear=linear, **kw)
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False, **kw) if cfg.shared_expert_gate else None
+        self.k, self.e = cfg.num_experts_per_tok, cfg.num_experts
+        self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
+        self.capacity_factor = cfg.capacity_factor
+        self.layer = -1  # the block's global layer index (Block sets it): metrics' names
+        self.loss_scale = 1.0  # the step's factor on every micro-batch loss (set_loss_scale)
+        self.stats: RouterStats | None = None
+
+    def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        s, b, h = x_sbh.shape
+        x_th = x_sbh.reshape(s * b, h)
+        weights_tk, experts_tk, probs_te, logits_te = self.router(x_th)
+        self._observe(experts_tk, probs_te, logits_te, s, b)
+        x_mh, counts = self.dispatcher.dispatch(x_th, experts_tk)
+        slots = self.dispatcher.combine(self.experts(x_mh, counts)).view(s * b, self.k, h)
+        y_th = (slots.float() * weights_tk.unsqueeze(-1)).sum(1).to(x_sbh.dtype)
+        if self.shared is not None:
+            shared = self.shared(x_th)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x_th)) * shared
+            y_th = y_th + shared
+        y_sbh = y_th.view(s, b, h)
+        aux = self._aux_loss(experts_tk, probs_te, logits_te, s, b)
+        if aux is not None and self.training and torch.is_grad_enabled():
+            y_sbh = AddAuxGrad.apply(y_sbh, aux, self.loss_scale)
+        return y_sbh
+
+    def _aux_loss(self, experts_tk: torch.Tensor, probs_te: torch.Tensor, logits_te: torch.Tensor,
+                  s: int, b: int) -> torch.Tensor | None:
+        """The micro-batch's coefficient-weighted router losses (per sequence, averaged over its b
+        sequences), or None without coefficients."""
+        if not (self.aux_coef or self.z_coef):
+            return None
+        out = torch.zeros((), device=probs_te.device)
+        if self.aux_coef:
+            out = out + self.aux_coef * balance_loss(experts_tk, probs_te, s, b, self.e)
+        if self.z_coef:
+            out = out + self.z_coef * z_loss(logits_te, s, b)
+        return out
+
+    @torch.no_grad()
+    def _observe(self, experts_tk: torch.Tensor, probs_te: torch.Tensor, logits_te: torch.Tensor,
+                 s: int, b: int) -> None:
+        """Accumulate the step's statistics (load per expert; the unweighted losses) on the device."""
+        if not self.training:
+            return
+        load = torch.bincount(experts_tk.reshape(-1), minlength=self.e).float()
+        if self.stats is None:
+            z = torch.zeros((), device=load.device)
+            self.stats = RouterStats(torch.zeros_like(load), z.clone(), z.clone(), z.clone())
+        st = self.stats
+        st.load += load
+        st.aux += balance_loss(experts_tk, probs_te, s, b, self.e)
+        st.z += z_loss(logits_te, s, b)
+        st.micro_batches += 1
+
+    def take_stats(self) -> RouterStats | None:
+        out, self.stats = self.stats, None
+        return out
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): each expert's selection bias moves by ``rate``
+        toward the mean load (up when under-loaded), from the step's global ``load``."""
+        if self.router.bias is not None and rate:
+            self.router.bias += rate * torch.sign(load.mean() - load)
+
+    def parts(self) -> list[tuple[str, list[nn.Module]]]:
+        first: list[nn.Module] = [self.router, self.experts]
+        if self.shared is not None:
+            first = [self.router, self.shared.up, self.experts]
+        last: list[nn.Module] = [] if self.shared is None else [self.shared.down]
+        if self.shared_gate is not None:
+            last.append(self.shared_gate)
+        return [("mlp_in", first)] + ([("mlp_out", last)] if last else [])
+
+    def canonical_shards(self, prefix: str) -> dict[str, Shard]:
+        out = {f"{prefix}.router.weight": Shard.full(self.router.weight)}
+        if self.router.bias is not None:
+            out[f"{prefix}.router.bias"] = Shard.full(self.router.bias)
+        out.update(self.experts.canonical_shards(f"{prefix}.experts"))
+        if self.shared is not None:
+            out.update(self.shared.canonical_shards(f"{prefix}.shared"))
+        if self.shared_gate is not None:
+            out.update(param_shards(f"{prefix}.shared_gate", self.shared_gate))
+        return out
+
+
+def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: int, e: int) -> torch.Tensor:
+    """Mean over the b sequences of E * sum_i f_i P_i, each over its sequence's s tokens: f_i the share
+    of its k*s choices on expert i (no gradient), P_i its mean probability for expert i."""
+    k = experts_tk.shape[1]
+    choices = F.one_hot(experts_tk.view(s, b, k), e).sum(2).float()  # [s, b, E]
+    f = choices.sum(0) / (s * k)  # [b, E]
+    p = probs_te.view(s, b, e).mean(0)
+    return e * (f * p).sum(-1).mean()
+
+
+def z_loss(logits_te: torch.Tensor, s: int, b: int) -> torch.Tensor:
+    """Mean over tokens of logsumexp(logits)^2 (ST-MoE), in fp32."""
+    return torch.logsumexp(logits_te.float(), dim=-1).square().mean()
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_loss_scale(model: nn.Module, scale: float) -> None:
+    """The factor the step puts on each micro-batch's loss (loss scale / micro-batches): the router
+    losses' gradients carry it too."""
+    for m in moe_layers(model):
+        m.loss_scale = scale
