@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mpformer.context_parallel.blockwise import doc_starts
 from mpformer.context_parallel.context import document_ids
@@ -33,6 +34,7 @@ from mpformer.optim.loss_scale import LossScaler
 from mpformer.optim.lr import LRSchedule
 from mpformer.optim.reduction import Reduction, TiedCopy, ViewGroup
 from mpformer.optim.units import Zero3Settings
+from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import Device
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.kernel_choice import KernelChoice, choose, install
@@ -45,6 +47,7 @@ from mpformer.training.overlap import OverlappedSteps, StepCheck, check_comm
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
 from mpformer.training.reporting import check_vocab
+from mpformer.training.router_report import RouterReport
 from mpformer.training.run_checkpoint import RunCheckpoint
 from mpformer.training.step import Precision, Rollback, Stepper
 
@@ -132,6 +135,16 @@ def build_engine_for(spec: RunSpec, groups: ProcessGroups, rank: RankModel, prec
                         zero3=Zero3Settings(t.zero3_unit_numel, t.zero3_prefetch_numel, t.zero3_reduce_numel))
 
 
+def router_report(spec: RunSpec, groups: ProcessGroups, rank: RankModel) -> RouterReport | None:
+    """The routers' per-step work for an MoE model (training/router_report.py), None for a dense one."""
+    m = spec.cfg.model
+    if m.num_experts == 0:
+        return None
+    counts = rank.tp.comm.rank == 0 or spec.layout.sequence_parallel  # tp ranks without SP saw the same tokens
+    world = Comm(dist.group.WORLD if dist.is_initialized() else None, groups.ledger, tag="moe.")
+    return RouterReport(rank.model, m.num_layers, m.num_experts, m.router_bias_update_rate, world, counts)
+
+
 def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
     """This rank's parts of the run ``spec`` describes, in the module docstring's order (collective:
     every rank calls it)."""
@@ -177,7 +190,8 @@ def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
                           decay_steps=o.decay_steps if o.decay_steps is not None else t.steps, decay=o.decay)
     preemption = Preemption()
     stepper = Stepper(rank.model, engine, pipeline, precision, loader, progress, check, schedule, preemption,
-                      Rollback(checkpoint, engine, progress, metrics.message), t, o, micro_steps)
+                      Rollback(checkpoint, engine, progress, metrics.message), t, o, micro_steps,
+                      router_report(spec, groups, rank))
     overlap = (OverlappedSteps(stepper, engine, rng, progress, t.global_batch_size) if t.overlap_validation
                else None)
     return RunParts(spec, groups, precision, kernels, rank, engine, pipeline, progress, checkpoint, metrics,

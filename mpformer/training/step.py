@@ -34,6 +34,7 @@ from mpformer.pipeline.engine import PipelineEngine
 from mpformer.training.guard import MAX_ROLLBACKS, SPIKE_WINDOW, Preemption, bad_step, finite, halt_message
 from mpformer.training.overlap import Check, StepCheck
 from mpformer.training.progress import Progress
+from mpformer.training.router_report import RouterReport
 from mpformer.training.run_checkpoint import RunCheckpoint
 
 
@@ -86,11 +87,12 @@ class Stepper:
     def __init__(self, model: nn.Module, engine: GradEngine, pipeline: PipelineEngine | None, precision: Precision,
                  loader: StepLoader, progress: Progress, check: StepCheck, schedule: LRSchedule,
                  preemption: Preemption, rollback: Rollback, train: TrainConfig, optim: OptimConfig,
-                 micro_steps: int) -> None:
+                 micro_steps: int, router: RouterReport | None = None) -> None:
         self.model, self.engine, self.pipeline, self.precision = model, engine, pipeline, precision
         self.loader, self.progress, self.check, self.schedule = loader, progress, check, schedule
         self.preemption, self.rollback, self.train, self.optim = preemption, rollback, train, optim
         self.micro_steps = micro_steps
+        self.router = router  # an MoE model's routers (router_report.py)
         self.stop_agreed = False
 
     def micro_batches(self) -> list[tuple]:
@@ -110,6 +112,8 @@ class Stepper:
         summed loss of this rank's micro-batches, on the device (read once, in the step's check)."""
         scaler = self.precision.scaler
         scale = scaler.scale if scaler is not None else 1.0
+        if self.router is not None:  # the router losses' gradients carry each micro-batch loss's factor
+            self.router.set_loss_scale(self.model, scale / self.micro_steps)
         if self.pipeline is not None:
             with self.engine.no_sync():
                 return self.pipeline.run(batches, loss_scale=scale).sum()
@@ -129,6 +133,8 @@ class Stepper:
         self.engine.zero_grad()
         loss_sum = self.forward_backward(batches)
         self.engine.finish()
+        if self.router is not None:
+            self.router.gather()
         return loss_sum
 
     def apply_lr(self) -> float:
@@ -193,6 +199,8 @@ class Stepper:
             extra["skipped_steps"] = self.progress.skipped_steps
         if self.progress.rollbacks:
             extra["rollbacks"] = self.progress.rollbacks
+        if self.router is not None:
+            extra.update(self.router.metrics())
         clip = self.optim.clip_grad
         clipped = grad_norm * min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else grad_norm
         return {"loss": loss, "grad_norm": grad_norm, "grad_norm_clipped": clipped, "lr": lr,

@@ -1,0 +1,83 @@
+"""The routers' step: their losses' gradient factor, the global expert load, the selection bias, metrics.
+
+Each MoE layer accumulates on the device what its router saw over the step's micro-batches
+(layers/moe.py ``RouterStats``). After the step's forward and backward, ``RouterReport.gather`` sums
+every layer's statistics over the whole world in one all-reduce of an ``[L, E + 4]`` tensor (each rank
+writes the rows of its pipeline stage's layers; tp ranks that saw the same tokens count once), so the
+load is the global batch's, whatever the layout. With ``model.router_bias_update_rate`` the selection
+biases then move by that load (DeepSeek-V3's auxiliary-loss-free balancing) on every rank alike, before
+the next step routes. ``metrics`` turns the step's sums into metrics.jsonl entries (one host read):
+
+    moe/aux_loss, moe/z_loss      mean over sparse layers of the per-micro-batch losses (unweighted)
+    moe/load_max_mean             the most loaded expert's tokens over the mean, worst layer
+    moe/layer{i}/load_max_mean    the same per sparse layer
+    moe/dropped                   share of routed slots dropped by the capacity factor
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch import nn
+
+from mpformer.layers.moe import moe_layers, set_loss_scale
+from mpformer.parallel.comm import Comm
+
+
+class RouterReport:
+    """The MoE layers of this rank's model; ``world``: a communicator over every rank; ``counts``:
+    whether this rank's tokens count (False on tp ranks > 0 without sequence parallelism: their
+    tokens are rank 0's)."""
+
+    def __init__(self, model: nn.Module, num_layers: int, num_experts: int, rate: float, world: Comm,
+                 counts: bool) -> None:
+        self.layers = moe_layers(model)
+        self.shape = (num_layers, num_experts + 4)
+        self.rate, self.world, self.counts = rate, world, counts
+        self.pending: collections.deque[torch.Tensor] = collections.deque()
+
+    def set_loss_scale(self, model: nn.Module, scale: float) -> None:
+        set_loss_scale(model, scale)
+
+    def gather(self) -> None:
+        """After a step's backward: the step's statistics summed over the world (one all-reduce), the
+        selection biases moved by the global load, kept for ``metrics``."""
+        dev = self.layers[0].router.weight.device if self.layers else torch.device("cpu")
+        rows = torch.zeros(self.shape, device=dev)
+        e = self.shape[1] - 4
+        for m in self.layers:
+            st = m.take_stats()
+            if st is None or not self.counts:
+                continue
+            r = rows[m.layer]
+            r[:e] = st.load
+            r[e], r[e + 1], r[e + 2], r[e + 3] = st.aux, st.z, st.dropped, float(st.micro_batches)
+        self.world.all_reduce(rows)
+        for m in self.layers:
+            m.update_bias(rows[m.layer, :e], self.rate)
+        self.pending.append(rows)
+
+    def metrics(self) -> dict[str, float]:
+        """The oldest gathered step's entries (one host read)."""
+        if not self.pending:
+            return {}
+        rows = self.pending.popleft().cpu()
+        e = self.shape[1] - 4
+        sparse = [i for i in range(rows.shape[0]) if rows[i, e + 3] > 0]
+        if not sparse:
+            return {}
+        out: dict[str, float] = {}
+        ratios = []
+        for i in sparse:
+            load = rows[i, :e]
+            ratio = float(load.max() / load.mean()) if load.sum() > 0 else 0.0
+            ratios.append(ratio)
+            out[f"moe/layer{i}/load_max_mean"] = ratio
+        n = rows[sparse, e + 3]
+        out["moe/aux_loss"] = float((rows[sparse, e] / n).mean())
+        out["moe/z_loss"] = float((rows[sparse, e + 1] / n).mean())
+        routed = rows[sparse, :e].sum() + rows[sparse, e + 2].sum()
+        out["moe/dropped"] = float(rows[sparse, e + 2].sum() / routed) if routed > 0 else 0.0
+        out["moe/load_max_mean"] = max(ratios)
+        return out
