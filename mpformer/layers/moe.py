@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.context_parallel.context import CPContext
 from mpformer.core.layer_spec import DEFAULT_LINEAR, LinearKind
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.shards import Shard
@@ -36,6 +37,7 @@ from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.mlp import MLP
 from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher
 from mpformer.layers.parallel import param_shards
+from mpformer.parallel.comm import Comm, reduce_from_region
 from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.tensor_parallel import TPContext
 
@@ -161,9 +163,15 @@ class MoE(nn.Module):
         self.k, self.e = cfg.num_experts_per_tok, cfg.num_experts
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
         self.capacity_factor = cfg.capacity_factor
-        self.layer = -1  # the block's global layer index (Block sets it): metrics' names
+        self.layer = -1  # the block's global layer index (``place``): the metrics' rows
+        self.seq_comm: Comm | None = None  # the ranks holding other parts of the same sequences (cp)
         self.loss_scale = 1.0  # the step's factor on every micro-batch loss (set_loss_scale)
         self.stats: RouterStats | None = None
+
+    def place(self, layer: int, cp: CPContext | None) -> None:
+        """Where the block sits: its global layer index, and the cp ranks that hold the rest of its
+        sequences (the router losses are per whole sequence)."""
+        self.layer, self.seq_comm = layer, (cp.comm if cp is not None else None)
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
         s, b, h = x_sbh.shape
@@ -192,9 +200,9 @@ class MoE(nn.Module):
             return None
         out = torch.zeros((), device=probs_te.device)
         if self.aux_coef:
-            out = out + self.aux_coef * balance_loss(experts_tk, probs_te, s, b, self.e)
+            out = out + self.aux_coef * balance_loss(experts_tk, probs_te, s, b, self.e, self.seq_comm)
         if self.z_coef:
-            out = out + self.z_coef * z_loss(logits_te, s, b)
+            out = out + self.z_coef * z_loss(logits_te, self.seq_comm)
         return out
 
     @torch.no_grad()
@@ -209,8 +217,8 @@ class MoE(nn.Module):
             self.stats = RouterStats(torch.zeros_like(load), z.clone(), z.clone(), z.clone())
         st = self.stats
         st.load += load
-        st.aux += balance_loss(experts_tk, probs_te, s, b, self.e)
-        st.z += z_loss(logits_te, s, b)
+        st.aux += balance_loss(experts_tk, probs_te, s, b, self.e, self.seq_comm)
+        st.z += z_loss(logits_te, self.seq_comm)
         st.micro_batches += 1
 
     def take_stats(self) -> RouterStats | None:
@@ -245,19 +253,37 @@ class MoE(nn.Module):
         return out
 
 
-def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: int, e: int) -> torch.Tensor:
-    """Mean over the b sequences of E * sum_i f_i P_i, each over its sequence's s tokens: f_i the share
-    of its k*s choices on expert i (no gradient), P_i its mean probability for expert i."""
+def _seq_sum(t: torch.Tensor, comm: Comm | None) -> torch.Tensor:
+    """Sum over the ranks holding parts of the same sequences. Backward passes the gradient through
+    unchanged: every such rank computes the same loss from the sum and gives it the same gradient,
+    so each local term gets it exactly once (Megatron's reduce-from-region)."""
+    return t if comm is None or comm.size == 1 else reduce_from_region(t, comm)
+
+
+def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: int, e: int,
+                 comm: Comm | None = None) -> torch.Tensor:
+    """Mean over the b sequences of E * sum_i f_i P_i, each over its whole sequence (``comm``: the cp
+    ranks holding its other positions; s is this rank's count): f_i the share of its k*S choices on
+    expert i (no gradient), P_i its mean probability for expert i."""
     k = experts_tk.shape[1]
-    choices = F.one_hot(experts_tk.view(s, b, k), e).sum(2).float()  # [s, b, E]
-    f = choices.sum(0) / (s * k)  # [b, E]
-    p = probs_te.view(s, b, e).mean(0)
+    with torch.no_grad():
+        choices = torch.zeros(b, e, device=probs_te.device)
+        per_seq = experts_tk.view(s, b, k).permute(1, 0, 2).reshape(b, s * k)
+        choices.scatter_add_(1, per_seq, torch.ones(b, s * k, device=probs_te.device))
+        n = torch.tensor(float(s), device=probs_te.device)
+        if comm is not None and comm.size > 1:
+            comm.all_reduce(choices)
+            n = n * comm.size
+    f = choices / (n * k)  # [b, E]
+    p = _seq_sum(probs_te.view(s, b, e).sum(0), comm) / n
     return e * (f * p).sum(-1).mean()
 
 
-def z_loss(logits_te: torch.Tensor, s: int, b: int) -> torch.Tensor:
-    """Mean over tokens of logsumexp(logits)^2 (ST-MoE), in fp32."""
-    return torch.logsumexp(logits_te.float(), dim=-1).square().mean()
+def z_loss(logits_te: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
+    """Mean over the micro-batch's tokens (every cp rank's) of logsumexp(logits)^2 (ST-MoE), in fp32."""
+    z = torch.logsumexp(logits_te.float(), dim=-1).square()
+    count = z.numel() * (comm.size if comm is not None else 1)
+    return _seq_sum(z.sum(), comm) / count
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -68,8 +68,9 @@ class Block(nn.Module):
         self.attn = attention(cfg, tp=tp, cp=cp, store=store, linear=linear, **kw)
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
         self.mlp = resolve(mlp_kind(cfg.layer_mlp_kind(layer)).module)(cfg, tp=tp, store=store, linear=linear, **kw)
-        if hasattr(self.mlp, "layer"):  # an MLP that reports per layer (experts' load) learns its index
-            self.mlp.layer = layer
+        place = getattr(self.mlp, "place", None)
+        if place is not None:  # an MLP that reports per layer (experts' load) learns where it sits
+            place(layer, cp if cp is not None and cp.size > 1 else None)
         self.dropout = Dropout(cfg.hidden_dropout)
         self.tp = tp
 

@@ -24,7 +24,8 @@ FAMILIES = {
     "qwen3_moe": dict(arch="qwen3_moe", qk_norm="head", decoder_sparse_step=2),
     "olmoe": dict(arch="olmoe", qk_norm="projection", norm_topk_prob=False),
     "deepseek_router": dict(arch="mixtral", router_score="sigmoid", router_bias=True, router_groups=4,
-                            router_topk_groups=2, routed_scaling_factor=2.5, first_k_dense=1, shared_expert_ffn_size=16),
+                            router_topk_groups=2, routed_scaling_factor=2.5, first_k_dense=1,
+                            shared_expert_ffn_size=16),
 }
 
 
@@ -62,7 +63,7 @@ def _router(name: str, **kw) -> tuple[Router, ModelConfig]:
 def test_softmax_router_is_its_definition(norm):
     r, cfg = _router("mixtral", norm_topk_prob=norm)
     x = torch.randn(20, cfg.hidden_size)
-    w, e, probs, logits = r(x)
+    w, e, probs, _ = r(x)
     p = torch.softmax(x @ r.weight.t(), -1)
     top = p.topk(2, -1)
     assert torch.equal(e, top.indices)
@@ -76,7 +77,7 @@ def test_sigmoid_router_bias_picks_and_never_weighs():
     x = torch.randn(30, cfg.hidden_size)
     r.bias = torch.zeros(cfg.num_experts)
     r.bias[5] = 100.0  # expert 5 is chosen by every token, weighted by its own score only
-    w, e, probs, _ = r(x)
+    w, e, _, _ = r(x)
     assert (e == 5).any(-1).all()
     s = torch.sigmoid(x @ r.weight.t())
     chosen = s.gather(1, e)
@@ -138,6 +139,8 @@ def test_stats_and_bias_update():
 def test_expert_canonical_tensors_are_views_per_expert():
     cfg = cfg_of("mixtral")
     layer = MoE(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
     sh = layer.canonical_shards("p")
     f, h = cfg.expert_ffn_size, cfg.hidden_size
     for e in range(cfg.num_experts):
