@@ -83,7 +83,8 @@ class SublayerKind:
     engine buckets them and ZeRO-3 makes units); ``projections(cfg, tp)`` its forward GEMMs per
     token; ``saved(cfg, tp)`` the elements per token its backward keeps (at the activation dtype);
     ``tp_plan`` each tensor-parallel submodule's split (models/parallelize.py); ``out_projections``
-    the weights that get the depth-scaled initialisation (models/init.py)."""
+    the weights that get the depth-scaled initialisation (models/init.py); ``needs`` the further
+    contexts (by keyword) the module is built with beyond tp (e.g. "ep": parallel/expert_parallel.py)."""
 
     name: str
     module: type | str
@@ -92,6 +93,7 @@ class SublayerKind:
     saved: Callable[[Any, int], int]
     tp_plan: tuple[tuple[str, str], ...] = ()
     out_projections: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()  # further contexts its module takes by keyword (experts: "ep")
 
     def param_sizes(self, cfg: Any, tp: int = 1) -> list[int]:
         return [n for part in self.part_sizes(cfg, tp) for n in part]
@@ -191,7 +193,7 @@ def _moe_saved(m: Any, tp: int) -> int:
 
 
 MOE_MLP = MLPKind("moe", "mpformer.layers.moe:MoE", _moe_part_sizes, _moe_projections, _moe_saved,
-                  out_projections=("experts.*.down", "shared.down"))
+                  out_projections=("experts.*.down", "shared.down"), needs=("ep",))
 DENSE_MLP = MLPKind("dense", "mpformer.layers.mlp:MLP", _dense_part_sizes, _dense_projections, _dense_saved,
                     tp_plan=(("up", "column"), ("down", "row")), out_projections=("down",))
 SELF_ATTENTION = AttentionKind("self", "mpformer.layers.attention:Attention", _self_part_sizes, _self_projections,

@@ -23,6 +23,7 @@ outside the gradient.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +36,11 @@ from mpformer.core.shards import Shard
 from mpformer.layers.expert_gemm import choose_method, expert_mlp
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.mlp import MLP
-from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher
+from mpformer.layers.moe_dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalDispatcher, TokenDispatcher
 from mpformer.layers.parallel import param_shards
 from mpformer.parallel.comm import Comm, reduce_from_region
 from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.expert_parallel import EPContext
 from mpformer.parallel.tensor_parallel import TPContext
 
 
@@ -147,14 +149,18 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, store: WeightGradStore | None = None,
                  linear: LinearKind = DEFAULT_LINEAR, device: DeviceLike = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, ep: EPContext | None = None) -> None:
+        """``ep``: this rank holds ``ep.local_experts`` and exchanges tokens over ``ep.comm``."""
         super().__init__()
         if tp is not None:
             raise NotImplementedError("tensor parallelism for expert layers lands with parallel.etp (issue 34 part 4)")
         kw = {"device": device, "dtype": dtype}
         self.router = Router(cfg, **kw)
-        self.experts = Experts(cfg, range(cfg.num_experts), **kw)
-        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts)
+        ep = ep if ep is not None and ep.size > 1 else None
+        self.experts = Experts(cfg, ep.local_experts(cfg.num_experts) if ep else range(cfg.num_experts), **kw)
+        self.dispatcher = dispatcher(cfg.num_experts, ep)
+        if ep is not None:  # each expert's gradient: summed over its ep group's tokens, then over its replicas
+            self.experts.grad_view = "expert_data"
         self.shared = None
         if cfg.shared_expert_ffn_size:
             self.shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=cfg.shared_expert_ffn_size), tp=tp,
@@ -177,8 +183,9 @@ class MoE(nn.Module):
         s, b, h = x_sbh.shape
         x_th = x_sbh.reshape(s * b, h)
         weights_tk, experts_tk, probs_te, logits_te = self.router(x_th)
-        self._observe(experts_tk, probs_te, logits_te, s, b)
-        x_mh, counts = self.dispatcher.dispatch(x_th, experts_tk)
+        routed_tk = experts_tk if self.capacity_factor is None else self._capacity(experts_tk)
+        self._observe(experts_tk, routed_tk, probs_te, logits_te, s, b)
+        x_mh, counts = self.dispatcher.dispatch(x_th, routed_tk)
         slots = self.dispatcher.combine(self.experts(x_mh, counts)).view(s * b, self.k, h)
         y_th = (slots.float() * weights_tk.unsqueeze(-1)).sum(1).to(x_sbh.dtype)
         if self.shared is not None:
@@ -206,17 +213,33 @@ class MoE(nn.Module):
         return out
 
     @torch.no_grad()
-    def _observe(self, experts_tk: torch.Tensor, probs_te: torch.Tensor, logits_te: torch.Tensor,
-                 s: int, b: int) -> None:
-        """Accumulate the step's statistics (load per expert; the unweighted losses) on the device."""
+    def _capacity(self, experts_tk: torch.Tensor) -> torch.Tensor:
+        """Each expert takes at most ceil(capacity_factor * T * k / E) of this rank's slots, in GShard's
+        order: every token's first choice by position, then every second choice, ...; the rest become
+        ``E`` (dropped: not dispatched, their output zero; the token keeps its residual)."""
+        t, k = experts_tk.shape
+        cap = math.ceil(self.capacity_factor * t * k / self.e)
+        order = experts_tk.t().reshape(-1)  # (choice, token) order
+        onehot = F.one_hot(order, self.e)
+        position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # this slot's place in its expert's queue
+        kept = torch.where(position < cap, order, torch.full_like(order, self.e))
+        return kept.view(k, t).t()
+
+    @torch.no_grad()
+    def _observe(self, experts_tk: torch.Tensor, routed_tk: torch.Tensor, probs_te: torch.Tensor,
+                 logits_te: torch.Tensor, s: int, b: int) -> None:
+        """Accumulate the step's statistics (tokens each expert processed, slots dropped, the unweighted
+        losses) on the device."""
         if not self.training:
             return
-        load = torch.bincount(experts_tk.reshape(-1), minlength=self.e).float()
+        load = torch.bincount(routed_tk.reshape(-1), minlength=self.e + 1).float()
+        dropped, load = load[self.e], load[:self.e]
         if self.stats is None:
             z = torch.zeros((), device=load.device)
             self.stats = RouterStats(torch.zeros_like(load), z.clone(), z.clone(), z.clone())
         st = self.stats
         st.load += load
+        st.dropped += dropped
         st.aux += balance_loss(experts_tk, probs_te, s, b, self.e, self.seq_comm)
         st.z += z_loss(logits_te, self.seq_comm)
         st.micro_batches += 1
@@ -258,6 +281,14 @@ def _seq_sum(t: torch.Tensor, comm: Comm | None) -> torch.Tensor:
     unchanged: every such rank computes the same loss from the sum and gives it the same gradient,
     so each local term gets it exactly once (Megatron's reduce-from-region)."""
     return t if comm is None or comm.size == 1 else reduce_from_region(t, comm)
+
+
+def dispatcher(num_experts: int, ep: EPContext | None) -> TokenDispatcher:
+    """The token exchange ``ep`` names (parallel.ep_dispatcher), or the local permutation."""
+    if ep is None:
+        return LocalDispatcher(num_experts)
+    cls = AllToAllDispatcher if ep.dispatcher == "alltoall" else AllGatherDispatcher
+    return cls(ep.comm, num_experts)
 
 
 def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: int, e: int,

@@ -20,11 +20,22 @@ class LocalDispatcher:
     def dispatch(self, x_th: torch.Tensor, expert_tk: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         k = expert_tk.shape[1]
         flat = expert_tk.reshape(-1)
-        self.order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.e).tolist()
+        counts = torch.bincount(flat, minlength=self.e + 1)[:self.e].tolist()
+        self.order = torch.argsort(flat, stable=True)[:sum(counts)]  # id E: dropped
+        self.slots = flat.numel()
         return x_th[self.order // k], counts
 
     def combine(self, y_mh: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(y_mh)
+        out = y_mh.new_zeros(self.slots, y_mh.shape[1])
         out[self.order] = y_mh
         return out
+
+
+class AllToAllDispatcher(LocalDispatcher):  # placeholder until branch h-dispatch lands
+    def __init__(self, comm, num_experts: int) -> None:
+        raise NotImplementedError
+
+
+class AllGatherDispatcher(LocalDispatcher):  # placeholder until branch h-dispatch lands
+    def __init__(self, comm, num_experts: int) -> None:
+        raise NotImplementedError

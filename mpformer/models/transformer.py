@@ -45,6 +45,7 @@ from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, 
 from mpformer.models.init import ModelInit, init_weights
 from mpformer.parallel.comm import gather_from_region
 from mpformer.parallel.device import DeviceLike, recompute_contexts
+from mpformer.parallel.expert_parallel import EPContext
 from mpformer.parallel.tensor_parallel import TPContext
 
 
@@ -60,14 +61,16 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, use_apex: bool, tp: TPContext | None = None, cp: CPContext | None = None,
                  store: WeightGradStore | None = None, linear: LinearKind = DEFAULT_LINEAR, device: DeviceLike = None,
-                 dtype: torch.dtype | None = None, layer: int = 0):
+                 dtype: torch.dtype | None = None, layer: int = 0, ep: EPContext | None = None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
         attention = resolve(attention_kind(cfg.attention_kind).module)
         self.attn = attention(cfg, tp=tp, cp=cp, store=store, linear=linear, **kw)
         self.mlp_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
-        self.mlp = resolve(mlp_kind(cfg.layer_mlp_kind(layer)).module)(cfg, tp=tp, store=store, linear=linear, **kw)
+        kind = mlp_kind(cfg.layer_mlp_kind(layer))
+        contexts = {name: {"ep": ep}[name] for name in kind.needs}
+        self.mlp = resolve(kind.module)(cfg, tp=tp, store=store, linear=linear, **contexts, **kw)
         place = getattr(self.mlp, "place", None)
         if place is not None:  # an MLP that reports per layer (experts' load) learns where it sits
             place(layer, cp if cp is not None and cp.size > 1 else None)
@@ -117,7 +120,8 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS, *, tp: TPContext | None = None,
                  cp: CPContext | None = None, store: WeightGradStore | None = None, stage: StagePlan | None = None,
-                 device: DeviceLike = None, dtype: torch.dtype | None = None, seed: int | None = 1234) -> None:
+                 device: DeviceLike = None, dtype: torch.dtype | None = None, seed: int | None = 1234,
+                 ep: EPContext | None = None) -> None:
         """``options``: how the model is built (core/model_options.py: recompute, document masks, the
         loss path). ``stage`` picks the layers, embedding and head a pipeline rank holds (default: all).
         Layers keep their global indices in canonical names; with tied embeddings the last stage
@@ -145,7 +149,7 @@ class Transformer(nn.Module):
         self.embed_dropout = Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(
             Block(cfg, use_apex=use_apex, tp=tp, cp=cp, store=store, linear=linear_kind(options.linear_kind),
-                  layer=i, **kw)
+                  layer=i, ep=ep, **kw)
             for i in self.layer_ids)
         self.final_norm = (build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps, use_apex=use_apex, **kw)
                            if head else None)

@@ -178,3 +178,21 @@ def test_bad_input_is_one_line(case):
     with pytest.raises(ConfigError) as err:
         dataclasses.replace(cfg_of("mixtral"), **kw).validate()
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_capacity_drops_in_gshard_order():
+    cfg = cfg_of("mixtral", capacity_factor=0.5)
+    layer = MoE(cfg)
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])  # T=4, k=2, E=8: capacity ceil(0.5*8/8) = 1
+    kept = layer._capacity(experts)
+    # first choices by position first: token 0 takes expert 0, tokens 1, 2 lose it; token 3 takes 3;
+    # then second choices: token 0 takes 1, token 1 takes 2, token 2 loses 1, token 3 loses 0
+    assert kept.tolist() == [[0, 1], [8, 2], [8, 8], [3, 8]]
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layer.train()
+    x = torch.randn(6, 2, cfg.hidden_size)
+    y = layer(x)
+    st = layer.take_stats()
+    assert st.load.max() <= 3 and st.dropped == 24 - st.load.sum()  # capacity ceil(0.5 * 12 * 2 / 8) = 3
+    y.sum().backward()
