@@ -264,10 +264,12 @@ class MoE(nn.Module):
             last.append(self.shared_gate)
         return [("mlp_in", first)] + ([("mlp_out", last)] if last else [])
 
+    def canonical_buffers(self, prefix: str) -> dict[str, Shard]:
+        """State that is no parameter but must be saved: the selection bias (the same on every rank)."""
+        return {f"{prefix}.router.bias": Shard.full(self.router.bias)} if self.router.bias is not None else {}
+
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         out = {f"{prefix}.router.weight": Shard.full(self.router.weight)}
-        if self.router.bias is not None:
-            out[f"{prefix}.router.bias"] = Shard.full(self.router.bias)
         out.update(self.experts.canonical_shards(f"{prefix}.experts"))
         if self.shared is not None:
             out.update(self.shared.canonical_shards(f"{prefix}.shared"))

@@ -333,6 +333,16 @@ class Transformer(nn.Module):
             out.update(param_shards("lm_head", self.lm_head))
         return out
 
+    def canonical_buffers(self) -> dict[str, Shard]:
+        """Non-parameter state a checkpoint keeps (not trained by the optimizer, not in HF files): each
+        layer's MLP's ``canonical_buffers`` (an expert router's selection bias), by canonical name."""
+        out: dict[str, Shard] = {}
+        for i, layer in zip(self.layer_ids, self.layers):
+            own = getattr(layer.mlp, "canonical_buffers", None)
+            if own is not None:
+                out.update(own(f"layers.{i}.mlp"))
+        return out
+
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter under its layout-free name, as views into the module's storage (a model
         that holds whole tensors: no tensor parallelism)."""

@@ -170,7 +170,8 @@ def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
                                   grads=GradHooks(engine.start, engine.grad_ready))
     progress = Progress(cfg.data.skip_ranges)
     rng = DropoutStreams(device, rank.tp.rng, t.seed + groups.dropout_offset())
-    checkpoint = RunCheckpoint(spec, groups.rank, kernels, engine, progress, precision.scaler, rng)
+    checkpoint = RunCheckpoint(spec, groups.rank, kernels, engine, progress, precision.scaler, rng,
+                               rank.model.canonical_buffers)
     if spec.manifest is not None:
         checkpoint.load_start(spec.manifest)
     else:

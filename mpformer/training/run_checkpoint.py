@@ -1,7 +1,8 @@
 """What a training run's checkpoint holds, and how a run loads one (trainer.py's side of checkpointer.py).
 
 The parts: the weights and optimizer state (the gradient engine's shards), where the run stands
-(progress.py), the fp16 loss scale, and each rank's dropout streams. Loading verifies the
+(progress.py), the fp16 loss scale, each rank's dropout streams, and the model's non-parameter state
+(an expert router's selection bias: ``buffers.*``). Loading verifies the
 checksums with every rank first; a damaged newest checkpoint of a save_dir falls back to the next
 intact one. A resume continues the saved run; a fine-tune (``checkpoint.finetune``) takes only the
 weights, except when rolling back (train.on_nan=rollback), which always continues.
@@ -10,23 +11,27 @@ weights, except when rolling back (train.on_nan=rollback), which always continue
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from mpformer.checkpoint.checkpointer import Checkpointer, CheckpointPart, Manifest
-from mpformer.checkpoint.io import verify_checksums
+from mpformer.checkpoint.io import load_tensors, stored_metadata, verify_checksums
 from mpformer.checkpoint.manifest import MANIFEST, check_model_matches, newest_complete
 from mpformer.core.config import LOAD_AUTO
 from mpformer.core.errors import ConfigError
 from mpformer.core.layout import ParallelLayout
+from mpformer.core.shards import Shard
 from mpformer.data.tokenizer import copy_tokenizer
 from mpformer.optim.loss_scale import LossScaler
 from mpformer.parallel.kernel_choice import KernelChoice
 from mpformer.parallel.random import DropoutStreams
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
+
+BUFFER_PREFIX = "buffers."
 
 
 class Weights(Protocol):
@@ -43,9 +48,12 @@ class RunCheckpoint:
     the loss scale and the dropout streams."""
 
     def __init__(self, spec: RunSpec, rank: int, kernels: KernelChoice, weights: Weights, progress: Progress,
-                 scaler: LossScaler | None, rng: DropoutStreams) -> None:
+                 scaler: LossScaler | None, rng: DropoutStreams,
+                 buffers: Callable[[], dict[str, Shard]] | None = None) -> None:
+        """``buffers``: the model's non-parameter state (``Transformer.canonical_buffers``), saved as ``buffers.*``."""
         self.spec, self.cfg, self.layout, self.kernels = spec, spec.cfg, spec.layout, kernels
         self.weights, self.progress, self.scaler, self.rng, self.rank = weights, progress, scaler, rng, rank
+        self.buffers = buffers
         cfg = spec.cfg
         tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if tok is None and spec.manifest is not None and spec.manifest.tokenizer:
@@ -95,7 +103,19 @@ class RunCheckpoint:
         if self.scaler is not None:
             parts.append(CheckpointPart("loss_scaler", state=self.scaler.state_dict, load_state=self._load_scaler))
         parts.append(CheckpointPart("rng", rank_state=self.rng.state, load_rank_state=self._load_rng))
+        if self.buffers is not None and self.buffers():
+            parts.append(CheckpointPart("buffers", tensors=self._buffer_shards, load_tensors=self._load_buffers))
         return parts
+
+    def _buffer_shards(self) -> dict[str, Shard]:
+        return {BUFFER_PREFIX + k: sh for k, sh in self.buffers().items()}
+
+    def _load_buffers(self, step_dir: str, manifest: Manifest) -> None:
+        """The saved buffers, where the checkpoint has them (a dense or HF-converted one: they start at 0)."""
+        stored = stored_metadata(step_dir)
+        targets = {k: sh for k, sh in self._buffer_shards().items() if k in stored}
+        if targets:
+            load_tensors(step_dir, targets)
 
     def _verified(self, manifest: Manifest) -> Manifest:
         """The checkpoint to load, its checksums verified by all ranks together. A damaged one fails,
