@@ -37,11 +37,11 @@ from mpformer.layers.expert_gemm import choose_method, expert_mlp
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.mlp import MLP
 from mpformer.layers.moe_dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalDispatcher, TokenDispatcher
-from mpformer.layers.parallel import param_shards
+from mpformer.layers.parallel import gather_input, param_shards, reduce_output
 from mpformer.parallel.comm import Comm, reduce_from_region
 from mpformer.parallel.device import DeviceLike
 from mpformer.parallel.expert_parallel import EPContext
-from mpformer.parallel.tensor_parallel import TPContext
+from mpformer.parallel.tensor_parallel import GradSpec, TPContext
 
 
 class AddAuxGrad(torch.autograd.Function):
@@ -117,12 +117,17 @@ class Experts(nn.Module):
     """E_l SwiGLU experts in two flat parameters, so a grouped GEMM reads them as ``[E_l, 2f, h]`` and
     ``[E_l, h, f]`` views: ``up`` holds each expert's gate rows then its up rows (``[E_l*2f, h]``),
     ``down`` each expert's ``[h, f]`` (``[E_l*h, f]``). Whole rows per expert: checkpoints and the
-    ZeRO state map see per-expert canonical tensors (``experts.{e}.gate|up|down.weight``, HF's)."""
+    ZeRO state map see per-expert canonical tensors (``experts.{e}.gate|up|down.weight``, HF's).
+    ``tp`` (etp = tp): every expert's ffn split over the tp ranks (f/t rows of gate and up, f/t
+    columns of down), as the dense MLP's; the outputs are then partial sums over tp."""
 
-    def __init__(self, cfg: ModelConfig, local: range, device: DeviceLike = None,
+    def __init__(self, cfg: ModelConfig, local: range, tp: TPContext | None = None, device: DeviceLike = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.local, self.h, self.f = local, cfg.hidden_size, cfg.expert_ffn_size
+        t = tp.size if tp is not None else 1
+        self.local, self.h, self.f_full, self.f = local, cfg.hidden_size, cfg.expert_ffn_size, cfg.expert_ffn_size // t
+        self.start = (tp.rank if tp is not None else 0) * self.f  # this rank's first ffn row of each expert
+        self.split = tp is not None
         n = len(local)
         self.up = nn.Parameter(torch.empty(n * 2 * self.f, self.h, device=device, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n * self.h, self.f, device=device, dtype=dtype))
@@ -133,14 +138,18 @@ class Experts(nn.Module):
         return expert_mlp(x_mh, counts, self.up.view(n, 2 * self.f, self.h), self.down.view(n, self.h, self.f),
                           method=method)
 
+    def grad_specs(self) -> list[GradSpec]:
+        """Split over tp, each rank's block is its own and complete (no tp sum, no replicas)."""
+        return [GradSpec(self.up), GradSpec(self.down)] if self.split else []
+
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         out = {}
-        f, h = self.f, self.h
+        f, h, full, a = self.f, self.h, self.f_full, self.start
         for i, e in enumerate(self.local):
             up = self.up[i * 2 * f:(i + 1) * 2 * f]
-            out[f"{prefix}.{e}.gate.weight"] = Shard.full(up[:f])
-            out[f"{prefix}.{e}.up.weight"] = Shard.full(up[f:])
-            out[f"{prefix}.{e}.down.weight"] = Shard.full(self.down[i * h:(i + 1) * h])
+            out[f"{prefix}.{e}.gate.weight"] = Shard(up[:f], (full, h), (a, 0))
+            out[f"{prefix}.{e}.up.weight"] = Shard(up[f:], (full, h), (a, 0))
+            out[f"{prefix}.{e}.down.weight"] = Shard(self.down[i * h:(i + 1) * h], (h, full), (0, a))
         return out
 
 
@@ -150,16 +159,18 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp: TPContext | None = None, store: WeightGradStore | None = None,
                  linear: LinearKind = DEFAULT_LINEAR, device: DeviceLike = None,
                  dtype: torch.dtype | None = None, ep: EPContext | None = None) -> None:
-        """``ep``: this rank holds ``ep.local_experts`` and exchanges tokens over ``ep.comm``."""
+        """``ep``: this rank holds ``ep.local_experts`` and exchanges tokens over ``ep.comm``; with
+        ``tp``, ``ep.etp`` says whether experts are whole on every tp rank (1) or split over them (tp)."""
         super().__init__()
-        if tp is not None:
-            raise NotImplementedError("tensor parallelism for expert layers lands with parallel.etp (issue 34 part 4)")
+        ep = ep if ep is not None else EPContext()
         kw = {"device": device, "dtype": dtype}
         self.router = Router(cfg, **kw)
-        ep = ep if ep is not None and ep.size > 1 else None
-        self.experts = Experts(cfg, ep.local_experts(cfg.num_experts) if ep else range(cfg.num_experts), **kw)
-        self.dispatcher = dispatcher(cfg.num_experts, ep)
-        if ep is not None:  # each expert's gradient: summed over its ep group's tokens, then over its replicas
+        self.tp = tp
+        self.split = tp is not None and ep.etp > 1  # etp = tp: tokens gathered over tp, experts split
+        local = ep.local_experts(cfg.num_experts)
+        self.experts = Experts(cfg, local, tp if self.split else None, **kw)
+        self.dispatcher = dispatcher(cfg.num_experts, ep if ep.size > 1 else None)
+        if ep.size > 1:  # each expert's gradient: summed over its ep group's tokens, then over its replicas
             self.experts.grad_view = "expert_data"
         self.shared = None
         if cfg.shared_expert_ffn_size:
@@ -170,16 +181,37 @@ class MoE(nn.Module):
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
         self.capacity_factor = cfg.capacity_factor
         self.layer = -1  # the block's global layer index (``place``): the metrics' rows
-        self.seq_comm: Comm | None = None  # the ranks holding other parts of the same sequences (cp)
+        self.seq_comm: SeqGroup | None = None  # the ranks holding other parts of the same sequences
         self.loss_scale = 1.0  # the step's factor on every micro-batch loss (set_loss_scale)
         self.stats: RouterStats | None = None
 
     def place(self, layer: int, cp: CPContext | None) -> None:
-        """Where the block sits: its global layer index, and the cp ranks that hold the rest of its
-        sequences (the router losses are per whole sequence)."""
-        self.layer, self.seq_comm = layer, (cp.comm if cp is not None else None)
+        """Where the block sits: its global layer index, and the ranks that hold the rest of its
+        sequences (the router losses are per whole sequence): cp's, and tp's under sequence parallelism
+        when every tp rank routes its own chunk (etp = 1)."""
+        self.layer = layer
+        comms = [cp.comm] if cp is not None else []
+        if self.tp is not None and self.tp.sequence_parallel and not self.split:
+            comms.append(self.tp.comm)
+        self.seq_comm = SeqGroup(tuple(comms)) if comms else None
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        shared = self._shared(x_sbh)
+        if self.split:  # etp = tp: every tp rank routes every token (identically), computes its ffn slice
+            x_sbh = gather_input(x_sbh, self.tp)
+        y_sbh = self._routed(x_sbh)
+        if self.split:  # the slices' partial sums, back to this rank's sequence chunk under SP
+            y_sbh = reduce_output(y_sbh, self.tp)
+        return y_sbh if shared is None else y_sbh + shared
+
+    def _shared(self, x_sbh: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output (a dense MLP: its own tp split), gated by sigmoid(gate(x)) for Qwen2-MoE."""
+        if self.shared is None:
+            return None
+        out = self.shared(x_sbh)
+        return out if self.shared_gate is None else torch.sigmoid(self.shared_gate(x_sbh)) * out
+
+    def _routed(self, x_sbh: torch.Tensor) -> torch.Tensor:
         s, b, h = x_sbh.shape
         x_th = x_sbh.reshape(s * b, h)
         weights_tk, experts_tk, probs_te, logits_te = self.router(x_th)
@@ -187,16 +219,13 @@ class MoE(nn.Module):
         self._observe(experts_tk, routed_tk, probs_te, logits_te, s, b)
         x_mh, counts = self.dispatcher.dispatch(x_th, routed_tk)
         slots = self.dispatcher.combine(self.experts(x_mh, counts)).view(s * b, self.k, h)
-        y_th = (slots.float() * weights_tk.unsqueeze(-1)).sum(1).to(x_sbh.dtype)
-        if self.shared is not None:
-            shared = self.shared(x_th)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x_th)) * shared
-            y_th = y_th + shared
-        y_sbh = y_th.view(s, b, h)
+        y_sbh = (slots.float() * weights_tk.unsqueeze(-1)).sum(1).to(x_sbh.dtype).view(s, b, h)
         aux = self._aux_loss(experts_tk, probs_te, logits_te, s, b)
         if aux is not None and self.training and torch.is_grad_enabled():
-            y_sbh = AddAuxGrad.apply(y_sbh, aux, self.loss_scale)
+            # etp = tp: each tp rank's copy of the router reaches the loss (its gradients are summed over
+            # tp, as are its input's): each gives 1/tp of the losses' gradient
+            scale = self.loss_scale / (self.tp.size if self.split else 1)
+            y_sbh = AddAuxGrad.apply(y_sbh, aux, scale)
         return y_sbh
 
     def _aux_loss(self, experts_tk: torch.Tensor, probs_te: torch.Tensor, logits_te: torch.Tensor,
@@ -264,6 +293,13 @@ class MoE(nn.Module):
             last.append(self.shared_gate)
         return [("mlp_in", first)] + ([("mlp_out", last)] if last else [])
 
+    def grad_specs(self) -> list[GradSpec]:
+        """etp = tp: the router's gradient on each tp rank is partial (its weights multiply that rank's
+        partial expert outputs): summed over tp. Otherwise the defaults (replicated; summed under SP)."""
+        if not self.split:
+            return []
+        return [GradSpec(self.router.weight, None, self.tp.size, self.tp.comm)]
+
     def canonical_buffers(self, prefix: str) -> dict[str, Shard]:
         """State that is no parameter but must be saved: the selection bias (the same on every rank)."""
         return {f"{prefix}.router.bias": Shard.full(self.router.bias)} if self.router.bias is not None else {}
@@ -278,11 +314,31 @@ class MoE(nn.Module):
         return out
 
 
-def _seq_sum(t: torch.Tensor, comm: Comm | None) -> torch.Tensor:
-    """Sum over the ranks holding parts of the same sequences. Backward passes the gradient through
-    unchanged: every such rank computes the same loss from the sum and gives it the same gradient,
-    so each local term gets it exactly once (Megatron's reduce-from-region)."""
-    return t if comm is None or comm.size == 1 else reduce_from_region(t, comm)
+@dataclasses.dataclass(frozen=True)
+class SeqGroup:
+    """The groups whose ranks hold other positions of the same sequences (cp; tp under SP), summed in turn."""
+
+    comms: tuple[Comm, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(c.size for c in self.comms)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        for c in self.comms:
+            c.all_reduce(t)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Differentiable: backward passes the gradient through unchanged. Every such rank computes the
+        same loss from the sum and gives it the same gradient, so each local term gets it exactly once
+        (Megatron's reduce-from-region)."""
+        for c in self.comms:
+            t = reduce_from_region(t, c)
+        return t
+
+
+def _seq_sum(t: torch.Tensor, comm: SeqGroup | None) -> torch.Tensor:
+    return t if comm is None else comm.sum(t)
 
 
 def dispatcher(num_experts: int, ep: EPContext | None) -> TokenDispatcher:
@@ -294,7 +350,7 @@ def dispatcher(num_experts: int, ep: EPContext | None) -> TokenDispatcher:
 
 
 def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: int, e: int,
-                 comm: Comm | None = None) -> torch.Tensor:
+                 comm: SeqGroup | None = None) -> torch.Tensor:
     """Mean over the b sequences of E * sum_i f_i P_i, each over its whole sequence (``comm``: the cp
     ranks holding its other positions; s is this rank's count): f_i the share of its k*S choices on
     expert i (no gradient), P_i its mean probability for expert i."""
@@ -304,7 +360,7 @@ def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: in
         per_seq = experts_tk.view(s, b, k).permute(1, 0, 2).reshape(b, s * k)
         choices.scatter_add_(1, per_seq, torch.ones(b, s * k, device=probs_te.device))
         n = torch.tensor(float(s), device=probs_te.device)
-        if comm is not None and comm.size > 1:
+        if comm is not None:
             comm.all_reduce(choices)
             n = n * comm.size
     f = choices / (n * k)  # [b, E]
@@ -312,7 +368,7 @@ def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: in
     return e * (f * p).sum(-1).mean()
 
 
-def z_loss(logits_te: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
+def z_loss(logits_te: torch.Tensor, comm: SeqGroup | None = None) -> torch.Tensor:
     """Mean over the micro-batch's tokens (every cp rank's) of logsumexp(logits)^2 (ST-MoE), in fp32."""
     z = torch.logsumexp(logits_te.float(), dim=-1).square()
     count = z.numel() * (comm.size if comm is not None else 1)

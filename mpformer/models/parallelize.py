@@ -37,6 +37,7 @@ from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead
 from mpformer.models.init import ModelInit, materialise, materialise_buffers
 from mpformer.models.transformer import Transformer
+from mpformer.parallel.expert_parallel import EPContext
 from mpformer.parallel.groups import ProcessGroups
 from mpformer.parallel.tensor_parallel import GradSpec, TPContext, kv_replicas
 
@@ -102,16 +103,16 @@ def _tp_specs(model: nn.Module) -> list[GradSpec]:
 
 def build_model(cfg: ModelConfig, options: ModelOptions = DEFAULT_OPTIONS, *, tp: TPContext | None,
                 device: torch.device, seed: int, stage: StagePlan | None = None, store: WeightGradStore | None = None,
-                cp: CPContext | None = None, deferred: bool = False) -> nn.Module:
+                cp: CPContext | None = None, deferred: bool = False, ep: EPContext | None = None) -> nn.Module:
     """The model for this rank: its pipeline stage's layers, embedding and head (``stage``), its
     tensor-parallel blocks (``tp``), built on the meta device and then allocated and initialised
     block by block (only this rank's blocks are ever drawn) with the single-device model's values;
     ``store`` for a zero-bubble pipeline's split backward; ``options``: how it is built
     (core/model_options.py). ``deferred``: the parameters stay on the meta device (the buffers are
     real) for the gradient engine to place and fill with ``ModelInit(cfg, seed)``; such a model runs
-    nothing before that."""
+    nothing before that. ``ep``: the expert layers' placement (parallel/expert_parallel.py)."""
     tp = tp if tp is not None and tp.size > 1 else None
-    model = Transformer(cfg, options, tp=tp, cp=cp, store=store, stage=stage, device="meta", seed=None)
+    model = Transformer(cfg, options, tp=tp, cp=cp, store=store, stage=stage, device="meta", seed=None, ep=ep)
     if tp is not None:
         check_tp_plan(model, tp)
     if deferred:

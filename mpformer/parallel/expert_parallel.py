@@ -18,16 +18,21 @@ DISPATCHERS = ("alltoall", "allgather")
 
 @dataclass(frozen=True)
 class EPContext:
-    comm: Comm
+    """``comm``: the expert-parallel group (None: ep = 1); ``dispatcher``: parallel.ep_dispatcher;
+    ``etp``: expert tensor parallelism, 1 (whole experts on every tp rank, each routing its own
+    tokens) or tp (each expert's ffn split over the tp ranks like the dense MLP's)."""
+
+    comm: Comm | None = None
     dispatcher: str = "alltoall"
+    etp: int = 1
 
     @property
     def size(self) -> int:
-        return self.comm.size
+        return self.comm.size if self.comm is not None else 1
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        return self.comm.rank if self.comm is not None else 0
 
     def local_experts(self, num_experts: int) -> range:
         n = num_experts // self.size
