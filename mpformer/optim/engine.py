@@ -148,8 +148,11 @@ class GradEngine:
                                  not_mine=self.not_mine, masters_are_weights=param_dtype != torch.float32 or stage == 3)
         # The norm: each view's sum over its own group (the shards differ there past stage 0), then tp, pp.
         views = {v: Comm(g.comm.group, g.comm.ledger, tag=g.comm.tag + "norm.") for v, g in self.groups.items()}
+        across = {v: Comm(g.across.group, g.across.ledger, tag=g.across.tag + "norm.")
+                  for v, g in self.groups.items() if g.across is not None and g.across.size > 1}
         self.stepping = ShardStep(buckets=self.buckets, shards=self.shards, optimizer=self.optimizer, stage=stage,
-                                  view_comms=views, norm_comms=[c for c in (red.tp, red.pp) if c is not None],
+                                  view_comms=views, view_across=across,
+                                  norm_comms=[c for c in (red.tp, red.pp) if c is not None],
                                   param_gather=self.param_gather,
                                   norm_specs=[s for s in red.specs if id(s.param) not in self.not_mine])
 

@@ -28,10 +28,13 @@ class TiedCopy:
 @dataclass(frozen=True)
 class ViewGroup:
     """The group one mesh view's gradients reduce over and ZeRO shards them on, and the divisor that
-    makes their sum a mean (how many data replicas it holds)."""
+    makes their sum a mean (how many data replicas it holds); ``across``: the ranks that hold the
+    view's *other* parameters (the experts of the other ep ranks), over which the norm's part and the
+    overflow flag are summed too (None: every rank of a replica holds all of them)."""
 
     comm: Comm
     replicas: int
+    across: Comm | None = None
 
 
 @dataclass(frozen=True)

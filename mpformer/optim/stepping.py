@@ -42,12 +42,16 @@ class ShardStep:
     stage 0 a view's shards differ over it, so its part of the norm and of the fp16 overflow flag is
     reduced there first; at stage 0 its replicas hold the same gradients, so only its rank 0 counts
     them in a world-wide sum); ``norm_comms``: the groups the whole norm is reduced over next, in
-    order (tp, pp; one of size 1 is skipped)."""
+    order (tp, pp; one of size 1 is skipped); ``view_across``: for a view whose parameters differ over
+    other ranks too (experts over the ep ranks), those ranks, summed over at every stage (a world-wide
+    sum needs nothing more: each ep rank's stage-0 replica rank 0 counts its own experts)."""
 
     def __init__(self, *, buckets: Sequence[Bucket], shards: Sequence[ShardParam], optimizer: torch.optim.Optimizer,
                  stage: int, view_comms: Mapping[str, Comm], norm_comms: Sequence[Comm],
-                 norm_specs: Sequence[GradSpec], param_gather: ParamGather | None) -> None:
+                 norm_specs: Sequence[GradSpec], param_gather: ParamGather | None,
+                 view_across: Mapping[str, Comm] | None = None) -> None:
         self.buckets, self.shards, self.optimizer = buckets, shards, optimizer
+        self.view_across = dict(view_across or {})
         self.stage, self.view_comms, self.norm_comms, self.norm_specs = stage, view_comms, norm_comms, norm_specs
         self.param_gather = param_gather
         self.skipped, self.steps_taken = False, 0
@@ -70,6 +74,8 @@ class ShardStep:
         comm = self.view_comms[view]
         if self.stage > 0 and comm.size > 1:
             comm.all_reduce(t, op=op)
+        if view in self.view_across:
+            self.view_across[view].all_reduce(t, op=op)
 
     def _view_sums(self, world: bool) -> dict[str, torch.Tensor]:
         """Each view's part of the squared norm on this rank (``world``: stage 0's replicas count once)."""
