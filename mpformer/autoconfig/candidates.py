@@ -14,8 +14,9 @@ from mpformer.core.layout import ParallelLayout
 
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
 # pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
-# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched.
-NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices")
+# pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched; the expert-parallel
+# fields (ep, etp, ep_dispatcher) are taken as given (the cost model does not price experts yet).
+NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices", "ep", "etp", "ep_dispatcher")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
 # What autoconfig.fixed may pin: the plan, pp_partition, and the fields the search takes as given (priced at

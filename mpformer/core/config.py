@@ -53,6 +53,9 @@ class ParallelConfig:
     pp_token_slices: int = _L.pp_token_slices
     offload: str = _L.offload
     offload_keep: int = _L.offload_keep
+    ep: int = _L.ep
+    etp: int | None = _L.etp
+    ep_dispatcher: str = _L.ep_dispatcher
     auto: bool = False
 
     def layout(self) -> ParallelLayout:
@@ -211,6 +214,9 @@ class FixedPlan:
     pp_token_slices: int | None = None
     offload: str | None = None
     offload_keep: int | None = None  # offload=auto's budget (searched: the largest that fits)
+    ep: int | None = None  # not searched (autoconfig/candidates.py NOT_SEARCHED): the run's value
+    etp: int | None = None
+    ep_dispatcher: str | None = None
     micro_batch_size: int | None = None
 
     def pinned(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 PP_PARTITIONS = ("uniform", "balanced")
 OFFLOAD_MODES = ("none", "auto", "all")  # pipeline/offload.py
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the dtype gradients travel in (Megatron's --grad-reduce-in-bf16)
+EP_DISPATCHERS = ("alltoall", "allgather")  # layers/moe_dispatch.py; Megatron --moe-token-dispatcher-type
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ParallelLayout:
     pp_token_slices: int = 1  # token-level pipelining (TeraPipe): each micro-batch in this many sequence slices
     offload: str = "none"  # activations of units waiting for their backward to host memory (pipeline/offload.py)
     offload_keep: int = 1  # offload=auto: units a rank keeps in flight on the device before it offloads
+    ep: int = 1  # expert parallelism: experts split over ep ranks carved from dp x cp (core/topology.py expert_groups)
+    etp: int | None = None  # tensor parallelism inside an expert (None: tp)
+    ep_dispatcher: str = "alltoall"  # how tokens reach their experts' ranks (layers/moe_dispatch.py)
 
     @property
     def topology(self) -> Topology:
@@ -136,7 +140,7 @@ def check_args(name: str, pp: int, microbatches: int, vpp: int, slices: int = 1)
 
 
 def _check_values(L: ParallelLayout) -> None:
-    for key in ("tp", "pp", "cp", "vpp", "cp_ulysses", "pp_token_slices", "offload_keep"):
+    for key in ("tp", "pp", "cp", "vpp", "cp_ulysses", "pp_token_slices", "offload_keep", "ep"):
         v = getattr(L, key)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"parallel.{key}={v} must be an integer >= 1")
@@ -144,9 +148,12 @@ def _check_values(L: ParallelLayout) -> None:
         raise ConfigError(f"parallel.dp={L.dp} must be an integer >= 1, or -1 to use what the world size leaves")
     for key, choices in (("cp_kind", CP_KINDS), ("schedule", SCHEDULES), ("recompute", RECOMPUTE),
                          ("zero", ZERO_STAGES), ("pp_partition", PP_PARTITIONS), ("offload", OFFLOAD_MODES),
-                         ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
+                         ("grad_reduce_dtype", GRAD_REDUCE_DTYPES), ("ep_dispatcher", EP_DISPATCHERS)):
         if getattr(L, key) not in choices:
             raise ConfigError(f"parallel.{key}={getattr(L, key)!r} is unknown; valid: {format_choices(choices)}")
+    if L.etp is not None and L.etp not in (1, L.tp):
+        raise ConfigError(f"parallel.etp={L.etp} is not 1 (whole experts on every tp rank) or tp={L.tp} (each expert "
+                          f"split over tp like the dense MLP); valid: null (tp), 1, {L.tp}")
     if L.recompute_layers is not None and (not isinstance(L.recompute_layers, int) or L.recompute_layers < 0):
         raise ConfigError(f"parallel.recompute_layers={L.recompute_layers} must be an integer >= 0, or null for "
                           "every layer")
@@ -182,6 +189,7 @@ def _check_model(L: ParallelLayout, model: ModelConfig, seq_length: int | None) 
     if L.sequence_parallel and seq_length is not None and seq_length % L.tp:
         raise ConfigError(f"train.seq_length={seq_length} must be divisible by parallel.tp={L.tp} under sequence "
                           f"parallelism (each rank keeps seq_length/tp positions); valid: multiples of {L.tp}")
+    _check_experts(L, model)
     _check_pipeline(L, model)
     _check_token_slices(L, seq_length)
     _check_offload(L)
@@ -207,6 +215,30 @@ def _check_context_parallel(L: ParallelLayout, model: ModelConfig, seq_length: i
         key = "cp" if L.cp_kind == "ulysses" else "cp_ulysses"
         raise ConfigError(f"parallel.{key}={u} with cp_kind={L.cp_kind} neither divides the {kv} kv heads per tp "
                           f"rank nor is a multiple of them (kv heads are split or replicated)")
+
+
+def _check_experts(L: ParallelLayout, model: ModelConfig) -> None:
+    """ep splits a mixture-of-experts model's experts (model.num_experts; 0 or absent: a dense model)."""
+    experts = model.num_experts
+    etp = L.etp if L.etp is not None else L.tp
+    if experts and model.expert_ffn_size % etp:
+        raise ConfigError(f"parallel.etp={etp} does not divide the experts' ffn width {model.expert_ffn_size} "
+                          f"(model.moe_ffn_hidden_size); valid etp: 1, or a tp dividing it")
+    if L.ep > 1 and experts < 2:
+        raise ConfigError(f"parallel.ep={L.ep} splits experts over ranks, but the model has none (model.num_experts="
+                          f"{experts}); valid for a dense model: ep=1")
+    if L.ep > 1 and experts % L.ep:
+        raise ConfigError(f"parallel.ep={L.ep} does not divide model.num_experts={experts} (each ep rank holds "
+                          f"num_experts/ep experts); valid ep: {format_choices(divisors(experts))}")
+
+
+def _check_expert_ranks(L: ParallelLayout) -> None:
+    """Expert parallelism is carved from the data ranks (core/topology.py expert_groups): ep | dp*cp."""
+    n = L.dp * L.cp
+    if n % L.ep:
+        raise ConfigError(f"parallel.ep={L.ep} must divide dp*cp = {L.dp}*{L.cp} = {n} (expert-parallel groups are "
+                          f"carved from the data-parallel x context-parallel ranks); valid ep: "
+                          f"{format_choices(divisors(n))}")
 
 
 def _check_pipeline(L: ParallelLayout, model: ModelConfig) -> None:
@@ -342,6 +374,7 @@ def validate(layout: ParallelLayout, model: ModelConfig, world_size: int, *,
             raise ConfigError(f"parallel.{key}={getattr(layout, key)}: {what} is not implemented yet; "
                               f"valid: parallel.{key}={valid}")
     resolved = _resolve_dp(layout, world_size)
+    _check_expert_ranks(resolved)
     if global_batch_size is not None and micro_batch_size is not None:
         _check_batch(resolved, global_batch_size, micro_batch_size)
         if resolved.pp > 1:

@@ -11,7 +11,13 @@ first.
 A new dimension is one ``register_dim`` (with where it goes in the order); a group folded over
 several dimensions is a named view (``MESH_VIEWS``, ``register_view``): today "data", the dp x cp
 ranks over which replicated weights' gradients are reduced and ZeRO shards them (the cp ranks of a
-replica each hold part of its sequence). An expert-data-parallel group is one more view.
+replica each hold part of its sequence). A group that is no product of dimensions is a ``FactorView``:
+the folded ranks split by a layout factor. Expert parallelism (Megatron's) is two of them, carved from
+the dp x cp ranks of each (tp, pp) slice, flattened as ``d = cp_rank + cp * dp_rank``::
+
+    ep group           ("ep", size ep)                      ranks with equal d // ep   (ep_rank  = d % ep)
+    expert-data group  ("expert_data", size dp*cp / ep)     ranks with equal d % ep    (edp_rank = d // ep)
+
 parallel/groups.py builds one process group per dimension and per view from these lists.
 """
 
@@ -46,9 +52,63 @@ class MeshView:
     dims: tuple[str, ...]
     tag: str
     partial: tuple[str, ...] = ()
+    across: str | None = None  # a view whose ranks hold this view's other parameters (FactorView)
 
     def replicas(self, topology: Topology) -> int:
         return math.prod(topology.size(d) for d in self.dims if d not in self.partial)
+
+    def rank_lists(self, topology: Topology, layout: Any = None) -> list[list[int]]:
+        """Every group of the view (ascending rank lists); the layout is not needed (FactorView's is)."""
+        return topology.groups(*self.dims)
+
+
+@dataclass(frozen=True)
+class FactorView:
+    """The ranks folded over ``dims`` (fastest first; flat index ``d``) split by a factor ``n`` that the
+    layout gives (``factor(layout)``, the parallel.``key`` value): ``part="inner"`` groups the ``n`` ranks
+    with equal ``d // n``, ``part="outer"`` the ``size / n`` ranks with equal ``d % n``. ``tag`` and
+    ``partial`` as for MeshView; ``replicas`` is the whole fold's (an expert's copies over the outer part
+    together see every replica's tokens, so their summed gradient divides like the dense weights')."""
+
+    name: str
+    dims: tuple[str, ...]
+    key: str
+    factor: Callable[[Any], int]
+    part: str
+    tag: str
+    partial: tuple[str, ...] = ()
+    across: str | None = None  # the view whose ranks hold this view's other parameters (the norm sums over it)
+
+    def replicas(self, topology: Topology) -> int:
+        return math.prod(topology.size(d) for d in self.dims if d not in self.partial)
+
+    def rank_lists(self, topology: Topology, layout: Any) -> list[list[int]]:
+        return self.groups(topology, self.factor(layout))
+
+    def groups(self, topology: Topology, n: int) -> list[list[int]]:
+        """Every group, each an ascending rank list; the other dimensions are fixed within a group."""
+        sizes = [topology.size(d) for d in self.dims]
+        total = math.prod(sizes)
+        if not isinstance(n, int) or n < 1 or total % n:
+            ok = ", ".join(str(v) for v in range(1, total + 1) if total % v == 0)
+            folded = "*".join(self.dims[::-1])
+            raise ValueError(f"parallel.{self.key}={n} must divide {folded} = {total} (the ranks it is carved from); "
+                             f"valid: {ok}")
+        out = []
+        for fold in topology.groups(*self.dims):  # one per slice of the other dims, ascending global rank
+            by_d: dict[int, int] = {}
+            for r in fold:
+                c = topology.coords(r)
+                d, stride = 0, 1
+                for dim, size in zip(self.dims, sizes):
+                    d, stride = d + c[dim] * stride, stride * size
+                by_d[d] = r
+            key = (lambda d: d // n) if self.part == "inner" else (lambda d: d % n)
+            parts: dict[int, list[int]] = {}
+            for d in sorted(by_d):
+                parts.setdefault(key(d), []).append(by_d[d])
+            out += [sorted(p) for p in parts.values()]
+        return sorted(out)
 
 
 # Fastest-varying first.
@@ -58,7 +118,21 @@ MESH_DIMS: list[MeshDim] = [
     MeshDim("dp", "the batch (weights replicated or, under ZeRO, their state sharded)", lambda L: L.dp),
     MeshDim("pp", "the layers, in stages", lambda L: L.pp),
 ]
-MESH_VIEWS: dict[str, MeshView] = {"data": MeshView("data", ("dp", "cp"), "dp.", partial=("cp",))}
+EP_VIEW = FactorView("ep", ("cp", "dp"), "ep", lambda L: L.ep, "inner", "ep.")
+EXPERT_DATA_VIEW = FactorView("expert_data", ("cp", "dp"), "ep", lambda L: L.ep, "outer", "edp.", partial=("cp",),
+                              across="ep")
+MESH_VIEWS: dict[str, MeshView | FactorView] = {
+    "data": MeshView("data", ("dp", "cp"), "dp.", partial=("cp",)),
+    "ep": EP_VIEW,  # at ep=1 a group of one per rank (no process group is made)
+    "expert_data": EXPERT_DATA_VIEW,  # at ep=1 the "data" view's ranks (its group is reused)
+}
+
+
+def expert_groups(topology: Topology, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-data-parallel groups), each an ascending rank list, carved from
+    the dp x cp ranks of every (tp, pp, ...) slice as Megatron does: ``d = cp_rank + cp * dp_rank``,
+    ``ep_rank = d % ep``, ``edp_rank = d // ep``. ValueError if ep does not divide dp*cp."""
+    return EP_VIEW.groups(topology, ep), EXPERT_DATA_VIEW.groups(topology, ep)
 
 
 def dim_names() -> tuple[str, ...]:
@@ -75,7 +149,7 @@ def register_dim(dim: MeshDim, after: str) -> None:
     MESH_DIMS.insert(names.index(after) + 1, dim)
 
 
-def register_view(view: MeshView) -> None:
+def register_view(view: MeshView | FactorView) -> None:
     unknown = [d for d in view.dims if d not in dim_names()]
     if unknown or view.name in MESH_VIEWS:
         raise ValueError(f"mesh view {view.name!r}: unknown dims {unknown} or the name is taken; "
@@ -84,7 +158,7 @@ def register_view(view: MeshView) -> None:
 
 
 @contextlib.contextmanager
-def registered(dim: MeshDim, after: str, views: tuple[MeshView, ...] = ()) -> Iterator[None]:
+def registered(dim: MeshDim, after: str, views: tuple[MeshView | FactorView, ...] = ()) -> Iterator[None]:
     """A dimension (and views over it) registered for the body only (tests, experiments)."""
     register_dim(dim, after)
     try:

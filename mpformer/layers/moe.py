@@ -36,7 +36,7 @@ from mpformer.core.shards import Shard
 from mpformer.layers.expert_gemm import choose_method, expert_mlp
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.mlp import MLP
-from mpformer.layers.moe_dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalDispatcher, TokenDispatcher
+from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher, build_dispatcher
 from mpformer.layers.parallel import gather_input, param_shards, reduce_output
 from mpformer.parallel.comm import Comm, reduce_from_region
 from mpformer.parallel.device import DeviceLike
@@ -169,7 +169,8 @@ class MoE(nn.Module):
         self.split = tp is not None and ep.etp > 1  # etp = tp: tokens gathered over tp, experts split
         local = ep.local_experts(cfg.num_experts)
         self.experts = Experts(cfg, local, tp if self.split else None, **kw)
-        self.dispatcher = dispatcher(cfg.num_experts, ep if ep.size > 1 else None)
+        self.dispatcher: TokenDispatcher = (build_dispatcher(ep.dispatcher, ep.comm, cfg.num_experts)
+                                            if ep.comm is not None else LocalDispatcher(cfg.num_experts))
         if ep.size > 1:  # each expert's gradient: summed over its ep group's tokens, then over its replicas
             self.experts.grad_view = "expert_data"
         self.shared = None
@@ -339,14 +340,6 @@ class SeqGroup:
 
 def _seq_sum(t: torch.Tensor, comm: SeqGroup | None) -> torch.Tensor:
     return t if comm is None else comm.sum(t)
-
-
-def dispatcher(num_experts: int, ep: EPContext | None) -> TokenDispatcher:
-    """The token exchange ``ep`` names (parallel.ep_dispatcher), or the local permutation."""
-    if ep is None:
-        return LocalDispatcher(num_experts)
-    cls = AllToAllDispatcher if ep.dispatcher == "alltoall" else AllGatherDispatcher
-    return cls(ep.comm, num_experts)
 
 
 def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: int, e: int,

@@ -279,8 +279,10 @@ class GradEngine:
         self._launched = 0
 
     def _reduces(self, b: Bucket) -> bool:
-        """Whether ``b``'s gradients are reduced at all (stages 0-1 over one replica: nothing to do)."""
-        return not (self.persistent and self.groups[b.view].comm.size == 1)
+        """Whether ``b``'s gradients are reduced at all (stages 0-1 over one replica: nothing to do; a group
+        of one rank whose gradient still divides, as experts' when ep = dp x cp: only the division)."""
+        group = self.groups[b.view]
+        return not (self.persistent and group.comm.size == 1 and group.replicas == 1)
 
     def _launch_owed(self) -> None:
         for b in self.buckets:

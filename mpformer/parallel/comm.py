@@ -7,6 +7,7 @@ into a :class:`CommLedger`, ring-adjusted (what a bandwidth-optimal ring sends p
     all-gather to N bytes          (n-1)/n N
     reduce-scatter of N bytes      (n-1)/n N
     all-to-all of N bytes          (n-1)/n N
+    all-to-all with row splits     the rows sent to other ranks, exactly (equal splits: (n-1)/n N)
 
 so the ledger can be compared with the analytic volumes of docs/formulas.md. It also keeps the host
 seconds this rank spent blocked in communication, per kind (``blocked``): a synchronous collective from
@@ -31,6 +32,7 @@ once, by moving the dim to the front.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -184,6 +186,23 @@ class Comm:
         self._note("all_to_all", src.numel() * src.element_size(), 1.0)
         self._run("all_to_all", dist.all_to_all_single, out, src)
         return torch.cat(out.unbind(0), dim=gather_dim)
+
+    def all_to_all_single(self, t: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Rows of ``t`` (dim 0), ``send_splits[j]`` of them to rank j in rank order; returns the rows received,
+        ``recv_splits[j]`` from rank j, in rank order (either may be 0). Ledger "all_to_all": the bytes that
+        leave this rank, exactly (its own rows stay): ``(sum(send_splits) - send_splits[rank]) * row bytes``."""
+        if len(send_splits) != self.size or len(recv_splits) != self.size or sum(send_splits) != t.shape[0]:
+            raise ValueError(f"all_to_all_single: splits {send_splits} -> {recv_splits} need {self.size} entries "
+                             f"each and to sum to the {t.shape[0]} rows sent")
+        if self.size == 1:
+            return t
+        src = t.contiguous()
+        out = src.new_empty((sum(recv_splits), *src.shape[1:]))
+        row = math.prod(src.shape[1:]) * src.element_size()
+        self.ledger.record(self.tag + "all_to_all", (sum(send_splits) - send_splits[self.rank]) * row)
+        self._run("all_to_all", dist.all_to_all_single, out, src, output_split_sizes=list(recv_splits),
+                  input_split_sizes=list(send_splits))
+        return out
 
     def chunk(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's chunk along ``dim`` (no communication)."""

@@ -3,7 +3,9 @@
 Built on torch's DeviceMesh over every registered mesh dimension, slowest first (core/topology.py
 MESH_DIMS reversed: ("pp", "dp", "cp", "tp") today) so that tp varies fastest, the same order as the
 topology's rank math (checked at construction); then one group per named view (MESH_VIEWS: "data",
-dp x cp). A new dimension or view is an entry there, not a change here.
+dp x cp; "ep" and "expert_data", carved from dp x cp by parallel.ep). A new dimension or view is an
+entry there, not a change here. Views with the same rank lists share one process group; a view whose
+groups are all single ranks and match no dimension's has none (its Comm is a group of one).
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ class ProcessGroups:
     rank: int
     coords: dict[str, int]
     ledger: CommLedger = field(default_factory=CommLedger)
-    views: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # view name -> this rank's group
+    # view name -> this rank's group (None: a group of one rank)
+    views: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
 
     @property
     def data_group(self) -> dist.ProcessGroup:
         """dp x cp (the dp group when cp == 1): the "data" view."""
-        return self.views["data"]
+        g = self.views["data"]
+        return self.group("dp") if g is None else g
 
     @classmethod
     def build(cls, layout: ParallelLayout, device: Device) -> ProcessGroups:
@@ -51,11 +55,19 @@ class ProcessGroups:
         mesh = init_device_mesh(device.kind, tuple(topo.size(d) for d in names), mesh_dim_names=names)
         rank = dist.get_rank()
         groups = cls(layout=layout, device=device, mesh=mesh, rank=rank, coords=topo.coords(rank))
+        made: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup | None] = {}  # rank lists -> this rank's group
         for view in MESH_VIEWS.values():  # every rank creates every group, in the same order
-            first, *rest = view.dims
-            # Folded over one dimension in effect (the rest of size 1): that dimension's own group.
-            folded = all(topo.size(d) == 1 for d in rest)
-            groups.views[view.name] = mesh.get_group(first) if folded else _new_groups(topo.groups(*view.dims), rank)
+            lists = view.rank_lists(topo, layout)
+            key = tuple(map(tuple, lists))
+            if key not in made:
+                # A mesh dimension's own groups (a fold whose other dims are of size 1; single ranks where
+                # some dim has size 1) reuse its group; single ranks otherwise get none.
+                same = next((d for d in (*view.dims, *names[::-1]) if d in names and topo.groups(d) == lists), None)
+                if same is not None:
+                    made[key] = mesh.get_group(same)
+                else:
+                    made[key] = None if all(len(g) == 1 for g in lists) else _new_groups(lists, rank)
+            groups.views[view.name] = made[key]
         groups._check_against_topology(topo)
         return groups
 
@@ -64,6 +76,11 @@ class ProcessGroups:
             expected = topo.group_of(self.rank, d)
             got = sorted(dist.get_process_group_ranks(self.group(d)))
             assert got == expected, f"{d} group {got} != topology {expected}"
+        for name, view in MESH_VIEWS.items():
+            expected = next(g for g in view.rank_lists(topo, self.layout) if self.rank in g)
+            g = self.views[name]
+            got = [self.rank] if g is None else sorted(dist.get_process_group_ranks(g))
+            assert got == expected, f"view {name} group {got} != topology {expected}"
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.mesh.get_group(dim)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from mpformer.context_parallel.blockwise import doc_starts
 from mpformer.context_parallel.context import document_ids
 from mpformer.core.model_options import ModelOptions
+from mpformer.core.topology import MESH_VIEWS
 from mpformer.data.loader import MicroBatch, StepLoader
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices, sample_origin
 from mpformer.models.parallelize import RankModel, build_rank, grad_specs
@@ -125,7 +126,9 @@ def build_engine_for(spec: RunSpec, groups: ProcessGroups, rank: RankModel, prec
     # Dense weights over dp x cp ("data"; a replica's cp ranks hold partial sums of its gradient, each its
     # part of the sequence); a parameter whose spec names another mesh view over that view's group.
     specs = grad_specs(rank.model)
-    views = {v: ViewGroup(groups.view(v), groups.view_replicas(v)) for v in sorted({s.reduce_over for s in specs})}
+    views = {v: ViewGroup(groups.view(v), groups.view_replicas(v),
+                          groups.view(MESH_VIEWS[v].across) if MESH_VIEWS[v].across else None)
+             for v in sorted({s.reduce_over for s in specs})}
     red = Reduction(groups.data_comm(), rank.tp.comm, groups.comm("pp") if plan is not None else None,
                     specs, tied, precision.scaler, REDUCE_DTYPES[layout.grad_reduce_dtype], replicas=layout.dp,
                     views={v: g for v, g in views.items() if v != "data"})
@@ -140,7 +143,9 @@ def router_report(spec: RunSpec, groups: ProcessGroups, rank: RankModel) -> Rout
     m = spec.cfg.model
     if m.num_experts == 0:
         return None
-    counts = rank.tp.comm.rank == 0 or spec.layout.sequence_parallel  # tp ranks without SP saw the same tokens
+    L = spec.layout
+    # tp ranks route the same tokens unless each routes its own sequence chunk (SP with whole experts)
+    counts = rank.tp.comm.rank == 0 or (L.sequence_parallel and (L.etp if L.etp is not None else L.tp) == 1)
     world = Comm(dist.group.WORLD if dist.is_initialized() else None, groups.ledger, tag="moe.")
     return RouterReport(rank.model, m.num_layers, m.num_experts, m.router_bias_update_rate, world, counts)
 
