@@ -6,6 +6,7 @@ and shapes; ours via ``Transformer(cfg, device="meta")``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -335,8 +336,6 @@ def test_mixed_layouts_and_wrong_expert_count_are_refused():
     ("qwen2_moe", {"shared_expert_gate": False}, r"Qwen2-MoE needs shared_expert_ffn_size >= 1 and shared_expert_gate"),
 ])
 def test_unexportable_moe_configs_are_one_line_errors(arch, change, match):
-    import dataclasses
-
     adapter, cfg, state = _moe_case(arch)
     canonical = adapter.to_canonical(state, cfg)
     bad = dataclasses.replace(cfg, **change)
@@ -347,8 +346,6 @@ def test_unexportable_moe_configs_are_one_line_errors(arch, change, match):
 
 
 def test_first_k_dense_exports_as_mlp_only_layers():
-    import dataclasses
-
     adapter = adapter_for_arch("qwen3_moe")
     cfg = adapter.config_from_hf(VARIANTS["qwen3_moe"]().to_dict())
     cfg = dataclasses.replace(cfg, decoder_sparse_step=1, first_k_dense=2, mlp_only_layers=[3])
@@ -356,3 +353,27 @@ def test_first_k_dense_exports_as_mlp_only_layers():
     assert exported["mlp_only_layers"] == [0, 1, 3]
     back = adapter.config_from_hf(exported)
     assert back.layer_kinds() == cfg.layer_kinds() == ["dense", "dense", "moe", "dense"]
+
+
+@pytest.mark.parametrize("preset, hf_class", [("mixtral-tiny", T.MixtralConfig), ("qwen2-moe-tiny", T.Qwen2MoeConfig),
+                                              ("qwen3-moe-tiny", T.Qwen3MoeConfig), ("olmoe-tiny", T.OlmoeConfig)])
+def test_moe_presets_compose_train_and_export(preset, hf_class):
+    """configs/model/<preset>.yaml composes through Hydra's schema, builds a model whose experts and router
+    get gradients, and maps to its HF class (which transformers accepts and maps back to the same config)."""
+    from mpformer.cli.compose import compose_config
+    from mpformer.models.transformer import Transformer
+
+    cfg = compose_config([f"model={preset}"]).cfg.model
+    assert cfg.num_experts == 8 and "moe" in cfg.layer_kinds()
+    model = Transformer(cfg, seed=0).train()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert any("router" in n and g.abs().sum() > 0 for n, g in grads.items())
+    adapter = adapter_for_arch(cfg.arch)
+    exported, notes = adapter.config_to_hf(cfg)
+    assert len(notes) == (1 if cfg.router_z_loss_coef else 0)
+    hf = T.AutoConfig.for_model(**exported)
+    assert type(hf) is hf_class
+    assert adapter.config_from_hf(hf.to_dict()) == dataclasses.replace(cfg, router_z_loss_coef=0.0)  # not in HF
