@@ -28,8 +28,11 @@ Config fields (HF's names): num_local_experts (Mixtral; Qwen3-MoE's config.json 
 num_experts, num_experts_per_tok, moe_intermediate_size (Qwen; Mixtral and OLMoE: intermediate_size
 is the expert width and every layer is sparse), shared_expert_intermediate_size (Qwen2-MoE: always
 gated), norm_topk_prob (Mixtral: always true), decoder_sparse_step and mlp_only_layers (Qwen),
-router_aux_loss_coef. output_router_logits is ignored; router_jitter_noise must be 0 and OLMoE's
-clip_qkv null. Qwen3-MoE has per-head q/k norms, OLMoE norms over the whole q and k projections.
+router_aux_loss_coef (the same number; HF applies it once to a balancing loss over every layer's tokens
+pooled, mpformer to each sparse layer's own, as Megatron does). output_router_logits is ignored;
+router_jitter_noise must be 0 and OLMoE's clip_qkv null. Qwen3-MoE has per-head q/k norms, OLMoE norms
+over the whole q and k projections; Qwen3-MoE, Mixtral and OLMoE have no biases, Qwen2-MoE q/k/v ones.
+Training-only settings with no HF field (capacity_factor, router_z_loss_coef) export with a note.
 """
 
 from __future__ import annotations
@@ -196,10 +199,12 @@ class MoEAdapter(StateDictAdapter):
         else:
             out.update(norm_topk_prob=cfg.norm_topk_prob, clip_qkv=None, attention_bias=False)
         notes = dropout_notes(cfg, self.name)
-        for key in ("capacity_factor", "router_z_loss_coef", "router_bias_update_rate"):
-            if getattr(cfg, key):
-                notes.append(f"model.{key}={getattr(cfg, key)} is a training setting {self.name} has no field "
-                             "for; not exported (HF routes every token, without a z-loss)")
+        if cfg.capacity_factor is not None:
+            notes.append(f"model.capacity_factor={cfg.capacity_factor} has no {self.name} config field and is not "
+                         "exported (HF routes every token: dropless)")
+        if cfg.router_z_loss_coef:
+            notes.append(f"model.router_z_loss_coef={cfg.router_z_loss_coef} has no {self.name} config field and "
+                         "is not exported (a training loss; inference is unaffected)")
         return out, notes
 
 
