@@ -14,6 +14,7 @@ from typing import Any
 from mpformer.convert.base import Rule, StateDictAdapter, Transform
 from mpformer.convert.gpt2 import GPT2Adapter
 from mpformer.convert.llama import LlamaFamilyAdapter
+from mpformer.convert.moe import MoEAdapter
 from mpformer.core.errors import ConfigError, format_choices
 
 # HF class name -> (model_type, mpformer arch). The adapters are cheap; built on request.
@@ -22,6 +23,11 @@ SUPPORTED = {
     "LlamaForCausalLM": ("llama", "llama"),
     "MistralForCausalLM": ("mistral", "mistral"),
     "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+    "MixtralForCausalLM": ("mixtral", "mixtral"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen2_moe"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe"),
+    "OlmoeForCausalLM": ("olmoe", "olmoe"),
 }
 
 
@@ -29,8 +35,10 @@ def adapter_for_arch(arch: str) -> StateDictAdapter:
     """The adapter for an mpformer ``ModelConfig.arch``."""
     if arch == "gpt2":
         return GPT2Adapter()
-    if arch in ("llama", "mistral", "qwen2"):
+    if arch in ("llama", "mistral", "qwen2", "qwen3"):
         return LlamaFamilyAdapter(arch)
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return MoEAdapter(arch)
     raise ConfigError(f"model arch {arch!r} has no HF adapter; valid: "
                       f"{format_choices(a for _, a in SUPPORTED.values())}")
 
@@ -55,5 +63,5 @@ def adapter_for_hf_config(hf: dict[str, Any]) -> StateDictAdapter:
     return adapter_for_arch(by_type[model_type])
 
 
-__all__ = ["SUPPORTED", "GPT2Adapter", "LlamaFamilyAdapter", "Rule", "StateDictAdapter", "Transform",
+__all__ = ["SUPPORTED", "GPT2Adapter", "LlamaFamilyAdapter", "MoEAdapter", "Rule", "StateDictAdapter", "Transform",
            "adapter_for_arch", "adapter_for_hf_config"]

@@ -6,12 +6,19 @@ more HF tensors through a :class:`Transform` that knows both directions, for exa
     Rule(("layers.{i}.attn.q.weight", "layers.{i}.attn.k.weight", "layers.{i}.attn.v.weight"),
          ("transformer.h.{i}.attn.c_attn.weight",), SPLIT3_T)
 
-``{i}`` stands for the layer index. Which rows apply is decided by the model itself: a row is used
-when its canonical tensors exist in ``Transformer(cfg).canonical_tensors()`` (built on the meta
-device, so no memory), which is how optional biases and untied heads are handled without
-conditions in the tables. Conversion in either direction then demands an exact match: an HF key
+``{i}`` stands for the layer index and ``{e}`` for an expert's. A row whose ``{e}`` patterns sit on both
+sides is repeated per expert; one with ``{e}`` on the canonical side only *stacks* the experts: its
+canonical tensors are listed expert-major (``experts.0.gate, experts.0.up, experts.1.gate, ...``) and
+its transform fuses them into the HF tensors (transformers 5's ``experts.gate_up_proj`` [E, 2f, h]).
+An adapter may accept several HF key layouts on import (``layouts``: per-expert and fused experts);
+``detect_layout`` picks one by the keys present, and export writes ``rules``.
+
+Which rows apply is decided by the model itself: a row is used when its canonical tensors exist in
+``Transformer(cfg).canonical_tensors()`` (built on the meta device, so no memory), which is how
+optional biases, untied heads, q/k norms and dense or sparse layers are handled without conditions
+in the tables. Conversion in either direction then demands an exact match: an HF key
 that no row, tied alias or listed buffer explains, or a tensor a row needs that is absent, is a
-ConfigError naming the key. Transforms are pure reshuffles (transpose, split, concatenate), so a
+ConfigError naming the key. Transforms are pure reshuffles (transpose, split, concatenate, stack), so a
 round trip reproduces every byte.
 """
 
@@ -24,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mpformer.core.errors import ConfigError
+from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.model_config import ModelConfig
 
 Tensors = list[torch.Tensor]
@@ -63,6 +70,20 @@ def fused(parts: int, *, transpose: bool) -> Transform:
     return Transform(f"fused{parts}", lambda ts: [torch.cat(ts, dim=0)], lambda ts: _chunk(ts[0], parts, 0))
 
 
+def stacked_experts(parts: int) -> Transform:
+    """Canonical per-expert tensors (expert-major, ``parts`` per expert, each ``[r, c]``) <-> one HF tensor
+    ``[E, parts*r, c]``: expert e's parts concatenated on the rows (gate then up, as transformers 5's
+    ``gate_up_proj``), experts stacked on dim 0. E and r are read from the tensors."""
+
+    def to_hf(ts: Tensors) -> Tensors:
+        return [torch.stack([torch.cat(ts[e:e + parts], dim=0) for e in range(0, len(ts), parts)])]
+
+    def to_canonical(ts: Tensors) -> Tensors:
+        return [c for expert in ts[0].unbind(0) for c in _chunk(expert, parts, 0)]
+
+    return Transform(f"stacked{parts}", to_hf, to_canonical)
+
+
 @dataclass(frozen=True)
 class Rule:
     """One row of a key map: canonical name patterns <-> HF name patterns, and the transform."""
@@ -71,14 +92,23 @@ class Rule:
     hf: tuple[str, ...]
     transform: Transform = IDENTITY
 
-    def expand(self, num_layers: int) -> Iterator[Rule]:
-        """Concrete rows, one per layer when the patterns contain ``{i}``."""
-        if not any("{i}" in p for p in self.canonical + self.hf):
-            yield self
-            return
-        for i in range(num_layers):
-            yield Rule(tuple(p.format(i=i) for p in self.canonical), tuple(p.format(i=i) for p in self.hf),
-                       self.transform)
+    def expand(self, num_layers: int, num_experts: int = 0) -> Iterator[Rule]:
+        """Concrete rows: one per layer when the patterns contain ``{i}``; one per expert when both sides
+        contain ``{e}``; one listing every expert's canonical tensors when only the canonical side does."""
+        layers = range(num_layers) if any("{i}" in p for p in self.canonical + self.hf) else [None]
+        canon_e, hf_e = any("{e}" in p for p in self.canonical), any("{e}" in p for p in self.hf)
+        assert not hf_e or canon_e, f"key map row {self} names an expert on the HF side only"
+        for i in layers:
+            if not canon_e:
+                yield Rule(tuple(p.format(i=i) for p in self.canonical), tuple(p.format(i=i) for p in self.hf),
+                           self.transform)
+            elif hf_e:
+                for e in range(num_experts):
+                    yield Rule(tuple(p.format(i=i, e=e) for p in self.canonical),
+                               tuple(p.format(i=i, e=e) for p in self.hf), self.transform)
+            elif num_experts:
+                yield Rule(tuple(p.format(i=i, e=e) for e in range(num_experts) for p in self.canonical),
+                           tuple(p.format(i=i) for p in self.hf), self.transform)
 
 
 def one(canonical: str, hf: str, transform: Transform = IDENTITY) -> Rule:
@@ -86,7 +116,10 @@ def one(canonical: str, hf: str, transform: Transform = IDENTITY) -> Rule:
 
 
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    return re.compile(re.escape(pattern).replace(re.escape("{i}"), r"\d+") + r"\Z")
+    escaped = re.escape(pattern)
+    for key in ("{i}", "{e}"):
+        escaped = escaped.replace(re.escape(key), r"\d+")
+    return re.compile(escaped + r"\Z")
 
 
 def expected_canonical(cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -109,6 +142,9 @@ class StateDictAdapter:
     ignored_hf: tuple[str, ...] = ()
     # With tied embeddings HF may or may not store the head; when present it must equal its source.
     tied_hf: dict[str, str] = field(default_factory=dict)
+    # Other key layouts import accepts (name -> rows; detect_layout picks one); export writes ``rules``.
+    layouts: dict[str, tuple[Rule, ...]] = field(default_factory=dict)
+    mlp_kinds: tuple[str, ...] = ("dense",)  # the model.mlp_kind values the key map covers
 
     # ---- config mapping (per architecture) --------------------------------------------------
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
@@ -118,16 +154,34 @@ class StateDictAdapter:
         """HF config.json fields for ``cfg`` and notes about settings HF has no place for."""
         raise NotImplementedError
 
-    # ---- key map ---------------------------------------------------------------------------------
-    def active_rules(self, cfg: ModelConfig) -> list[Rule]:
-        """The concrete rows for this config; asserts that they cover every canonical tensor once."""
-        if (cfg.mlp_kind, cfg.attention_kind) != ("dense", "self"):
+    def check_config(self, cfg: ModelConfig) -> None:
+        """Refuse, in one line, a config this HF class cannot express (before any key map is built)."""
+        if cfg.mlp_kind not in self.mlp_kinds or cfg.attention_kind != "self":
             raise ConfigError(f"model.mlp_kind={cfg.mlp_kind!r}, attention_kind={cfg.attention_kind!r}: the "
-                              f"{self.hf_architecture} key map covers the dense MLP and self-attention only; "
-                              "valid: mlp_kind=dense, attention_kind=self")
+                              f"{self.hf_architecture} key map covers mlp_kind "
+                              f"{format_choices(self.mlp_kinds)} with self-attention only; valid: mlp_kind="
+                              f"{format_choices(self.mlp_kinds)}, attention_kind=self")
+
+    # ---- key map ---------------------------------------------------------------------------------
+    def detect_layout(self, hf_state: dict[str, torch.Tensor]) -> str | None:
+        """The name of the ``layouts`` entry these HF keys are in, or None for the default ``rules``."""
+        return None
+
+    def rules_for(self, layout: str | None) -> tuple[Rule, ...]:
+        if layout is None:
+            return self.rules
+        if layout not in self.layouts:
+            raise ConfigError(f"{self.hf_architecture} has no key layout {layout!r}; valid: "
+                              f"{format_choices(self.layouts)}")
+        return self.layouts[layout]
+
+    def active_rules(self, cfg: ModelConfig, layout: str | None = None) -> list[Rule]:
+        """The concrete rows for this config; asserts that they cover every canonical tensor once."""
+        self.check_config(cfg)
         expected = expected_canonical(cfg)
         active, covered = [], []
-        for rule in (r for row in self.rules for r in row.expand(cfg.num_layers)):
+        rows = self.rules_for(layout)
+        for rule in (r for row in rows for r in row.expand(cfg.num_layers, cfg.num_experts)):
             present = [n in expected for n in rule.canonical]
             if all(present):
                 active.append(rule)
@@ -139,18 +193,18 @@ class StateDictAdapter:
         assert not uncovered, f"{self.arch} key map has no row for {uncovered[0]}"
         return active
 
-    def hf_shapes(self, cfg: ModelConfig) -> dict[str, torch.Size]:
+    def hf_shapes(self, cfg: ModelConfig, layout: str | None = None) -> dict[str, torch.Size]:
         """HF name -> shape of every HF tensor this config needs (tied head excluded)."""
         meta = expected_canonical(cfg)
         out: dict[str, torch.Size] = {}
-        for rule in self.active_rules(cfg):
+        for rule in self.active_rules(cfg, layout):
             hf_ts = rule.transform.to_hf([meta[n] for n in rule.canonical])
             out.update({n: t.shape for n, t in zip(rule.hf, hf_ts, strict=True)})
         return out
 
-    def canonical_to_hf_names(self, cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    def canonical_to_hf_names(self, cfg: ModelConfig, layout: str | None = None) -> dict[str, tuple[str, ...]]:
         """For tests and messages: each canonical name -> the HF names of its row."""
-        return {c: rule.hf for rule in self.active_rules(cfg) for c in rule.canonical}
+        return {c: rule.hf for rule in self.active_rules(cfg, layout) for c in rule.canonical}
 
     def _with_base_prefix(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Files written by the headless base class (e.g. the original openai-community/gpt2) name
@@ -162,9 +216,11 @@ class StateDictAdapter:
 
     # ---- the two directions --------------------------------------------------------------------
     def to_canonical(self, hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """HF state dict -> canonical tensors, stored dtypes kept. Unknown or missing keys raise."""
+        """HF state dict -> canonical tensors, stored dtypes kept. Unknown or missing keys raise. The key
+        layout (e.g. per-expert or fused experts) is the one ``detect_layout`` finds."""
         state = self._with_base_prefix(hf_state)
-        shapes = self.hf_shapes(cfg)
+        layout = self.detect_layout(state)
+        shapes = self.hf_shapes(cfg, layout)
         extra = set(state) - set(shapes)
         if cfg.tie_embeddings:
             for alias, source in self.tied_hf.items():
@@ -187,17 +243,20 @@ class StateDictAdapter:
                 raise ConfigError(f"HF tensor {name} has shape {list(state[name].shape)}; config.json implies "
                                   f"{list(shape)}")
         out: dict[str, torch.Tensor] = {}
-        for rule in self.active_rules(cfg):
+        for rule in self.active_rules(cfg, layout):
             ts = rule.transform.to_canonical([state[n] for n in rule.hf])
             out.update(zip(rule.canonical, ts, strict=True))
         _check_canonical(out, cfg, "converted HF checkpoint")
         return out
 
-    def to_hf(self, canonical: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """Canonical tensors -> HF state dict (tied head omitted, as save_pretrained does)."""
+    def to_hf(self, canonical: dict[str, torch.Tensor], cfg: ModelConfig,
+              layout: str | None = None) -> dict[str, torch.Tensor]:
+        """Canonical tensors -> HF state dict (tied head omitted, as save_pretrained does), in the default
+        key layout unless ``layout`` names another."""
+        self.check_config(cfg)
         _check_canonical(canonical, cfg, "mpformer checkpoint")
         out: dict[str, torch.Tensor] = {}
-        for rule in self.active_rules(cfg):
+        for rule in self.active_rules(cfg, layout):
             ts = rule.transform.to_hf([canonical[n] for n in rule.canonical])
             out.update({n: t.contiguous() for n, t in zip(rule.hf, ts, strict=True)})
         return out

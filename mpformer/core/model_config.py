@@ -177,17 +177,18 @@ class ModelConfig:
             if self.activation != "swiglu":
                 raise ConfigError(f"model.activation={self.activation} is not available for arch={a}; "
                                   "valid: swiglu")
-            if a in ("mistral",) and (self.attention_bias or self.mlp_bias):
-                raise ConfigError("arch=mistral has no linear biases: set model.attention_bias and "
+            if a in NO_BIAS_ARCHS and (self.attention_bias or self.mlp_bias):
+                raise ConfigError(f"arch={a} has no linear biases: set model.attention_bias and "
                                   "model.mlp_bias to false")
-            if a == "qwen2" and (not self.attention_bias or self.mlp_bias):
-                raise ConfigError("arch=qwen2 has biases on q, k, v only: set model.attention_bias=true "
+            if a in ("qwen2", "qwen2_moe") and (not self.attention_bias or self.mlp_bias):
+                raise ConfigError(f"arch={a} has biases on q, k, v only: set model.attention_bias=true "
                                   "and model.mlp_bias=false")
         if a in QK_NORM_ARCHS and self.qk_norm != QK_NORM_ARCHS[a]:
             raise ConfigError(f"arch={a} normalises queries and keys per {QK_NORM_ARCHS[a]}: set "
                               f"model.qk_norm={QK_NORM_ARCHS[a]}")
-        if self.sliding_window is not None and a in ("gpt2", "llama"):
-            raise ConfigError(f"model.sliding_window is not available for arch={a}; valid: mistral, qwen2")
+        if self.sliding_window is not None and a not in WINDOW_ARCHS:
+            raise ConfigError(f"model.sliding_window is not available for arch={a}; valid: "
+                              f"{format_choices(WINDOW_ARCHS)}")
 
     def num_params(self) -> int:
         """Parameter count of the model as built (tied embeddings counted once)."""
