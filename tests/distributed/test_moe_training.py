@@ -20,8 +20,9 @@ from mpformer.testing.train import overrides, train
 
 RTOL = 1e-5
 BASE = {"model": "tiny-llama", "model.arch": "mixtral", "model.num_experts": 8, "model.num_experts_per_tok": 2,
-        "model.mlp_kind": "moe", "model.moe_ffn_hidden_size": 32, "model.router_aux_loss_coef": 0.02,
-        "model.router_z_loss_coef": 0.001, "model.vocab_size": 257, "train.seq_length": 32, "train.steps": 6,
+        "model.mlp_kind": "moe", "model.moe_ffn_hidden_size": 32, "model.num_layers": 4,
+        "model.router_aux_loss_coef": 0.02, "model.router_z_loss_coef": 0.001, "model.vocab_size": 257,
+        "train.seq_length": 32, "train.steps": 6,
         "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.device": "cpu", "optim.lr": 3e-3,
         "optim.warmup_steps": 1, "optim.clip_grad": 0.5, "logging.progress": False, "logging.interval": 1}
 RUNS = {  # name -> (world size, phase, overrides); phase 2 resumes phase 1's checkpoints, phase 3 phase 2's
@@ -35,6 +36,14 @@ RUNS = {  # name -> (world size, phase, overrides); phase 2 resumes phase 1's ch
     "ep4_z1": (4, 1, {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 1}),
     "ep4_z3": (4, 1, {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 3}),
     "dp4_ep2_z1": (4, 1, {"parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 1}),
+    "cp2_ep2": (2, 1, {"parallel.cp": 2, "parallel.ep": 2}),
+    "tp2_dp2_ep2_etp1": (4, 1, {"parallel.tp": 2, "parallel.dp": 2, "parallel.ep": 2, "parallel.etp": 1,
+                                "parallel.sequence_parallel": True}),
+    "tp2_dp2_ep2_etp2": (4, 1, {"parallel.tp": 2, "parallel.dp": 2, "parallel.ep": 2, "parallel.etp": 2,
+                                "parallel.sequence_parallel": True, "parallel.zero": 1}),
+    "pp2_dp2_ep2": (4, 1, {"parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2, "parallel.schedule": "1f1b"}),
+    "pp2_zbv": (2, 1, {"parallel.pp": 2, "parallel.schedule": "zb-v", "parallel.vpp": 2}),
+    "pp2_dualpipev": (2, 1, {"parallel.pp": 2, "parallel.schedule": "dualpipev", "parallel.vpp": 2}),
     "ep4_from_ep2": (4, 2, {"parallel.dp": 4, "parallel.ep": 4, "train.stop_at": 4,
                             "checkpoint.load": "{root}/ep2_stop2/checkpoints"}),
     "ep1_from_ep4": (1, 3, {"checkpoint.load": "{root}/ep4_from_ep2/checkpoints"}),
@@ -68,7 +77,8 @@ def results(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("run", ["ep2_z0", "ep2_z1", "ep2_z3", "ep2_allgather", "ep4_z0", "ep4_z1", "ep4_z3",
-                                 "dp4_ep2_z1"])
+                                 "dp4_ep2_z1", "cp2_ep2", "tp2_dp2_ep2_etp1", "tp2_dp2_ep2_etp2", "pp2_dp2_ep2",
+                                 "pp2_zbv", "pp2_dualpipev"])
 def test_expert_parallel_training_matches_one_process(results, run):
     got, want = results[run], results["ref"]
     assert len(got["losses"]) == 6
