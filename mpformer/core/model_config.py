@@ -111,8 +111,9 @@ class ModelConfig:
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     def layer_mlp_kind(self, layer: int) -> str:
-        """The MLP kind of layer ``layer``: ``mlp_kind`` on the sparse layers, "dense" between them."""
-        return self.mlp_kind if is_moe_layer(self, layer) else "dense"
+        """The MLP kind of layer ``layer``: ``mlp_kind`` everywhere in a model without experts; in a mixture
+        of experts, ``mlp_kind`` on the sparse layers and "dense" between them."""
+        return self.mlp_kind if self.num_experts == 0 or is_moe_layer(self, layer) else "dense"
 
     def layer_kinds(self) -> list[str]:
         return [self.layer_mlp_kind(i) for i in range(self.num_layers)]
