@@ -260,8 +260,8 @@ class MoE(nn.Module):
                  logits_te: torch.Tensor, s: int, b: int) -> None:
         """Accumulate the step's statistics (tokens each expert processed, slots dropped, the unweighted
         losses) on the device."""
-        if not self.training:
-            return
+        if not self.training or torch._C._current_graph_task_id() != -1:
+            return  # evaluation, or a recompute inside backward (its forward was counted already)
         load = torch.bincount(routed_tk.reshape(-1), minlength=self.e + 1).float()
         dropped, load = load[self.e], load[:self.e]
         if self.stats is None:

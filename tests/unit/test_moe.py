@@ -196,3 +196,15 @@ def test_capacity_drops_in_gshard_order():
     st = layer.take_stats()
     assert st.load.max() <= 3 and st.dropped == 24 - st.load.sum()  # capacity ceil(0.5 * 12 * 2 / 8) = 3
     y.sum().backward()
+
+
+def test_a_recomputed_forward_is_not_counted_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = cfg_of("mixtral")
+    layer = MoE(cfg).train()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(5, 2, cfg.hidden_size, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert layer.take_stats().load.sum().item() == 5 * 2 * cfg.num_experts_per_tok
