@@ -27,6 +27,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from mpformer.context_parallel.context import CPContext
@@ -196,11 +197,15 @@ class MoE(nn.Module):
             comms.append(self.tp.comm)
         self.seq_comm = SeqGroup(tuple(comms)) if comms else None
 
-    def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+    selective_recompute = True  # parallel.recompute=selective also recomputes the experts (Block.forward)
+
+    def forward(self, x_sbh: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+        """``recompute``: keep only the dispatched rows of the experts and recompute their GEMMs and
+        activation in backward (the k*T*(3f) elements per token that dominate an expert layer's memory)."""
         shared = self._shared(x_sbh)
         if self.split:  # etp = tp: every tp rank routes every token (identically), computes its ffn slice
             x_sbh = gather_input(x_sbh, self.tp)
-        y_sbh = self._routed(x_sbh)
+        y_sbh = self._routed(x_sbh, recompute and self.training)
         if self.split:  # the slices' partial sums, back to this rank's sequence chunk under SP
             y_sbh = reduce_output(y_sbh, self.tp)
         return y_sbh if shared is None else y_sbh + shared
@@ -212,14 +217,18 @@ class MoE(nn.Module):
         out = self.shared(x_sbh)
         return out if self.shared_gate is None else torch.sigmoid(self.shared_gate(x_sbh)) * out
 
-    def _routed(self, x_sbh: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x_sbh: torch.Tensor, recompute: bool = False) -> torch.Tensor:
         s, b, h = x_sbh.shape
         x_th = x_sbh.reshape(s * b, h)
         weights_tk, experts_tk, probs_te, logits_te = self.router(x_th)
         routed_tk = experts_tk if self.capacity_factor is None else self._capacity(experts_tk)
         self._observe(experts_tk, routed_tk, probs_te, logits_te, s, b)
         x_mh, counts = self.dispatcher.dispatch(x_th, routed_tk)
-        slots = self.dispatcher.combine(self.experts(x_mh, counts)).view(s * b, self.k, h)
+        if recompute:
+            y_mh = torch.utils.checkpoint.checkpoint(self.experts, x_mh, counts, use_reentrant=False)
+        else:
+            y_mh = self.experts(x_mh, counts)
+        slots = self.dispatcher.combine(y_mh).view(s * b, self.k, h)
         y_sbh = (slots.float() * weights_tk.unsqueeze(-1)).sum(1).to(x_sbh.dtype).view(s, b, h)
         aux = self._aux_loss(experts_tk, probs_te, logits_te, s, b)
         if aux is not None and self.training and torch.is_grad_enabled():

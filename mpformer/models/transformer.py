@@ -78,9 +78,12 @@ class Block(nn.Module):
         self.tp = tp
 
     def forward(self, x_sbh: torch.Tensor, seq: SeqShard, recompute_core: bool = False) -> torch.Tensor:
-        """``recompute_core``: selective recompute of the attention core (Korthikanti et al.)."""
+        """``recompute_core``: selective recompute of the attention core (Korthikanti et al.) and of an MLP
+        that has one to offer (``selective_recompute``: the experts' GEMMs and activation)."""
         x_sbh = x_sbh + self._dropout(self.attn(self.attn_norm(x_sbh), seq, recompute_core))
-        return x_sbh + self._dropout(self.mlp(self.mlp_norm(x_sbh)))
+        mlp_in = self.mlp_norm(x_sbh)
+        out = self.mlp(mlp_in, recompute_core) if getattr(self.mlp, "selective_recompute", False) else self.mlp(mlp_in)
+        return x_sbh + self._dropout(out)
 
     def parts(self) -> list[tuple[str, list[nn.Module]]]:
         """The block's parameter-holding submodules in forward order, as ZeRO-3 gathers them (optim/engine.py):

@@ -44,6 +44,7 @@ RUNS = {  # name -> (world size, phase, overrides); phase 2 resumes phase 1's ch
     "pp2_dp2_ep2": (4, 1, {"parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2, "parallel.schedule": "1f1b"}),
     "pp2_zbv": (2, 1, {"parallel.pp": 2, "parallel.schedule": "zb-v", "parallel.vpp": 2}),
     "recompute_full": (1, 1, {"parallel.recompute": "full"}),
+    "ep2_recompute_selective": (2, 1, {"parallel.dp": 2, "parallel.ep": 2, "parallel.recompute": "selective"}),
     "ep2_recompute_full": (2, 1, {"parallel.dp": 2, "parallel.ep": 2, "parallel.recompute": "full"}),
     "pp2_dualpipev": (2, 1, {"parallel.pp": 2, "parallel.schedule": "dualpipev", "parallel.vpp": 2}),
     "ep4_from_ep2": (4, 2, {"parallel.dp": 4, "parallel.ep": 4, "train.stop_at": 4,
@@ -80,7 +81,8 @@ def results(tiny_data, tmp_path_factory):
 
 @pytest.mark.parametrize("run", ["ep2_z0", "ep2_z1", "ep2_z3", "ep2_allgather", "ep4_z0", "ep4_z1", "ep4_z3",
                                  "dp4_ep2_z1", "cp2_ep2", "tp2_dp2_ep2_etp1", "tp2_dp2_ep2_etp2", "pp2_dp2_ep2",
-                                 "pp2_zbv", "pp2_dualpipev", "recompute_full", "ep2_recompute_full"])
+                                 "pp2_zbv", "pp2_dualpipev", "recompute_full", "ep2_recompute_full",
+                                 "ep2_recompute_selective"])
 def test_expert_parallel_training_matches_one_process(results, run):
     got, want = results[run], results["ref"]
     assert len(got["losses"]) == 6

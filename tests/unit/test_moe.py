@@ -208,3 +208,29 @@ def test_a_recomputed_forward_is_not_counted_twice():
     x = torch.randn(5, 2, cfg.hidden_size, requires_grad=True)
     checkpoint(layer, x, use_reentrant=False).sum().backward()
     assert layer.take_stats().load.sum().item() == 5 * 2 * cfg.num_experts_per_tok
+
+
+def test_selective_recompute_of_the_experts_keeps_less_and_gives_the_same_gradients():
+    cfg = cfg_of("mixtral")
+    layer = MoE(cfg).train()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(16, 2, cfg.hidden_size, requires_grad=True)
+    saved, grads = [], []
+    for recompute in (False, True):
+        n = [0]
+
+        def pack(t, n=n):
+            n[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x, recompute)
+        layer.zero_grad()
+        x.grad = None
+        y.backward(torch.ones_like(y))
+        saved.append(n[0])
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    assert saved[1] < saved[0]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
