@@ -16,6 +16,9 @@ trained router's are. Before timing, each method's output and its gradients (x, 
 against the loop: within 1e-5 relative (max |difference| / max |loop|) in fp32, or the benchmark fails;
 bf16's error is reported. Time is the median of ``--reps`` fwd+bwd steps per method after ``--warmup``,
 the methods alternating step by step (common.interleave); ratio = loop's median / this one (> 1: faster).
+On CPU the time compared is the process's CPU time with one torch thread (``--threads``), as in
+bench_cross_entropy.py: on a shared 2-core machine wall time (also given) mostly measures the neighbours;
+on CUDA (``--device cuda``, not yet run) it is wall time between synchronisations.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from common import environment, format_table, interleave, median, quartiles, wri
 
 from mpformer.layers.expert_gemm import METHODS, choose_method, expert_mlp, grouped_ok
 
-SHAPES = ((8, 2, 4096, 512, 1024), (64, 8, 4096, 512, 256), (16, 2, 8192, 1024, 2048))
+SHAPES = ((8, 2, 4096, 512, 1024), (64, 8, 4096, 512, 256))  # and --shapes 16,2,8192,1024,2048 --precision fp32
 QUICK = ((8, 2, 512, 128, 256), (64, 8, 256, 128, 64))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -75,14 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="two tiny shapes, 5 steps: a smoke run")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)
     shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes] if a.shapes else list(QUICK if a.quick else SHAPES)
     reps = max(5, a.reps)
     env = environment()
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         env["cuda_device"] = torch.cuda.get_device_name()
     rows, results = [], []
+    headers = ["shape", "method"]
+    for prec in a.precision:
+        headers += [f"{prec} {'' if cuda else 'CPU '}ms", f"{prec} vs loop", f"{prec} wall ms", f"{prec} rel err"]
 
     for E, k, tokens, h, f in shapes:
         counts = route(E, k, tokens, a.seed)
@@ -118,23 +123,30 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"{m} differs from the loop by {errors[m]:.2e} (relative) at {info}")
             del y_ref, g_ref
 
-            def timed(m: str, args=args, counts=counts):
+            cpu_times: dict[str, list[float]] = {m: [] for m in methods}
+
+            def timed(m: str, args=args, counts=counts, cpu_times=cpu_times):
                 def run() -> list[float]:
                     sync()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     step(m, counts, *args)
                     sync()
+                    cpu_times[m].append(time.process_time() - c0)
                     return [time.perf_counter() - t0]
                 return run
 
             for m in methods:
                 for _ in range(a.warmup):
                     timed(m)()
-            times = interleave({m: timed(m) for m in methods}, reps)
-            base = median(times["loop"])
-            per_dtype[prec] = {m: {"median_s": median(ts), "quartiles_s": quartiles(ts), "times_s": ts,
-                                   "ratio_vs_loop": base / median(ts), "gflops": flop / median(ts) / 1e9,
-                                   "max_rel_err_vs_loop": errors.get(m, 0.0)} for m, ts in times.items()}
+            for m in methods:
+                cpu_times[m].clear()
+            wall = interleave({m: timed(m) for m in methods}, reps)
+            t = wall if cuda else cpu_times  # the compute itself on CPU; a GPU's time is wall time
+            base = median(t["loop"])
+            per_dtype[prec] = {m: {"median_s": median(t[m]), "quartiles_s": quartiles(t[m]), "times_s": t[m],
+                                   "wall_median_s": median(wall[m]), "wall_times_s": wall[m],
+                                   "ratio_vs_loop": base / median(t[m]), "gflops": flop / median(t[m]) / 1e9,
+                                   "max_rel_err_vs_loop": errors.get(m, 0.0)} for m in methods}
             per_dtype[prec]["choose_method"] = choose_method(torch.device(a.device).type, dtype, h, f)
             del args
         results.append({**info, "flop_fwd_bwd": flop, "results": per_dtype})
@@ -143,19 +155,17 @@ def main(argv: list[str] | None = None) -> int:
             row = [label, m]
             for prec in a.precision:
                 r = per_dtype[prec].get(m)
-                row += [f"{r['median_s'] * 1e3:.1f}", f"{r['ratio_vs_loop']:.2f}", f"{r['gflops']:.0f}",
+                row += [f"{r['median_s'] * 1e3:.1f}", f"{r['ratio_vs_loop']:.2f}", f"{r['wall_median_s'] * 1e3:.1f}",
                         f"{r['max_rel_err_vs_loop']:.1e}" if m != "loop" else "ref"] if r else ["-"] * 4
             rows.append(row)
         print(f"{label}: {n} rows, max/mean count {info['max_over_mean']:.2f}, {info['empty_experts']} empty, "
               f"padded to {E * cap} rows", flush=True)
+        print(format_table(headers, rows[-len(METHODS):]), flush=True)
 
     where = env.get("cuda_device") or f"{env['cpu_model']} ({env['cpu_capability']}; avx512_bf16 "\
         f"{'yes' if native_bf16['avx512_bf16'] else 'no'}, amx_bf16 {'yes' if native_bf16['amx_bf16'] else 'no'})"
     print(f"{where}, torch {env['torch']}, {torch.get_num_threads()} threads; fwd+bwd, median of {reps} after "
-          f"{a.warmup} warm-up, ratio = loop / this")
-    headers = ["shape", "method"]
-    for prec in a.precision:
-        headers += [f"{prec} ms", f"{prec} vs loop", f"{prec} GFLOP/s", f"{prec} rel err"]
+          f"{a.warmup} warm-up, ratio = loop / this{'' if cuda else ' in process CPU time'}")
     print(format_table(headers, rows))
     if a.json:
         write_json(a.json, {"args": {k_: str(v_) for k_, v_ in vars(a).items()}, "environment": env,
