@@ -13,10 +13,12 @@ every expert computes ``down(silu(gate) * up)`` on its own rows.
 Constraints of ``_grouped_mm`` in torch 2.13 (``torch/_meta_registrations.py`` ``_meta_grouped_mm_common``,
 and calls on this CPU): every operand's leading stride a multiple of 16 bytes (h and f multiples of 4 in
 fp32, of 8 in bf16); the meta kernel (what torch.compile and the meta device run) accepts bf16 alone; the CPU
-kernel takes fp32, bf16 and fp16 (not fp64); its built-in backward fails on an expanded (stride-0)
-gradient, which is why the Function below makes the incoming gradient contiguous. On CUDA the fused
-CUTLASS kernel is bf16 on sm90/sm100; other dtypes take a per-group fallback that copies ``offs`` to the
-host (a sync), so only bf16 counts as grouped there.
+kernel takes fp32, bf16 and fp16 (not fp64) in eager mode, but FakeTensor tracing (torch.compile) runs
+the meta kernel and refuses fp32 there too; its built-in backward fails on an expanded (stride-0) gradient,
+which is why the Function below makes the incoming gradient contiguous. On CUDA the fused CUTLASS kernel
+is bf16 on sm90/sm100; other dtypes take a per-group fallback that copies ``offs`` to the host (a sync),
+so only bf16 counts as grouped there. On CPU the kernel is a loop of GEMMs over the groups after zeroing
+its output: equal to the loop bit for bit, and no faster (choose_method).
 """
 
 from __future__ import annotations
@@ -42,11 +44,17 @@ def grouped_ok(device_type: str, dtype: torch.dtype, h: int, f: int) -> bool:
 
 
 def choose_method(device_type: str, dtype: torch.dtype, h: int, f: int) -> str:
-    """The default method for a device, from benchmarks/results/expert_gemm_epyc.json (fp32, fwd+bwd, this
-    2-core AMD EPYC, torch 2.13): on CPU ``grouped`` was the fastest in every shape, 1.05-1.20x the
-    per-expert loop (``padded`` 0.74-1.03x: it multiplies the padding too); on CUDA ``_grouped_mm`` is the
-    fused kernel for bf16 (one launch instead of E, no host sync). Where it cannot run, the loop."""
-    return "grouped" if grouped_ok(device_type, dtype, h, f) else "loop"
+    """The default method for a device.
+
+    CPU: ``loop``. benchmarks/results/expert_gemm_epyc.json and expert_gemm_epyc_large.json (AMD EPYC,
+    AVX-512 with avx512_bf16, one thread, torch 2.13, fwd+bwd CPU time): ``grouped`` ran at 0.87-0.89x the
+    loop in fp32 and 0.95-0.96x in bf16 (the CPU kernel is itself a loop of GEMMs, plus zeroing its
+    output), ``padded`` at 0.42-0.64x (it multiplies the padding: 1.4-1.9x the rows here, and scatters and
+    gathers). CUDA: ``grouped`` in bf16 where aligned (one fused CUTLASS launch for every expert, no host
+    sync; not yet measured here), the loop otherwise."""
+    if device_type == "cuda" and grouped_ok(device_type, dtype, h, f):
+        return "grouped"
+    return "loop"
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -82,7 +90,9 @@ def _offsets(counts: Sequence[int] | torch.Tensor, device: torch.device) -> tupl
 
 
 def _swiglu(y: torch.Tensor, f: int) -> torch.Tensor:
-    return F.silu(y[..., :f]) * y[..., f:]
+    # split, not two slices: a slice's backward writes a zero gradient of all of y, then adds the two
+    gate, up = y.split(f, dim=-1)
+    return F.silu(gate) * up
 
 
 def expert_mlp(x_mh: torch.Tensor, counts: Sequence[int] | torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,

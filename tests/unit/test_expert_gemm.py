@@ -78,6 +78,8 @@ def test_grouped_ok_and_fallback() -> None:
     assert grouped_ok("meta", torch.bfloat16, 8, 16) and not grouped_ok("meta", torch.float32, 8, 16)
     assert choose_method("cpu", torch.float32, 6, 12) == "loop"
     assert choose_method("cuda", torch.float32, 8, 16) == "loop"
+    assert choose_method("cuda", torch.bfloat16, 8, 16) == "grouped"
+    assert choose_method("cpu", torch.float32, 8, 12) == "loop"  # measured: the loop is faster on CPU
     counts = [3, 0, 4]
     x, w_up, w_down, _ = _inputs(counts, h=6, f=10)
     with pytest.raises(ValueError, match="16-byte"):
