@@ -40,7 +40,7 @@ from common import environment, format_table, interleave, median, quartiles, wri
 
 from mpformer.layers.expert_gemm import METHODS, choose_method, expert_mlp, grouped_ok
 
-SHAPES = ((8, 2, 4096, 512, 1024), (64, 8, 4096, 512, 256))  # and --shapes 16,2,8192,1024,2048 --precision fp32
+SHAPES = ((8, 2, 4096, 512, 1024), (64, 8, 4096, 512, 256))  # and --shapes 16,2,4096,1024,2048 --precision fp32
 QUICK = ((8, 2, 512, 128, 256), (64, 8, 256, 128, 64))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -17,8 +17,8 @@ kernel takes fp32, bf16 and fp16 (not fp64) in eager mode, but FakeTensor tracin
 the meta kernel and refuses fp32 there too; its built-in backward fails on an expanded (stride-0) gradient,
 which is why the Function below makes the incoming gradient contiguous. On CUDA the fused CUTLASS kernel
 is bf16 on sm90/sm100; other dtypes take a per-group fallback that copies ``offs`` to the host (a sync),
-so only bf16 counts as grouped there. On CPU the kernel is a loop of GEMMs over the groups after zeroing
-its output: equal to the loop bit for bit, and no faster (choose_method).
+so only bf16 counts as grouped there. On CPU the kernel is a loop of GEMMs over the groups: equal to the
+loop bit for bit, and no faster (choose_method).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def choose_method(device_type: str, dtype: torch.dtype, h: int, f: int) -> str:
     """The default method for a device.
 
     CPU: ``loop``. benchmarks/results/expert_gemm_epyc.json and expert_gemm_epyc_large.json (AMD EPYC,
-    AVX-512 with avx512_bf16, one thread, torch 2.13, fwd+bwd CPU time): ``grouped`` ran at 0.87-0.89x the
-    loop in fp32 and 0.95-0.96x in bf16 (the CPU kernel is itself a loop of GEMMs, plus zeroing its
-    output), ``padded`` at 0.42-0.64x (it multiplies the padding: 1.4-1.9x the rows here, and scatters and
-    gathers). CUDA: ``grouped`` in bf16 where aligned (one fused CUTLASS launch for every expert, no host
-    sync; not yet measured here), the loop otherwise."""
+    AVX-512 with avx512_bf16, one thread, torch 2.13, fwd+bwd CPU time): ``grouped`` ran at 0.87-1.00x the
+    loop in fp32 and 0.98-1.01x in bf16 (the CPU kernel is itself a loop of GEMMs, run over whole tensors
+    between the elementwise ops, out of cache), ``padded`` at 0.42-0.61x (it multiplies the padding:
+    1.4-1.9x the rows here, and scatters and gathers). CUDA: ``grouped`` in bf16 where aligned (one fused
+    CUTLASS launch for every expert, no host sync; not yet measured here), the loop otherwise."""
     if device_type == "cuda" and grouped_ok(device_type, dtype, h, f):
         return "grouped"
     return "loop"
