@@ -36,12 +36,24 @@ class RouterReport:
         self.shape = (num_layers, num_experts + 4)
         self.rate, self.world, self.counts = rate, world, counts
         self.pending: collections.deque[torch.Tensor] = collections.deque()
+        self.last: tuple[int, list[torch.Tensor | None]] | None = None  # the latest gathered step, biases before it
 
     def set_loss_scale(self, model: nn.Module, scale: float) -> None:
         set_loss_scale(model, scale)
 
-    def gather(self) -> None:
-        """After a step's backward: the step's statistics summed over the world (one all-reduce), the
+    def begin(self, step: int) -> None:
+        """Before step ``step``'s forward. The same step run again (train.overlap_validation reruns a
+        step's micro-batches on settled parameters) must route as its first run did: the biases that
+        run's gather moved are put back and its statistics dropped."""
+        if self.last is not None and self.last[0] == step:
+            for m, before in zip(self.layers, self.last[1]):
+                if before is not None:
+                    m.router.bias.copy_(before)
+            self.pending.pop()
+            self.last = None
+
+    def gather(self, step: int) -> None:
+        """After step ``step``'s backward: its statistics summed over the world (one all-reduce), the
         selection biases moved by the global load, kept for ``metrics``."""
         dev = self.layers[0].router.weight.device if self.layers else torch.device("cpu")
         rows = torch.zeros(self.shape, device=dev)
@@ -54,9 +66,12 @@ class RouterReport:
             r[:e] = st.load
             r[e], r[e + 1], r[e + 2], r[e + 3] = st.aux, st.z, st.dropped, float(st.micro_batches)
         self.world.all_reduce(rows)
+        befores = []
         for m in self.layers:
+            befores.append(m.router.bias.clone() if m.router.bias is not None else None)
             m.update_bias(rows[m.layer, :e], self.rate)
         self.pending.append(rows)
+        self.last = (step, befores)
 
     def metrics(self) -> dict[str, float]:
         """The oldest gathered step's entries (one host read)."""

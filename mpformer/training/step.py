@@ -131,10 +131,12 @@ class Stepper:
         """zero_grad -> forward/backward -> finish (reductions over dp, a tied copy, tp partial sums, fp16
         unscaling); the summed loss of this rank's micro-batches (on the device)."""
         self.engine.zero_grad()
+        if self.router is not None:
+            self.router.begin(self.progress.step + 1)
         loss_sum = self.forward_backward(batches)
         self.engine.finish()
         if self.router is not None:
-            self.router.gather()
+            self.router.gather(self.progress.step + 1)
         return loss_sum
 
     def apply_lr(self) -> float:
