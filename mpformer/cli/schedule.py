@@ -45,7 +45,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time of one stage (default 1)")
     p.add_argument("--p2p", type=float, default=0.0, help="time of one send/receive (default 0)")
     p.add_argument("--fb", type=float, default=None, help="time of one overlapped forward-and-backward pair "
-                   "(dualpipev's F&B, per chunk pair; default: the two in turn)")
+                   "(dualpipev's F&B, per chunk pair; default: the halves' computes in turn, their exchanges beside)")
+    p.add_argument("--a2a-f", type=float, default=0.0, help="a mixture of experts' dispatch and combine time in "
+                   "one stage's forward (all-to-all; default 0): exposed, except beside the other half of an "
+                   "overlapped pair (dualpipev)")
+    p.add_argument("--a2a-b", type=float, default=0.0, help="the same in one stage's input-gradient backward")
     p.add_argument("--offload", default="none", metavar="MODE", help="activation offload: none (default), auto, all")
     p.add_argument("--offload-keep", type=int, default=1, help="offload=auto: units kept on the device (default 1)")
     p.add_argument("--copy", type=float, default=1.0, help="time of one stage's micro-batch copy to host memory or "
@@ -67,7 +71,8 @@ def summary(res: SimResult, steady: list[float]) -> str:
     s, c = res.schedule, res.costs
     sliced = f" ({s.microbatches // s.slices} x {s.slices} token slices)" if s.slices > 1 else ""
     lines = [f"schedule {s.name}  pp={s.pp} microbatches={s.microbatches}{sliced} vpp={s.vpp}  "
-             f"(per chunk: f={c.f:g} b={c.b:g} w={c.w:g}; p2p={c.p2p:g})",
+             f"(per chunk: f={c.f:g} b={c.b:g} w={c.w:g}; p2p={c.p2p:g}"
+             + (f"; expert all-to-all f={c.a2a_f:g} b={c.a2a_b:g}" if c.a2a_f or c.a2a_b else "") + ")",
              f"step time {res.step_time:g}   bubble fraction {res.bubble_fraction:.4f} (mean over ranks)   "
              f"back-to-back steps: {sum(steady) / len(steady):.4f}",
              "rank  bubble   idle      peak in-flight (microbatch-chunks)"]
@@ -158,8 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not any(offload):
             raise ConfigError(f"--offload {args.offload}: no unit of this schedule waits for its backward (pp="
                               f"{schedule.pp}); valid: a pipeline of pp > 1, or --offload none")
+    if min(args.a2a_f, args.a2a_b) < 0:
+        raise ConfigError(f"--a2a-f {args.a2a_f} --a2a-b {args.a2a_b}: exchange times must be >= 0")
     costs = Costs(f=args.f / v, b=args.b / v, w=args.w / v, p2p=args.p2p, fb=args.fb,
-                  copy=args.copy / v if offload else 0.0)
+                  copy=args.copy / v if offload else 0.0, a2a_f=args.a2a_f / v, a2a_b=args.a2a_b / v)
     res = simulate(schedule, costs, blocking=args.blocking, offload=offload)
     print(summary(res, steady_state_bubble(schedule, costs, blocking=args.blocking)), flush=True)
     if args.print:
@@ -171,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_timeline(res, args.plot)
     if args.trace:
         write_chrome_trace(args.trace, (t for row in res.timeline for t in row), us_per_unit=1000.0,
-                           vpp=schedule.vpp, copies=res.copies)
+                           vpp=schedule.vpp, copies=res.copies, exchanges=res.exchanges)
     return 0
 
 

@@ -50,7 +50,13 @@ class Costs:
     b: PerStage = 1.0
     w: PerStage = 1.0
     p2p: float = 0.0
-    fb: float | None = None  # an overlapped F&B pair (DualPipe's F&B); None: the two run in turn
+    fb: float | None = None  # an overlapped F&B pair (DualPipe's F&B); None: from the halves (``pair``)
+    # A mixture of experts' dispatch and combine (all-to-all over the ep group) in one compute's
+    # forward (``a2a_f``) and input-gradient backward (``a2a_b``; BW has none). A compute alone waits
+    # for its own exchanges; in an overlapped pair each half's exchanges run beside the other's
+    # compute (DeepSeek-V3, section 3.2.1: that is what DualPipe's pairs are for).
+    a2a_f: float = 0.0
+    a2a_b: float = 0.0
     copy: float = 0.0  # activation offload: one unit's saved activations to host memory, or back
     # The engine's own time per compute action, outside the compute and the receive waits (posting its
     # messages, the Python between actions; trace.measured_gap): it delays the rank's next action and
@@ -67,7 +73,7 @@ class Costs:
                                   f"stage (pp*vpp = {num_stages})")
             if any(v < 0 for v in vals):
                 raise ConfigError(f"cost {key}={val} must be >= 0")
-        for key in ("p2p", "gap"):
+        for key in ("p2p", "gap", "a2a_f", "a2a_b"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cost {key}={getattr(self, key)} must be >= 0")
         if self.fb is not None and self.fb < 0:
@@ -77,8 +83,8 @@ class Costs:
         val = getattr(self, key)
         return float(val) if isinstance(val, int | float) else float(val[stage])
 
-    def duration(self, action: Action, pp: int, v: bool = False) -> float:
-        """How long ``action`` keeps its rank busy (communication: 0, its wait is modelled apart)."""
+    def compute(self, action: Action, pp: int, v: bool = False) -> float:
+        """The compute of ``action`` alone, without its expert exchanges."""
         stage = action.stage(pp, v)
         if action.op == Op.F:
             return self._at("f", stage)
@@ -90,9 +96,21 @@ class Costs:
             return self._at("b", stage) + self._at("w", stage)
         return 0.0
 
+    def exchange(self, action: Action) -> float:
+        """The expert dispatch and combine inside ``action`` (all-to-all time; 0 for BW and p2p)."""
+        return self.a2a_f if action.op == Op.F else self.a2a_b if action.op in (Op.B, Op.BI) else 0.0
+
+    def duration(self, action: Action, pp: int, v: bool = False) -> float:
+        """How long ``action`` keeps its rank busy alone: its compute, then its expert exchanges
+        (p2p: 0, its wait is modelled apart)."""
+        return self.compute(action, pp, v) + self.exchange(action)
+
     def pair(self, a: Action, b: Action, pp: int, v: bool = False) -> float:
-        """An overlapped pair's time: ``fb``, or its halves' sum without one."""
-        return self.fb if self.fb is not None else self.duration(a, pp, v) + self.duration(b, pp, v)
+        """An overlapped pair's time: ``fb``, or the longer of the two halves' compute and the two
+        halves' exchanges (one stream computes while the other exchanges; with no exchanges, the sum)."""
+        if self.fb is not None:
+            return self.fb
+        return max(self.compute(a, pp, v) + self.compute(b, pp, v), self.exchange(a) + self.exchange(b))
 
 
 @dataclass(frozen=True)
@@ -107,6 +125,7 @@ class SimResult:
     bubble_fraction: float
     peak_inflight: list[int]
     copies: list[tuple[int, str, int, int, float, float]] = field(default_factory=list)  # offload lanes
+    exchanges: list[tuple[Action, float, float]] = field(default_factory=list)  # expert all-to-all lane
 
 
     def to_json(self) -> dict:
@@ -158,7 +177,29 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool =
     idle = [step - b for b in busy]
     per_rank = [i / step if step > 0 else 0.0 for i in idle]
     return SimResult(schedule, costs, timeline, step, busy, idle, per_rank, sum(per_rank) / len(per_rank), peaks,
-                     copies)
+                     copies, _exchange_lane(timeline, costs))
+
+
+def _exchange_lane(timeline: list[list[TimedAction]], costs: Costs) -> list[tuple[Action, float, float]]:
+    """When each compute's expert exchanges run: a compute alone ends with them; in a pair (drawn as
+    its halves in turn) the second half's run from the pair's start, beside the first half's compute,
+    and the first half's right after, beside the second's: the two streams ``Costs.pair`` prices."""
+    out: list[tuple[Action, float, float]] = []
+    for row in timeline:
+        computes = [t for t in row if not t.action.op.is_comm]
+        k = 0
+        while k < len(computes):
+            t = computes[k]
+            if t.action.overlap and k + 1 < len(computes):
+                u = computes[k + 1]
+                x1, x2 = costs.exchange(t.action), costs.exchange(u.action)
+                out += [(u.action, t.start, t.start + x2), (t.action, t.start + x2, t.start + x2 + x1)]
+                k += 2
+                continue
+            x = costs.exchange(t.action)
+            out.append((t.action, t.end - x - costs.gap, t.end - costs.gap))
+            k += 1
+    return [e for e in out if e[2] > e[1]]
 
 
 def _copy_lanes(schedule: Schedule, offload: Sequence[set[tuple[int, int]]]
@@ -191,9 +232,11 @@ Event = TimedAction | tuple[Action, float, float]
 
 
 def chrome_trace(events: Iterable[Event], us_per_unit: float = 1e6, vpp: int = 1, comm: bool = True,
-                 copies: Sequence[tuple[int, str, int, int, float, float]] = ()) -> dict:
+                 copies: Sequence[tuple[int, str, int, int, float, float]] = (),
+                 exchanges: Sequence[tuple[Action, float, float]] = ()) -> dict:
     """A chrome://tracing / Perfetto object: one process per rank, compute on thread 0, p2p on 1,
-    activation offload's copies (``SimResult.copies``) on 2.
+    activation offload's copies (``SimResult.copies``) on 2, the experts' all-to-all
+    (``SimResult.exchanges``) on 3.
 
     ``events`` are TimedActions or (action, start, end) tuples: from ``simulate`` (times in cost
     units) or from the trainer timing the real run (seconds, the default ``us_per_unit``; any common
@@ -213,19 +256,26 @@ def chrome_trace(events: Iterable[Event], us_per_unit: float = 1e6, vpp: int = 1
         out.append({"name": f"{kind} {mb}" + (f".{c}" if vpp > 1 else ""), "cat": f"offload {kind}", "ph": "X",
                     "pid": r, "tid": 2, "ts": start * us_per_unit, "dur": (end - start) * us_per_unit,
                     "args": {"microbatch": mb, "chunk": c}})
+    for a, start, end in exchanges:
+        out.append({"name": f"a2a {a.token(vpp > 1)}", "cat": "expert all-to-all", "ph": "X", "pid": a.rank,
+                    "tid": 3, "ts": start * us_per_unit, "dur": (end - start) * us_per_unit,
+                    "args": {"microbatch": a.microbatch, "chunk": a.chunk}})
     for r in sorted(ranks):
         out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
         out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "compute"}})
         out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1, "args": {"name": "p2p"}})
         if copies:
             out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 2, "args": {"name": "offload copies"}})
+        if exchanges:
+            out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 3, "args": {"name": "expert all-to-all"}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
 def write_chrome_trace(path: str | Path, events: Iterable[Event], us_per_unit: float = 1e6,
-                       vpp: int = 1, copies: Sequence[tuple[int, str, int, int, float, float]] = ()) -> Path:
+                       vpp: int = 1, copies: Sequence[tuple[int, str, int, int, float, float]] = (),
+                       exchanges: Sequence[tuple[Action, float, float]] = ()) -> Path:
     """Write ``chrome_trace(events)`` as JSON to ``path``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(events, us_per_unit, vpp, copies=copies)))
+    path.write_text(json.dumps(chrome_trace(events, us_per_unit, vpp, copies=copies, exchanges=exchanges)))
     return path

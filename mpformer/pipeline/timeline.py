@@ -43,10 +43,8 @@ class CompiledTimeline:
         table: dict[tuple[Op, int], float] = {}
         for op in set(self.ops):
             for s in range(self.num_stages):
-                if op is Op.B:
-                    table[op, s] = costs._at("b", s) + costs._at("w", s)
-                else:
-                    table[op, s] = costs._at(_KIND[op], s)
+                alone = costs._at("b", s) + costs._at("w", s) if op is Op.B else costs._at(_KIND[op], s)
+                table[op, s] = alone + costs.exchange(Action(0, op, 0))
         p2p, end = costs.p2p, [0.0] * len(self.prev)
         prev, sp, rp, inp, partner = self.prev, self.send_post, self.recv_post, self.has_input, self.partner
         pair_end: dict[int, float] = {}  # second half of a pair -> the pair's end
@@ -68,7 +66,8 @@ class CompiledTimeline:
             if inp[j]:
                 t = max(t, arrival(j))
             c1, c2 = table[op, s], table[self.ops[j], self.stages[j]]
-            d = costs.fb if costs.fb is not None else c1 + c2
+            x1, x2 = costs.exchange(Action(0, op, 0)), costs.exchange(Action(0, self.ops[j], 0))
+            d = costs.fb if costs.fb is not None else max(c1 - x1 + c2 - x2, x1 + x2)  # as Costs.pair
             end[i], pair_end[j] = t + (d * c1 / (c1 + c2) if c1 + c2 > 0 else 0.0), t + d
         return max(end, default=0.0)
 

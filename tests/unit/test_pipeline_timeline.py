@@ -23,7 +23,8 @@ def _costs(rng: random.Random, stages: int, split: bool) -> Costs:
     w = [x * rng.uniform(0.0, 1.2) for x in f]
     if not split:  # B carries W
         b, w = [x + y for x, y in zip(b, w)], [0.0] * stages
-    return Costs(f=f, b=b, w=w, p2p=rng.choice([0.0, 0.02, 0.4]))
+    a2a = rng.choice([0.0, 0.0, 0.3, 1.5])  # a mixture of experts' exchanges: hidden in pairs, or longer
+    return Costs(f=f, b=b, w=w, p2p=rng.choice([0.0, 0.02, 0.4]), a2a_f=a2a, a2a_b=a2a * rng.uniform(0.5, 1.5))
 
 
 def _schedules():
