@@ -35,8 +35,8 @@ class RouterReport:
         self.layers = moe_layers(model)
         self.shape = (num_layers, num_experts + 4)
         self.rate, self.world, self.counts = rate, world, counts
-        self.pending: collections.deque[torch.Tensor] = collections.deque()
-        self.last: tuple[int, list[torch.Tensor | None]] | None = None  # the latest gathered step, biases before it
+        self.pending: collections.deque[tuple[int, torch.Tensor]] = collections.deque()  # (step, sums)
+        self.before: dict[int, list[torch.Tensor | None]] = {}  # step -> the biases before its gather
 
     def set_loss_scale(self, model: nn.Module, scale: float) -> None:
         set_loss_scale(model, scale)
@@ -45,12 +45,27 @@ class RouterReport:
         """Before step ``step``'s forward. The same step run again (train.overlap_validation reruns a
         step's micro-batches on settled parameters) must route as its first run did: the biases that
         run's gather moved are put back and its statistics dropped."""
-        if self.last is not None and self.last[0] == step:
-            for m, before in zip(self.layers, self.last[1]):
-                if before is not None:
-                    m.router.bias.copy_(before)
-            self.pending.pop()
-            self.last = None
+        if step in self.before:
+            self._restore(step)
+            self.pending = collections.deque(p for p in self.pending if p[0] != step)
+
+    def undo(self, step: int) -> None:
+        """Step ``step`` skipped (train.on_nan=skip): the biases as before it, as if it never routed; a
+        later step already run on its biases (overlapped) forgets it ran. Its statistics stay reported."""
+        if step in self.before:
+            self._restore(step)
+            self.pending = collections.deque(p for p in self.pending if p[0] <= step)
+
+    def forget(self) -> None:
+        """After a rollback: the checkpoint's biases are loaded and its steps run again from there."""
+        self.pending.clear()
+        self.before.clear()
+
+    def _restore(self, step: int) -> None:
+        for m, b in zip(self.layers, self.before[step]):
+            if b is not None:
+                m.router.bias.copy_(b)
+        self.before = {k: v for k, v in self.before.items() if k < step}
 
     def gather(self, step: int) -> None:
         """After step ``step``'s backward: its statistics summed over the world (one all-reduce), the
@@ -66,18 +81,18 @@ class RouterReport:
             r[:e] = st.load
             r[e], r[e + 1], r[e + 2], r[e + 3] = st.aux, st.z, st.dropped, float(st.micro_batches)
         self.world.all_reduce(rows)
-        befores = []
+        # Kept two steps: under overlap_validation a step is settled (maybe skipped) after the next ran.
+        self.before = {k: v for k, v in self.before.items() if k >= step - 1}
+        self.before[step] = [m.router.bias.clone() if m.router.bias is not None else None for m in self.layers]
         for m in self.layers:
-            befores.append(m.router.bias.clone() if m.router.bias is not None else None)
             m.update_bias(rows[m.layer, :e], self.rate)
-        self.pending.append(rows)
-        self.last = (step, befores)
+        self.pending.append((step, rows))
 
     def metrics(self) -> dict[str, float]:
         """The oldest gathered step's entries (one host read)."""
         if not self.pending:
             return {}
-        rows = self.pending.popleft().cpu()
+        rows = self.pending.popleft()[1].cpu()
         e = self.shape[1] - 4
         sparse = [i for i in range(rows.shape[0]) if rows[i, e + 3] > 0]
         if not sparse:

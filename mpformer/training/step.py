@@ -185,11 +185,15 @@ class Stepper:
                                          f"{why} (train.on_nan=halt)"))
         if bad and t.on_nan == "rollback":
             self.rollback(step, start, start + t.global_batch_size, loss, grad_norm, why)
+            if self.router is not None:
+                self.router.forget()
             return True, True
         if not bad and not self.engine.skipped and finite(loss, grad_norm):
             p.recent_grad_norms = [*p.recent_grad_norms, grad_norm][-SPIKE_WINDOW:]
         if bad:
             p.skipped_steps += 1
+            if self.router is not None:  # a skipped step's bias moves are undone with its update
+                self.router.undo(step)
         return bad, False
 
     def metrics(self, start: int, loss: float, grad_norm: float, lr: float, bad: bool,

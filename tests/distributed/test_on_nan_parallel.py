@@ -1,4 +1,5 @@
-"""train.on_nan=skip and rollback under a pipeline (pp=2 x dp=2, ZeRO-1) and under ZeRO-3 (dp=4).
+"""train.on_nan=skip and rollback under a pipeline (pp=2 x dp=2, ZeRO-1), under ZeRO-3 (dp=4) and with
+experts over ep=2 whose selection biases move each step (DeepSeek-V3).
 
 The single-rank behaviour and its oracle are in tests/integration/test_on_nan.py; here the same
 oracle (a run that never reads the poisoned step's samples, data.skip_ranges) is checked where the
@@ -26,7 +27,12 @@ BASE = {"model": "tiny-llama", "train.seq_length": 32, "train.steps": 6, "train.
         "train.micro_batch_size": 1, "train.device": "cpu", "optim.lr": 3e-3, "optim.decay": "constant",
         "data.prefetch": 0, "logging.progress": False}
 OVERLAP = {"train.post_validation": True, "train.overlap_validation": True}
-LAYOUTS = {"pp2_dp2_z1": {"parallel.pp": 2, "parallel.zero": 1}, "dp4_z3": {"parallel.zero": 3}}
+LAYOUTS = {"pp2_dp2_z1": {"parallel.pp": 2, "parallel.zero": 1}, "dp4_z3": {"parallel.zero": 3},
+           # experts over ep=2 with DeepSeek-V3's bias: a skipped step's bias moves are undone too
+           "moe_ep2_bias": {"model.arch": "mixtral", "model.mlp_kind": "moe", "model.num_experts": 4,
+                            "model.num_experts_per_tok": 2, "model.moe_ffn_hidden_size": 32,
+                            "model.router_score": "sigmoid", "model.router_bias": True,
+                            "model.router_bias_update_rate": 0.01, "parallel.ep": 2}}
 
 
 def _poison_leaf_outputs() -> None:
