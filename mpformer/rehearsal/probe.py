@@ -66,6 +66,19 @@ for _name, _kernel in (("_scaled_dot_product_flash_attention", "flash"), ("_flas
             ATTENTION_OPS[_op.default] = _kernel
 
 
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **kwargs) -> int:
+    """``torch._grouped_mm``'s FLOPs (torch's registry has none): 2 x the multiply-adds of every group, whose
+    sizes (``offs``) a meta tensor does not hold, but whose sum does not need them. ``a`` [m, k] or
+    [G, m, k], ``b`` [k, n] or [G, k, n]: 2d x 3d (the experts' forward and input gradient) groups a's m
+    rows, 2d x 2d (the weight gradient) groups the k they share, 3d x 2d groups b's n columns."""
+    g = a.shape[0] if a.dim() == 3 and b.dim() == 3 else 1
+    return 2 * g * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+# torch's formulas by op (GEMMs, the fused attention kernels), and the ones it lacks
+FLOPS = {**flop_registry, _aten._grouped_mm: grouped_mm_flops}
+
+
 @dataclass
 class Finding:
     """One op of note: what it was, where in mpformer it came from, and where in the step it ran."""
@@ -178,7 +191,7 @@ class Probe(TorchDispatchMode):
                 if self._handles[i] is args[0]:
                     del self._handles[i], self.regions[i]
                     break
-        if is_sync(func, args) and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(args)):
+        if is_sync(func, args, kwargs) and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(args)):
             return self._sync(func, args)
         kernel = ATTENTION_OPS.get(func)
         if kernel is not None:
@@ -190,7 +203,7 @@ class Probe(TorchDispatchMode):
             self._resized(args)
         out = func(*args, **kwargs)
         self._track(func, out)
-        if self.count_flops and (count := flop_registry.get(func._overloadpacket)) is not None:
+        if self.count_flops and (count := FLOPS.get(func._overloadpacket)) is not None:
             self.flops += int(count(*args, **kwargs, out_val=out))
         return out
 

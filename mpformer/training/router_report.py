@@ -6,7 +6,10 @@ every layer's statistics over the whole world in one all-reduce of an ``[L, E + 
 writes the rows of its pipeline stage's layers; tp ranks that saw the same tokens count once), so the
 load is the global batch's, whatever the layout. With ``model.router_bias_update_rate`` the selection
 biases then move by that load (DeepSeek-V3's auxiliary-loss-free balancing) on every rank alike, before
-the next step routes. ``metrics`` turns the step's sums into metrics.jsonl entries (one host read):
+the next step routes. ``read`` copies the step's sums to the host inside the step's reporting boundary
+(parallel/host_syncs.py ``REPORT_BOUNDARY``), right after the step check's own read has waited for the
+device (its all-reduce was issued after this one): a read that waits for nothing more. ``metrics`` turns
+them into metrics.jsonl entries:
 
     moe/aux_loss, moe/z_loss      mean over sparse layers of the per-micro-batch losses (unweighted)
     moe/load_max_mean             the most loaded expert's tokens over the mean, worst layer
@@ -23,6 +26,7 @@ from torch import nn
 
 from mpformer.layers.moe import moe_layers, set_loss_scale
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.host_syncs import REPORT_BOUNDARY
 
 
 class RouterReport:
@@ -36,6 +40,7 @@ class RouterReport:
         self.shape = (num_layers, num_experts + 4)
         self.rate, self.world, self.counts = rate, world, counts
         self.pending: collections.deque[torch.Tensor] = collections.deque()
+        self.host: collections.deque[torch.Tensor] = collections.deque()  # read, for metrics
 
     def set_loss_scale(self, model: nn.Module, scale: float) -> None:
         set_loss_scale(model, scale)
@@ -58,11 +63,20 @@ class RouterReport:
             m.update_bias(rows[m.layer, :e], self.rate)
         self.pending.append(rows)
 
+    def read(self) -> None:
+        """The gathered steps' sums to the host (the stepper calls it after the step check's read)."""
+        while self.pending:
+            rows = self.pending.popleft()
+            with torch.profiler.record_function(REPORT_BOUNDARY):
+                # tolist, not cpu(): a rehearsal's meta rows have no values (its probe gives zeros for them)
+                self.host.append(torch.tensor(rows.tolist(), dtype=rows.dtype))
+
     def metrics(self) -> dict[str, float]:
-        """The oldest gathered step's entries (one host read)."""
-        if not self.pending:
+        """The oldest gathered step's entries (read now if the stepper has not)."""
+        self.read()
+        if not self.host:
             return {}
-        rows = self.pending.popleft().cpu()
+        rows = self.host.popleft()
         e = self.shape[1] - 4
         sparse = [i for i in range(rows.shape[0]) if rows[i, e + 3] > 0]
         if not sparse:
