@@ -2,6 +2,7 @@
 H100 80GB target, each rank's rehearsed peak beside the memory model's (autoconfig/memory.py).
 
     python benchmarks/bench_rehearsal.py [--only NAME ...] [--json benchmarks/results/rehearsal_memory.json]
+    python benchmarks/bench_rehearsal.py --moe [--json benchmarks/results/rehearsal_moe.json]
 
 Layouts: Korthikanti et al.'s GPT 22B-1T (Table 3 of "Reducing Activation Recomputation", tp=8, SP,
 selective recompute, pipeline as published), Llama 3 405B at the Llama 3 paper's 8,192-GPU layout,
@@ -11,6 +12,10 @@ GPT-3 175B under ZeRO-1, and the two Llama 3 8B plans the README's auto-configur
 and the stage the memory model finds most loaded where it is another, one step.
 What the rehearsal counts and the model predicts are the tensors' live bytes; neither counts the CUDA
 context, NCCL's buffers or the allocator's fragmentation (rehearsal/devices.py holds those).
+
+``--moe``: mixture-of-experts layouts (Mixtral 8x7B at its full 32 layers, ep=8 over the dp ranks, each
+dispatcher), in a JSON of their own: the memory model does not know experts yet (it counts every expert
+on every ep rank), so their ratios are its gap, not its error on the dense layouts.
 """
 
 from __future__ import annotations
@@ -87,6 +92,14 @@ LAYOUTS = {  # name -> overrides (bf16 everywhere)
 }
 
 
+MOE_LAYOUTS = {  # the experts' rows: the rehearsal routes uniformly (layers/moe_dispatch.py uniform_counts)
+    f"mixtral 8x7B tp2 pp4 ep8 dp8 {kind}": [
+        "model=mixtral-8x7b", "train.seq_length=4096", "parallel.tp=2", "parallel.sequence_parallel=true",
+        "parallel.pp=4", "parallel.ep=8", "parallel.etp=1", f"parallel.ep_dispatcher={kind}", "parallel.dp=8",
+        "parallel.zero=1", "parallel.recompute=selective", "train.global_batch_size=64", "train.micro_batch_size=1"]
+    for kind in ("alltoall", "allgather")}
+
+
 def ranks_of(overrides: list[str]) -> list[int]:
     """The first and the last pipeline stage's tp rank 0 (dp 0, cp 0), and the memory model's most
     loaded rank (the one the auto-configurator rehearses) where it is another."""
@@ -108,20 +121,22 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="layouts whose name contains one of these")
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts layouts instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = [n for n in LAYOUTS if not args.only or any(o in n for o in args.only)]
+    layouts = MOE_LAYOUTS if args.moe else LAYOUTS
+    names = [n for n in layouts if not args.only or any(o in n for o in args.only)]
     rows, t0 = [], time.perf_counter()
     print(f"{'layout':<40} {'rank':>5} {'stage':>5} {'rehearsed GB':>12} {'model GB':>9} {'model/rehearsed':>15} "
           f"{'activations GB':>14}  where (rehearsed)  [where (model)]  s", flush=True)
     for name in names:
-        overrides = [*LAYOUTS[name], "train.precision=bf16", "rehearse.device=h100-80gb",
-                     f"rehearse.ranks=[{','.join(map(str, ranks_of(LAYOUTS[name])))}]"]
+        overrides = [*layouts[name], "train.precision=bf16", "rehearse.device=h100-80gb",
+                     f"rehearse.ranks=[{','.join(map(str, ranks_of(layouts[name])))}]"]
         start = time.perf_counter()
         out = rehearse(compose_config(overrides), overrides)
         for r in out["ranks"]:
             ratio = r["predicted_peak_bytes"] / r["peak_bytes"]
-            rows.append({"layout": name, "overrides": LAYOUTS[name], "world_size": out["world_size"], **r,
+            rows.append({"layout": name, "overrides": layouts[name], "world_size": out["world_size"], **r,
                          "ratio": ratio})
             print(f"{name:<40} {r['rank']:>5} {r['coords']['pp']:>5} {r['peak_bytes'] / 1e9:12.2f} "
                   f"{r['predicted_peak_bytes'] / 1e9:9.2f} {ratio:15.3f} {r['peak_by_kind']['activations'] / 1e9:14.2f}"

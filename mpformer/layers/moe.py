@@ -37,10 +37,10 @@ from mpformer.core.shards import Shard
 from mpformer.layers.expert_gemm import choose_method, expert_mlp
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.mlp import MLP
-from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher, build_dispatcher
+from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher, build_dispatcher, histogram
 from mpformer.layers.parallel import gather_input, param_shards, reduce_output
 from mpformer.parallel.comm import Comm, reduce_from_region
-from mpformer.parallel.device import DeviceLike
+from mpformer.parallel.device import DeviceLike, kernel_device
 from mpformer.parallel.expert_parallel import EPContext
 from mpformer.parallel.tensor_parallel import GradSpec, TPContext
 
@@ -135,7 +135,8 @@ class Experts(nn.Module):
 
     def forward(self, x_mh: torch.Tensor, counts: list[int]) -> torch.Tensor:
         n = len(self.local)
-        method = choose_method(x_mh.device.type, x_mh.dtype, self.h, self.f)
+        # the device the GEMMs run on: a rehearsal's meta rows stand for a GPU's, and take its grouped GEMM
+        method = choose_method(kernel_device(x_mh), x_mh.dtype, self.h, self.f)
         return expert_mlp(x_mh, counts, self.up.view(n, 2 * self.f, self.h), self.down.view(n, self.h, self.f),
                           method=method)
 
@@ -271,7 +272,7 @@ class MoE(nn.Module):
         losses) on the device."""
         if not self.training or torch._C._current_graph_task_id() != -1:
             return  # evaluation, or a recompute inside backward (its forward was counted already)
-        load = torch.bincount(routed_tk.reshape(-1), minlength=self.e + 1).float()
+        load = histogram(routed_tk.reshape(-1), self.e + 1).float()  # no host read (bincount reads its max)
         dropped, load = load[self.e], load[:self.e]
         if self.stats is None:
             z = torch.zeros((), device=load.device)

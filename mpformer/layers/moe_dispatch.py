@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.device import host_ints
 
 ID_BYTES = 8  # expert ids and counts travel as int64
 
@@ -53,25 +54,46 @@ class TokenDispatcher(Protocol):
         ...
 
 
-def _check(x_th: torch.Tensor, expert_tk: torch.Tensor, num_experts: int) -> tuple[int, int]:
-    """(T, k); ValueError on bad shapes or ids outside [0, E) (a host sync, as the counts need one anyway)."""
+def _check(x_th: torch.Tensor, expert_tk: torch.Tensor) -> tuple[int, int]:
+    """(T, k); ValueError on bad shapes (the ids' range is checked from the dispatch's one host read)."""
     if x_th.dim() != 2 or expert_tk.dim() != 2 or expert_tk.shape[0] != x_th.shape[0]:
         raise ValueError(f"dispatch needs x_th [T, h] and expert_tk [T, k], got {list(x_th.shape)} and "
                          f"{list(expert_tk.shape)}")
-    if expert_tk.numel() and bool(((expert_tk < 0) | (expert_tk > num_experts)).any()):
-        lo, hi = int(expert_tk.min()), int(expert_tk.max())
-        raise ValueError(f"expert ids must lie in [0, {num_experts}] ({num_experts}: dropped); got {lo}..{hi}")
     return expert_tk.shape[0], expert_tk.shape[1]
 
 
-def _sort_by_expert(expert_s: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order [R]: the routed slots sorted by expert, stable, so token-major within one; counts [E] per
-    expert). Dropped slots (id E) sort last and are cut (R <= S: a host read when any may be dropped)."""
-    order = torch.sort(expert_s, stable=True).indices
-    counts = torch.bincount(expert_s, minlength=num_experts + 1)
-    if counts.numel() > num_experts:
-        order = order[:expert_s.numel() - int(counts[num_experts])]
-    return order, counts[:num_experts]
+def histogram(ids: torch.Tensor, bins: int) -> torch.Tensor:
+    """[bins] int64: how many of ``ids`` (in [0, bins)) equal each value, on their device. A scatter-add, not
+    ``torch.bincount``: that reads its input's max on the host on CUDA and has no meta kernel (a rehearsal)."""
+    return torch.zeros(bins, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
+def _ids_and_bad(expert_s: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids clamped into [0, E], the count [1] of ids outside it): the count travels with the dispatch's one
+    host read, which raises on it (``_raise_bad``)."""
+    bad = ((expert_s < 0) | (expert_s > num_experts)).sum().view(1)
+    return expert_s.clamp(0, num_experts), bad
+
+
+def _raise_bad(bad: int, num_experts: int) -> None:
+    if bad:
+        raise ValueError(f"expert ids must lie in [0, {num_experts}] ({num_experts}: dropped); {bad} do not")
+
+
+def uniform_counts(slots: int, num_experts: int) -> list[int]:
+    """Uniform routing, the stand-in of a rehearsal's host reads (parallel/device.py ``host_ints``): ``slots``
+    spread over the experts as evenly as integers go (the first ``slots % E`` take one more), none dropped."""
+    base, extra = divmod(slots, num_experts)
+    return [base + (e < extra) for e in range(num_experts)]
+
+
+def _sort_by_expert(expert_s: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [S]: the slots sorted by expert, stable, so token-major within one; counts [E+1] per expert,
+    the last the dropped slots (id E), which sort last; bad [1]: ids outside [0, E]). Cut ``order`` to its
+    routed R = S - dropped rows once the host has the counts."""
+    ids, bad = _ids_and_bad(expert_s, num_experts)
+    order = torch.sort(ids, stable=True).indices
+    return order, histogram(ids, num_experts + 1), bad
 
 
 def _unsort(y_rh: torch.Tensor, order: torch.Tensor, unsort: torch.Tensor | None, slots: int) -> torch.Tensor:
@@ -103,11 +125,16 @@ class LocalDispatcher:
         self._unsort: torch.Tensor | None = None
 
     def dispatch(self, x_th: torch.Tensor, expert_tk: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        _, k = _check(x_th, expert_tk, self.num_experts)
-        order, counts = _sort_by_expert(expert_tk.reshape(-1), self.num_experts)
-        self._order, self._slots = order, expert_tk.numel()
-        self._unsort = _inverse(order) if order.numel() == self._slots else None
-        return x_th[order // k], counts.tolist()
+        _, k = _check(x_th, expert_tk)
+        E, S = self.num_experts, expert_tk.numel()
+        order, counts, bad = _sort_by_expert(expert_tk.reshape(-1), E)
+        # the one host read: the counts (the GEMMs' group sizes), the dropped slots, the bad ids
+        host = host_ints(torch.cat([counts, bad]), lambda: [*uniform_counts(S, E), 0, 0])
+        _raise_bad(host[E + 1], E)
+        order = order[:S - host[E]]
+        self._order, self._slots = order, S
+        self._unsort = _inverse(order) if order.numel() == S else None
+        return x_th[order // k], host[:E]
 
     def combine(self, y_mh: torch.Tensor) -> torch.Tensor:
         assert self._order is not None, "combine before dispatch"
@@ -120,11 +147,12 @@ class _AllToAllRoute:
 
     def __init__(self, comm: Comm, order: torch.Tensor, k: int, tokens: int, send: list[int],
                  recv_se: list[list[int]]) -> None:
+        """``send`` and ``recv_se`` are host lists (all_to_all_single takes its splits there)."""
         self.comm, self.order, self.tokens, self.slots = comm, order, tokens, tokens * k
         self.token = order // k  # [R] the token of each sorted slot
         self.unsort = _inverse(order) if order.numel() == self.slots else None  # None: some slots dropped
         self.send, self.recv = send, [sum(row) for row in recv_se]
-        self.regroup = _regroup(torch.tensor(recv_se, dtype=torch.int64, device=order.device))  # [M]
+        self.regroup = _regroup(torch.tensor(recv_se, dtype=torch.int64, device=order.device), sum(self.recv))
         self.ungroup = _inverse(self.regroup)
 
     def to_experts(self, rows_sh: torch.Tensor) -> torch.Tensor:
@@ -136,14 +164,13 @@ class _AllToAllRoute:
         return self.comm.all_to_all_single(y_mh[self.ungroup], self.recv, self.send)
 
 
-def _regroup(cnt_se: torch.Tensor) -> torch.Tensor:
-    """Received rows arrive by source rank s, then local expert e (cnt_se [ep, El] rows each); the index
-    [M] that orders them by e, then s (each block keeping its order)."""
+def _regroup(cnt_se: torch.Tensor, total: int) -> torch.Tensor:
+    """Received rows arrive by source rank s, then local expert e (cnt_se [ep, El] rows each, ``total`` M in
+    all, known to the host); the index [M] that orders them by e, then s (each block keeping its order)."""
     flat = cnt_se.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(cnt_se).t().reshape(-1)  # block starts, expert-major
     sizes = cnt_se.t().reshape(-1)
     first = torch.cumsum(sizes, 0) - sizes  # where each block lands in the output
-    total = int(flat.sum())
     return torch.repeat_interleave(starts - first, sizes, output_size=total) + torch.arange(total, device=flat.device)
 
 
@@ -181,16 +208,28 @@ class AllToAllDispatcher:
         self._route: _AllToAllRoute | None = None
 
     def dispatch(self, x_th: torch.Tensor, expert_tk: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        T, k = _check(x_th, expert_tk, self.num_experts)
-        ep, el = self.comm.size, self.num_local_experts
-        order, counts_e = _sort_by_expert(expert_tk.reshape(-1), self.num_experts)
+        T, k = _check(x_th, expert_tk)
+        E, S, ep, el = self.num_experts, expert_tk.numel(), self.comm.size, self.num_local_experts
+        order, counts, bad = _sort_by_expert(expert_tk.reshape(-1), E)
         # The counts first: row j of [ep, El] is what this rank sends rank j, per expert of rank j; after the
         # exchange row s is what rank s sends here. all_to_all_single takes its splits on the host, so they
-        # are copied there: a sync per layer, as in Megatron (the grouped GEMM needs host counts too).
-        recv_se = self.comm.all_to_all(counts_e.view(ep, el), 0, 0).tolist()
-        send = counts_e.view(ep, el).sum(1).tolist()
-        self._route = route = _AllToAllRoute(self.comm, order, k, T, send, recv_se)
-        return _AllToAllDispatch.apply(x_th, route), [sum(row[e] for row in recv_se) for e in range(el)]
+        # are copied there with the send splits, the dropped slots and the bad ids: the dispatch's one host
+        # read (a sync per layer, as in Megatron; the grouped GEMM's group sizes come with it).
+        counts_se = counts[:E].view(ep, el)
+        recv_se = self.comm.all_to_all(counts_se, 0, 0)
+        packed = torch.cat([recv_se.reshape(-1), counts_se.sum(1), counts[E:], bad])
+
+        def uniform() -> list[int]:  # every rank routes alike: rank s sends here what this rank sends rank r
+            u = uniform_counts(S, E)
+            mine = u[self.first_expert:self.first_expert + el]
+            return [*mine * ep, *(sum(u[j * el:(j + 1) * el]) for j in range(ep)), 0, 0]
+
+        host = host_ints(packed, uniform)
+        _raise_bad(host[-1], E)
+        recv = [host[s * el:(s + 1) * el] for s in range(ep)]
+        send, dropped = host[ep * el:ep * el + ep], host[-2]
+        self._route = route = _AllToAllRoute(self.comm, order[:S - dropped], k, T, send, recv)
+        return _AllToAllDispatch.apply(x_th, route), [sum(row[e] for row in recv) for e in range(el)]
 
     def combine(self, y_mh: torch.Tensor) -> torch.Tensor:
         assert self._route is not None, "combine before dispatch"
@@ -240,14 +279,22 @@ class AllGatherDispatcher:
         self._route: _AllGatherRoute | None = None
 
     def dispatch(self, x_th: torch.Tensor, expert_tk: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        T, k = _check(x_th, expert_tk, self.num_experts)
-        expert_n = self.comm.all_gather(expert_tk.reshape(-1).contiguous(), 0)  # [ep*S], source rank major
-        mine = (expert_n >= self.first_expert) & (expert_n < self.first_expert + self.num_local_experts)
-        sel = torch.nonzero(mine).view(-1)
-        local = expert_n[sel] - self.first_expert
-        keep = sel[torch.sort(local, stable=True).indices]  # by local expert, then source rank, then slot
-        self._route = route = _AllGatherRoute(self.comm, keep, k, T)
-        counts = torch.bincount(local, minlength=self.num_local_experts).tolist()
+        T, k = _check(x_th, expert_tk)
+        E, el, ep = self.num_experts, self.num_local_experts, self.comm.size
+        ids, bad = _ids_and_bad(expert_tk.reshape(-1), E)
+        expert_n = self.comm.all_gather(ids.contiguous(), 0)  # [ep*S], source rank major
+        # each slot's local expert, or el for another rank's (and dropped) slots: sorted stably, this rank's
+        # come first, by local expert, then source rank, then slot (no nonzero: its size is a host read)
+        local = expert_n - self.first_expert
+        local = torch.where((local >= 0) & (local < el), local, torch.full_like(local, el))
+        order = torch.sort(local, stable=True).indices
+        # the one host read: the rows per local expert, and the bad ids
+        host = host_ints(torch.cat([histogram(local, el + 1)[:el], bad]),
+                         lambda: [ep * c for c in uniform_counts(T * k, E)[self.first_expert:self.first_expert + el]]
+                         + [0])
+        _raise_bad(host[el], E)
+        counts = host[:el]
+        self._route = route = _AllGatherRoute(self.comm, order[:sum(counts)], k, T)
         return _AllGatherDispatch.apply(x_th, route), counts
 
     def combine(self, y_mh: torch.Tensor) -> torch.Tensor:

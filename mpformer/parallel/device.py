@@ -35,6 +35,19 @@ def kernel_device(t: torch.Tensor) -> str:
     return "cuda" if t.device.type == "meta" else t.device.type
 
 
+def host_ints(t: torch.Tensor, stand_in: Callable[[], list[int]]) -> list[int]:
+    """``t``'s integers on the host (a sync on a GPU: a caller's one read of a step's phase). A meta tensor has
+    no values: the read is still made (a rehearsal records it where a GPU would wait) and ``stand_in()`` is
+    what it returns, a defined stand-in the caller chooses (uniform routing for the experts' counts)."""
+    values = t.tolist()
+    if t.device.type != "meta":
+        return values
+    out = stand_in()
+    if len(out) != t.numel():
+        raise AssertionError(f"host_ints: the stand-in has {len(out)} values for {t.numel()}")
+    return out
+
+
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast casts ``t``'s GEMMs to where it is on for ``t``'s device, else None."""
     if t.device.type == "meta":

@@ -14,13 +14,15 @@ alike (autograd carries the mode into the backward):
                 uses them and wherever a new peak is decided.
     kernels     each fused attention op by the kernel it is (flash, efficient, cudnn), and each call of
                 torch's generic SDPA, which on these tensors (and on a GPU that no fused kernel takes)
-                is the math kernel
+                is the math kernel; and the experts' grouped GEMMs (``grouped_mm``: calls and FLOPs)
     flops       each op's FLOPs by torch's own formulas (torch.utils.flop_counter's registry: GEMMs and the
-                fused attention kernels), once ``count_flops`` is set (the steps, not the build). Not
-                FlopCounterMode itself: its module tracker keeps checkpointed layers' outputs alive.
+                fused attention kernels; ``grouped_mm_flops`` for torch._grouped_mm, which it lacks), once
+                ``count_flops`` is set (the steps, not the build). Not FlopCounterMode itself: its module
+                tracker keeps checkpointed layers' outputs alive.
     squares     a tensor whose last two dimensions are an attention call's query and key lengths, both
                 at least ``SQUARE_MIN``: a score or mask matrix
-    syncs       an op that needs a device value on the host (parallel/host_syncs.py), and ``tolist``. On
+    syncs       an op that needs a device value on the host (parallel/host_syncs.py), ``tolist`` and a copy
+                to the host (``.cpu()``). On
                 meta tensors it cannot run: it is recorded with where it came from and a stand-in value
                 is returned (zeros; False for flags), so the step goes on. Those inside a
                 ``record_function(REPORT)`` region are the step's one reporting boundary.
@@ -66,6 +68,19 @@ for _name, _kernel in (("_scaled_dot_product_flash_attention", "flash"), ("_flas
             ATTENTION_OPS[_op.default] = _kernel
 
 
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **kwargs) -> int:
+    """``torch._grouped_mm``'s FLOPs (torch's registry has none): 2 x the multiply-adds of every group, whose
+    sizes (``offs``) a meta tensor does not hold, but whose sum does not need them. ``a`` [m, k] or
+    [G, m, k], ``b`` [k, n] or [G, k, n]: 2d x 3d (the experts' forward and input gradient) groups a's m
+    rows, 2d x 2d (the weight gradient) groups the k they share, 3d x 2d groups b's n columns."""
+    g = a.shape[0] if a.dim() == 3 and b.dim() == 3 else 1
+    return 2 * g * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+# torch's formulas by op (GEMMs, the fused attention kernels), and the ones it lacks
+FLOPS = {**flop_registry, _aten._grouped_mm: grouped_mm_flops}
+
+
 @dataclass
 class Finding:
     """One op of note: what it was, where in mpformer it came from, and where in the step it ran."""
@@ -86,12 +101,14 @@ class Finding:
 
 
 _TOOLS = ("/rehearsal/", "/parallel/meta_autocast.py")  # the rehearsal's own frames, never the line that asked
+_READERS = ("host_ints",)  # functions that read for their caller (parallel/device.py): the caller's line is named
 
 
 def our_line() -> str:
     """The innermost frame in mpformer (outside the rehearsal's own code) of the current stack, as path:line."""
     for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(_ROOT) and not any(t in frame.filename for t in _TOOLS):
+        if (frame.filename.startswith(_ROOT) and not any(t in frame.filename for t in _TOOLS)
+                and frame.name not in _READERS):
             return f"{Path(frame.filename).relative_to(Path(_ROOT).parent)}:{frame.lineno}"
     return "?"
 
@@ -121,6 +138,7 @@ class Probe(TorchDispatchMode):
         self.largest: list[dict] = []  # the peak's largest activations and others (a snapshot each 1% of new peak)
         self._snapshot_at = 0
         self.kernels: collections.Counter[str] = collections.Counter()
+        self.grouped_mm = {"calls": 0, "flops": 0}  # the experts' grouped GEMMs (layers/expert_gemm.py)
         self.squares: list[Finding] = []
         self.syncs: list[Finding] = []
         self.regions: list[str] = []  # the open record_function ranges' names, innermost last
@@ -178,7 +196,9 @@ class Probe(TorchDispatchMode):
                 if self._handles[i] is args[0]:
                     del self._handles[i], self.regions[i]
                     break
-        if is_sync(func, args) and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(args)):
+        if func is _aten._to_copy.default and args[0].is_meta and kwargs.get("device") == torch.device("cpu"):
+            return self._sync(func, args, kwargs)  # a copy to the host (``.cpu()``): it waits for the device
+        if is_sync(func, args, kwargs) and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(args)):
             return self._sync(func, args)
         kernel = ATTENTION_OPS.get(func)
         if kernel is not None:
@@ -190,15 +210,20 @@ class Probe(TorchDispatchMode):
             self._resized(args)
         out = func(*args, **kwargs)
         self._track(func, out)
-        if self.count_flops and (count := flop_registry.get(func._overloadpacket)) is not None:
+        if func is _aten._grouped_mm.default:
+            self.grouped_mm["calls"] += 1
+            self.grouped_mm["flops"] += grouped_mm_flops(*args)
+        if self.count_flops and (count := FLOPS.get(func._overloadpacket)) is not None:
             self.flops += int(count(*args, **kwargs, out_val=out))
         return out
 
-    def _sync(self, func, args) -> object:
+    def _sync(self, func, args, kwargs=None) -> object:
         inside = REPORT in self.regions
         self.syncs.append(Finding(str(func), our_line(), self.where(), boundary=inside))
         if func is _aten._local_scalar_dense.default:
             return False if args[0].dtype == torch.bool else 0
+        if func is _aten._to_copy.default:  # zeros, as for tolist
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
         if func is _aten.nonzero.default:
             return torch.zeros((0, args[0].dim()), dtype=torch.int64, device=args[0].device)
         raise RuntimeError(f"{func} needs device values on the host ({our_line()}): a rehearsal cannot run it")

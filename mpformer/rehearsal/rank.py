@@ -43,6 +43,7 @@ class RankReport:
     elapsed_s: float
     steps: int
     host_peak_bytes: int  # this process's peak resident memory (the rehearsal's own cost on the host)
+    grouped_mm: dict[str, int] = field(default_factory=dict)  # the experts' grouped GEMMs: calls, FLOPs
     predicted: dict = field(default_factory=dict)  # report.py fills it from the memory model
 
     def to_dict(self) -> dict:
@@ -52,7 +53,7 @@ class RankReport:
                 "square_tensors": [f.to_dict() for f in self.square_tensors],
                 "host_syncs": [f.to_dict() for f in self.host_syncs], "comm_bytes": self.comm_bytes,
                 "flops": self.flops, "elapsed_s": self.elapsed_s, "steps": self.steps,
-                "host_peak_bytes": self.host_peak_bytes, **self.predicted}
+                "host_peak_bytes": self.host_peak_bytes, "grouped_mm": self.grouped_mm, **self.predicted}
 
 
 def _lengths_and_widths(spec) -> tuple[set[int], set[int]]:
@@ -119,7 +120,8 @@ def rehearse_rank(composed: Composed, world_size: int, rank: int, steps: int) ->
         dist.destroy_process_group()
     return RankReport(rank, dict(groups.coords), probe.peak, dict(probe.peak_by_kind), probe.peak_where, probe.largest,
                       dict(probe.kernels), probe.squares, probe.syncs, comm, probe.flops,
-                      time.perf_counter() - t0, steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                      time.perf_counter() - t0, steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      dict(probe.grouped_mm))
 
 
 __all__ = ["KINDS", "REPORT", "RankReport", "rehearse_rank"]

@@ -20,7 +20,14 @@ all-reduce twice that, a send its n.
         all-gather of its updated parameters (their dtype), once a step; ZeRO-3: a micro-batch's
         gathers of every unit in forward and backward (optim/units.py) and its gradients' reduce-scatter
 
-What has no closed form here is left out (``None``): ZeRO-3 under full recompute (which units stay
+    ep  mixture of experts: per sparse layer and micro-batch, layers/moe_dispatch.py ``dispatch_bytes`` for
+        the rank's T tokens (s/cp b, over tp under sequence parallelism with etp = 1: each tp rank routes
+        its own chunk; etp = tp gathers them first), under the uniform routing a rehearsal stands in
+        (exact there: its dispatchers read uniform counts, parallel/device.py ``host_ints``)
+
+What has no closed form here is left out (``None``): an MoE model's dp and tp terms (its expert
+gradients reduce over the expert-data view and, at etp = 1, over tp; the memory model's parameter count
+does not split them yet), ep under full recompute, ZeRO-3 under full recompute (which units stay
 gathered from the recomputed forward into backward), context parallelism's hops (they depend on the
 kind and the mask), tp without sequence parallelism under full recompute, and ZeRO-0's all-reduce.
 """
@@ -29,7 +36,9 @@ from __future__ import annotations
 
 from mpformer.core.config import Config
 from mpformer.core.layout import ParallelLayout
+from mpformer.core.moe_config import is_moe_layer
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
+from mpformer.layers.moe_dispatch import ID_BYTES, dispatch_bytes
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -100,7 +109,32 @@ def comm_formula(cfg: Config, layout: ParallelLayout, rank: int, params: int) ->
             out["dp.all_gather" if L.zero == 3 else "dp.all_reduce"] = None
     if L.cp > 1:
         out["cp"] = None
+    if m.num_experts:
+        out.update(dict.fromkeys([k for k in out if k.startswith(("dp.", "tp."))], None))
+        if L.ep > 1:
+            starts = [sum(counts[:g]) for g in range(len(counts))]
+            sparse = sum(is_moe_layer(m, i) for g in stages for i in range(starts[g], starts[g] + counts[g]))
+            out.update(_ep_formula(cfg, L, micro * sparse, s * b))
     return out
+
+
+def _ep_formula(cfg: Config, L: ParallelLayout, passes: int, tokens: int) -> dict[str, float | None]:
+    """The ep group's bytes for ``passes`` (sparse layer, micro-batch) pairs of ``tokens`` tokens each."""
+    m, e = cfg.model, BYTES[cfg.train.precision]
+    kinds = {"alltoall": ("ep.all_to_all",), "allgather": ("ep.all_gather", "ep.reduce_scatter")}[L.ep_dispatcher]
+    if L.recompute == "full":  # a recomputed forward dispatches again: which layers, the recompute's choice
+        return dict.fromkeys(kinds, None)
+    etp = L.etp if L.etp is not None else L.tp
+    if L.sequence_parallel and etp == 1:
+        tokens //= L.tp
+    k, h = m.num_experts_per_tok, m.hidden_size
+    f = dispatch_bytes(L.ep_dispatcher, tokens, k, h, L.ep, e, num_experts=m.num_experts)
+    if L.ep_dispatcher == "alltoall":
+        return {"ep.all_to_all": passes * (f["forward"] + f["backward"])}
+    # all-gathers: forward's tokens and ids, backward's [S, h]; reduce-scatters: forward's [ep S, h], backward's
+    rows_t, rows_s = (L.ep - 1) * tokens * h * e, (L.ep - 1) * tokens * k * h * e
+    assert f["dispatch"] == rows_t + (L.ep - 1) * tokens * k * ID_BYTES
+    return {"ep.all_gather": passes * (f["dispatch"] + rows_s), "ep.reduce_scatter": passes * (f["combine"] + rows_t)}
 
 
 def comm_agreement(recorded: dict[str, int], formula: dict[str, float | None]) -> float | None:

@@ -6,7 +6,10 @@ every layer's statistics over the whole world in one all-reduce of an ``[L, E + 
 writes the rows of its pipeline stage's layers; tp ranks that saw the same tokens count once), so the
 load is the global batch's, whatever the layout. With ``model.router_bias_update_rate`` the selection
 biases then move by that load (DeepSeek-V3's auxiliary-loss-free balancing) on every rank alike, before
-the next step routes. ``metrics`` turns the step's sums into metrics.jsonl entries (one host read):
+the next step routes. ``read`` copies the step's sums to the host inside the step's reporting boundary
+(parallel/host_syncs.py ``REPORT_BOUNDARY``), right after the step check's own read has waited for the
+device (its all-reduce was issued after this one): a read that waits for nothing more. ``metrics`` turns
+them into metrics.jsonl entries:
 
     moe/aux_loss, moe/z_loss      mean over sparse layers of the per-micro-batch losses (unweighted)
     moe/load_max_mean             the most loaded expert's tokens over the mean, worst layer
@@ -23,6 +26,7 @@ from torch import nn
 
 from mpformer.layers.moe import moe_layers, set_loss_scale
 from mpformer.parallel.comm import Comm
+from mpformer.parallel.host_syncs import REPORT_BOUNDARY
 
 
 class RouterReport:
@@ -36,6 +40,7 @@ class RouterReport:
         self.shape = (num_layers, num_experts + 4)
         self.rate, self.world, self.counts = rate, world, counts
         self.pending: collections.deque[tuple[int, torch.Tensor]] = collections.deque()  # (step, sums)
+        self.host: collections.deque[tuple[int, torch.Tensor]] = collections.deque()  # read, for metrics
         self.before: dict[int, list[torch.Tensor | None]] = {}  # step -> the biases before its gather
 
     def set_loss_scale(self, model: nn.Module, scale: float) -> None:
@@ -48,6 +53,7 @@ class RouterReport:
         if step in self.before:
             self._restore(step)
             self.pending = collections.deque(p for p in self.pending if p[0] != step)
+            self.host = collections.deque(p for p in self.host if p[0] != step)
 
     def undo(self, step: int) -> None:
         """Step ``step`` skipped (train.on_nan=skip): the biases as before it, as if it never routed; a
@@ -55,10 +61,12 @@ class RouterReport:
         if step in self.before:
             self._restore(step)
             self.pending = collections.deque(p for p in self.pending if p[0] <= step)
+            self.host = collections.deque(p for p in self.host if p[0] <= step)
 
     def forget(self) -> None:
         """After a rollback: the checkpoint's biases are loaded and its steps run again from there."""
         self.pending.clear()
+        self.host.clear()
         self.before.clear()
 
     def _restore(self, step: int) -> None:
@@ -88,11 +96,20 @@ class RouterReport:
             m.update_bias(rows[m.layer, :e], self.rate)
         self.pending.append((step, rows))
 
+    def read(self) -> None:
+        """The gathered steps' sums to the host (the stepper calls it after the step check's read)."""
+        while self.pending:
+            step, rows = self.pending.popleft()
+            with torch.profiler.record_function(REPORT_BOUNDARY):
+                # tolist, not cpu(): a rehearsal's meta rows have no values (its probe gives zeros for them)
+                self.host.append((step, torch.tensor(rows.tolist(), dtype=rows.dtype)))
+
     def metrics(self) -> dict[str, float]:
-        """The oldest gathered step's entries (one host read)."""
-        if not self.pending:
+        """The oldest gathered step's entries (read now if the stepper has not)."""
+        self.read()
+        if not self.host:
             return {}
-        rows = self.pending.popleft()[1].cpu()
+        rows = self.host.popleft()[1]
         e = self.shape[1] - 4
         sparse = [i for i in range(rows.shape[0]) if rows[i, e + 3] > 0]
         if not sparse:

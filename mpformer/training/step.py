@@ -163,6 +163,8 @@ class Stepper:
             spec = self.engine.speculate()
         # The norm and the loss, the same on every rank: one decision everywhere.
         grad_norm, loss = self.check_result(self.launch_check(loss_sum), spec)
+        if self.router is not None:  # its sums' all-reduce came before the check's: the device has them
+            self.router.read()
         bad, rolled_back = self.verdict(self.progress.step + 1, start, loss, grad_norm)
         if rolled_back:
             return None
