@@ -61,7 +61,8 @@ MOE = {"model": "mixtral-tiny", "model.num_layers": 4, "model.hidden_size": 256,
 MOE_RUNS = {
     "moe ep1 zero1 fp32": {**MOE, "parallel.zero": 1},
     "moe ep2 zero2 bf16 alltoall": {**MOE, "parallel.zero": 2, "parallel.ep": 2, "train.precision": "bf16"},
-    "moe ep2 zero3 fp32 allgather": {**MOE, "parallel.zero": 3, "parallel.ep": 2, "parallel.ep_dispatcher": "allgather"},
+    "moe ep2 zero3 fp32 allgather": {**MOE, "parallel.zero": 3, "parallel.ep": 2,
+                                     "parallel.ep_dispatcher": "allgather"},
 }
 
 
