@@ -74,9 +74,9 @@ def slice_kv_bytes(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str) ->
 
 
 def layer_live(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Runtime,
-               sunk: bool = False) -> LayerLive:
+               sunk: bool = False, kind: str = "dense") -> LayerLive:
     """One layer under recompute ``mode``; ``sunk``: its projections' weight gradients go straight into
-    the gradient buffers (mpformer's ZeRO-3)."""
+    the gradient buffers (mpformer's ZeRO-3); ``kind``: its MLP kind (a sparse layer's: expert_memory.py)."""
     Lm = replace(L, recompute=mode, recompute_layers=None)
     kept = cp_extra_bytes_per_layer(m, Lm, w) + slice_kv_bytes(m, L, w, mode)
     again = cp_extra_bytes_per_layer(m, replace(Lm, recompute="none"), w) if mode != "none" and L.cp > 1 else 0.0
@@ -84,11 +84,11 @@ def layer_live(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Ru
     tokens = x.s_n * x.b
     if w.flash_attention and rt.block == "mpformer":  # mpformer's own block (and torchtitan's)
         args = (w.seq_length, w.micro_batch_size, w.precision)
-        lb = layer_bytes(m, Lm, *args, sunk=sunk)
+        lb = layer_bytes(m, Lm, *args, sunk=sunk, kind=kind)
         if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
             saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
             return LayerLive(saved + kept, layer_bytes(m, Lm, *args, recompute="none").saved - saved + lb.backward)
-        return LayerLive(lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args) + again)
+        return LayerLive(lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args, kind=kind) + again)
     # Megatron's block (layer_memory.megatron_layer_bytes; without a flash kernel, whoever runs it). A
     # recomputed layer's activations come back in its backward, which adds the gradients of the MLP's
     # wide activations (while all of them live) or, once the MLP's are freed, the gradient of the

@@ -15,8 +15,10 @@ from mpformer.core.layout import ParallelLayout
 # The plan: every ParallelLayout field but these, and the micro-batch size. pp_split is the user's,
 # pp_partition is searched but reported beside the plan, grad_reduce_dtype is not a layout choice,
 # pp_token_slices is priced when a layout has it (cost.py, memory.py) but not searched; the expert-parallel
-# fields (ep, etp, ep_dispatcher) are taken as given (the cost model does not price experts yet).
+# fields (ep, etp, ep_dispatcher) are searched for a mixture of experts only (search.py ``expert_options``)
+# and reported in its plans (``EXPERT_FIELDS``), so a dense model's plans read as before.
 NOT_SEARCHED = ("pp_split", "grad_reduce_dtype", "pp_token_slices", "ep", "etp", "ep_dispatcher")
+EXPERT_FIELDS = ("ep", "etp", "ep_dispatcher")
 PLAN_FIELDS = (*(f.name for f in fields(ParallelLayout) if f.name not in (*NOT_SEARCHED, "pp_partition")),
                "micro_batch_size")
 # What autoconfig.fixed may pin: the plan, pp_partition, and the fields the search takes as given (priced at
@@ -49,7 +51,10 @@ class Candidate:
     rehearsed: dict[str, Any] | None = None
 
     def plan(self) -> dict[str, Any]:
-        return {k: self.micro_batch_size if k == "micro_batch_size" else getattr(self.layout, k) for k in PLAN_FIELDS}
+        out = {k: self.micro_batch_size if k == "micro_batch_size" else getattr(self.layout, k) for k in PLAN_FIELDS}
+        if has_experts(self.layout):
+            out.update({k: getattr(self.layout, k) for k in EXPERT_FIELDS})
+        return out
 
     def overrides(self) -> str:
         """The plan as pretrain's command-line overrides."""
@@ -93,6 +98,11 @@ class SearchResult:
         return self
 
 
+def has_experts(L: ParallelLayout) -> bool:
+    """Whether a plan sets the expert-parallel fields (the search sets etp explicitly for a mixture of experts)."""
+    return L.ep > 1 or L.etp is not None or L.ep_dispatcher != "alltoall"
+
+
 def with_mbs(w: Workload, mbs: int) -> Workload:
     """The workload at micro-batch size ``mbs``."""
     return replace(w, micro_batch_size=mbs)
@@ -104,4 +114,5 @@ def short_plan(L: ParallelLayout, mbs: int) -> str:
     return (f"dp={L.dp} tp={L.tp} pp={L.pp} cp={L.cp}{kind} vpp={L.vpp} {L.schedule} mbs={mbs} zero={L.zero} "
             f"recompute={L.recompute}" + (" sp" if L.sequence_parallel else "")
             + (f" offload={L.offload}" if L.offload != "none" else "")
-            + (f" offload_keep={L.offload_keep}" if L.offload == "auto" else ""))
+            + (f" offload_keep={L.offload_keep}" if L.offload == "auto" else "")
+            + (f" ep={L.ep} etp={L.etp} {L.ep_dispatcher}" if has_experts(L) else ""))

@@ -42,9 +42,11 @@ from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.compute import LayerTimes, layer_times_from, matmul_dtype, measured_attention, pass_time
 from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
+from mpformer.autoconfig.expert_cost import dispatch_time, dp_share
+from mpformer.autoconfig.expert_memory import stage_expert_params
 from mpformer.autoconfig.kernels import attention_kernel, dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  # noqa: F401  (RING_FACTOR: re-exported)
-from mpformer.autoconfig.memory import BYTES, Workload
+from mpformer.autoconfig.memory import BYTES, Workload, rank_layers
 from mpformer.autoconfig.pipeline_cost import offload_exposed, pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
 from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES, ParallelLayout
@@ -75,18 +77,19 @@ def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> t
     return f, bi, bw_, tp_comm + sum(cp_layer_times(m, L, w, c, attn))
 
 
-def layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> LayerTimes:
-    """The layer's kernels (kernels.py) timed on the device (compute.py), without recompute."""
-    key = (repr(m), _compute_key(L), _work_key(w), _cluster_key(c), id(c.measured))
+def layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, kind: str | None = None) -> LayerTimes:
+    """The layer's kernels (kernels.py) timed on the device (compute.py), without recompute; ``kind``: its
+    MLP kind (default the model's)."""
+    key = (repr(m), _compute_key(L), _work_key(w), _cluster_key(c), id(c.measured), kind)
     hit = _LAYER_CACHE.get(key)
     if hit is None or hit[0] is not c.measured:
-        hit = _LAYER_CACHE[key] = (c.measured, _layer_compute(m, key[1], key[2], c))
+        hit = _LAYER_CACHE[key] = (c.measured, _layer_compute(m, key[1], key[2], c, kind))
     return hit[1]
 
 
 def _compute_key(L: ParallelLayout) -> ParallelLayout:
     """The layout fields a layer's kernels depend on (the rest would only split the cache)."""
-    return ParallelLayout(tp=L.tp, cp=L.cp, sequence_parallel=L.sequence_parallel)
+    return ParallelLayout(tp=L.tp, cp=L.cp, sequence_parallel=L.sequence_parallel, ep=L.ep, etp=L.etp)
 
 
 def _work_key(w: Workload) -> Workload:
@@ -110,20 +113,21 @@ def fused_attention(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) 
                             w.precision) != "math"
 
 
-def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> LayerTimes:
+def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, kind: str | None = None) -> LayerTimes:
     dt, flash = w.precision, fused_attention(m, L, w, c)
-    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, flash)
+    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, flash, kind=kind)
     x = dims(m, L, w.seq_length, w.micro_batch_size)
     measured = measured_attention(c, dt, x["s"], x["s_k"], x["d"], x["b"] * x["heads"]) if flash else None
     return layer_times_from(c, dt, work, measured, matmul_dtype(c, dt, w.runtime.tf32))
 
 
-def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
+def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, kind: str | None = None
                       ) -> tuple[float, float, float, float, float]:
     """(F, BI, BW, TP communication, attention forward) seconds of one layer, one micro-batch, one rank.
     Selective recompute reruns the attention core's forward in the backward, full recompute the
-    whole forward (and its tensor-parallel collectives)."""
-    lt = layer_compute(m, L, w, c)
+    whole forward (and its tensor-parallel collectives). ``kind``: the layer's MLP kind (a sparse
+    layer's token exchanges are waited with the tensor-parallel ones: expert_cost.py)."""
+    lt = layer_compute(m, L, w, c, kind)
     f, bi, bw_ = lt.f, lt.bi, lt.bw
     if L.recompute == "selective" and w.runtime.selective == "op":
         # torchtitan's op-level checkpointing: the outputs of every other matmul (wq, wv, w1, w2) and
@@ -151,6 +155,8 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     # 2 in forward, 2 in backward, 2 more to recompute; the backward's two all-gathers of the kept input
     # shards (layers/linear.py) run under the input-gradient GEMMs and are not charged, as in Megatron
     tp_comm = (6 if L.recompute == "full" else 4) * per
+    if (m.mlp_kind if kind is None else kind) == "moe":
+        tp_comm += dispatch_time(m, L, w.seq_length, w.micro_batch_size, BYTES[w.precision], c)
     return f, bi, bw_, tp_comm, lt.attn_f
 
 
@@ -251,7 +257,10 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     cp_comm = micro * sum(sum(ns) * sum(cp_layer_times(m, lay, w, c)) for lay, ns in _recompute_split(L, mine)) \
         if L.cp > 1 else 0.0
     first = [stage_index(L, 0, chunk) for chunk in range(L.vpp)]  # pipeline rank 0's stages: it finishes last
-    dp_exposed = _dp_time(m, L, w, c, params_per_rank, micro, sum(fs[i] for i in first),
+    dp_params = params_per_rank
+    if m.num_experts:  # the experts reduce over the expert-data group (dp cp / ep ranks): priced at their share
+        dp_params = round(dp_share(L, params_per_rank, stage_expert_params(m, L, rank_layers(m, L, counts, 0))))
+    dp_exposed = _dp_time(m, L, w, c, dp_params, micro, sum(fs[i] for i in first),
                           sum(bs[i] + wc[i] for i in first), slow is not None)
     optimizer = optimizer_time(L, w, c, params_per_rank)
     if slow is not None:
@@ -281,8 +290,8 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
     k, split_factor = cal.compute, cal.split
     split = L.schedule in SPLIT_BACKWARD
     fc, bc, wc, tps, cps = ([0.0] * len(counts) for _ in range(5))
-    for lay, ns in _recompute_split(L, counts):  # recomputed layers and the others cost differently
-        f, bi, bw_, tp_comm, attn = layer_times_parts(m, lay, w, c)
+    for lay, ns, kind in _kind_split(m, L, counts):  # recomputed layers and the others cost differently
+        f, bi, bw_, tp_comm, attn = layer_times_parts(m, lay, w, c, kind)
         cp = sum(cp_layer_times(m, lay, w, c, attn))
         f, bi = f + (slices - 1) * attn, bi + 2.5 * (slices - 1) * attn  # the earlier slices' keys
         nf, nbi, nbw = kernel_launches(m, lay, w, "layers") if cal.launch else (0, 0, 0)  # host cost per launch
@@ -310,6 +319,22 @@ def stage_costs(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster,
         tps[0] += edge
         tps[-1] += edge + 3 * _collective(c, "all_reduce", tokens * 4, L.tp, L.tp > c.devices_per_node)
     return fc, bc, wc, [cal.tp_factor(L.tp) * t + x for t, x in zip(tps, cps)]
+
+
+def _kind_split(m: ModelConfig, L: ParallelLayout, counts: list[int]
+                ) -> list[tuple[ParallelLayout, list[float], str | None]]:
+    """(layout, layers per chunk, MLP kind): ``_recompute_split`` and, in a mixture of experts, each stage's
+    layers of each kind (sparse or dense) in the shares the stage holds them (None: the model's kind)."""
+    split = _recompute_split(L, counts)
+    if not m.num_experts:
+        return [(lay, list(ns), None) for lay, ns in split]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    out = []
+    for kind in dict.fromkeys(m.layer_kinds()):
+        share = [sum(m.layer_mlp_kind(j) == kind for j in range(a, a + n)) / n if n else 0.0
+                 for a, n in zip(starts, counts)]
+        out += [(lay, [x * q for x, q in zip(ns, share)], kind) for lay, ns in split]
+    return out
 
 
 def _recompute_split(L: ParallelLayout, counts: list[int]) -> list[tuple[ParallelLayout, list[int]]]:

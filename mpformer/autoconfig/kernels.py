@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mpformer.autoconfig.expert_cost import moe_gemms
 from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -135,8 +136,10 @@ def attention_kernel(m: ModelConfig, L: ParallelLayout, seq_length: int, runtime
 
 
 def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
-               kernels: str = "eager", flash: bool = True, main_grad_fp32: bool = True) -> LayerWork:
-    """Every kernel of one decoder layer (pre-norm attention + MLP blocks, as models/transformer.py)."""
+               kernels: str = "eager", flash: bool = True, main_grad_fp32: bool = True,
+               kind: str | None = None) -> LayerWork:
+    """Every kernel of one decoder layer (pre-norm attention + MLP blocks, as models/transformer.py);
+    ``kind``: its MLP kind (default the model's; a sparse layer's GEMMs: expert_cost.py)."""
     a = FP32 if precision == "fp32" else 2
     x = dims(m, L, seq_length, micro_batch)
     T, q, kv, f, X = x["T"], x["q"], x["kv"], x["f"], x["X"]
@@ -146,14 +149,18 @@ def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: 
     # then added into it by a kernel of its own (eager: 3 reads/writes of the weight's size).
     fused_acc = kernels == "fused" and main_grad_fp32
     # The sublayers' projections as their kinds describe them (core/layer_spec.py; dense: qkv, o, up, down).
-    proj = [(T, g.n, g.k) for kind in (attention_kind(m.attention_kind), mlp_kind(m.mlp_kind))
-            for g in kind.projections(m, L.tp)]
-    for mm, nn_, kk in proj:
-        F.gemms.append(Gemm(mm, nn_, kk, out_bytes=a))
-        BI.gemms.append(Gemm(mm, kk, nn_, out_bytes=a))
-        BW.gemms.append(Gemm(kk, nn_, mm, out_bytes=FP32 if fused_acc else a, accumulate=fused_acc))
+    kind = m.mlp_kind if kind is None else kind
+    proj = [(T, g.n, g.k, 1) for g in attention_kind(m.attention_kind).projections(m, L.tp)]
+    if kind == "moe":  # the router, the experts' grouped GEMMs at their rows per expert, the shared experts
+        proj += moe_gemms(m, L, seq_length, micro_batch)
+    else:
+        proj += [(T, g.n, g.k, 1) for g in mlp_kind(kind).projections(m, L.tp)]
+    for mm, nn_, kk, bt in proj:
+        F.gemms.append(Gemm(mm, nn_, kk, batch=bt, out_bytes=a))
+        BI.gemms.append(Gemm(mm, kk, nn_, batch=bt, out_bytes=a))
+        BW.gemms.append(Gemm(kk, nn_, mm, batch=bt, out_bytes=FP32 if fused_acc else a, accumulate=fused_acc))
         if not fused_acc:
-            BW.add(kk * nn_ * (a + 2 * FP32) if main_grad_fp32 else 3 * kk * nn_ * a, 1)
+            BW.add(bt * kk * nn_ * (a + 2 * FP32) if main_grad_fp32 else 3 * bt * kk * nn_ * a, 1)
     F.launches += len(proj)
     BI.launches += len(proj)
     BW.launches += len(proj)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpformer.autoconfig.expert_memory import MOE, moe_backward_bytes, moe_saved_bytes
 from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -93,10 +94,11 @@ def norm_bytes(m: ModelConfig, x: Shape, wb: int) -> float:
 
 
 def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
-                recompute: str | None = None, sunk: bool = False) -> LayerBytes:
+                recompute: str | None = None, sunk: bool = False, kind: str = "dense") -> LayerBytes:
     """mpformer's block: what one layer keeps per micro-batch on one rank under ``recompute`` (default:
     the layout's), and what its backward adds (module docstring); ``sunk``: its weight gradients are
-    formed in a gradient buffer (ZeRO-3's gradient sink, layers/linear.py), not beside it."""
+    formed in a gradient buffer (ZeRO-3's gradient sink, layers/linear.py), not beside it; ``kind``:
+    the layer's MLP kind (``layer_mlp_kind``; a sparse layer's MLP is counted in expert_memory.py)."""
     wb, x = BYTES[precision], shape(m, L, seq_length, micro_batch)
     mode = L.recompute if recompute is None else recompute
     tokens, gated, rope = x.s_n * x.b, m.gated_mlp, not m.learned_positions
@@ -106,6 +108,9 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
     # at 256 tokens, the former; 2.06 at 64, the latter and the slices' key gradients; h = 256).
     backward = (max(2 * wb * tokens * x.f, 0 if sunk else 2 * wb * x.f * x.h) if gated
                 else wb * tokens * x.f + (0 if sunk else wb * x.f * x.h))
+    if kind == MOE:
+        mlp = moe_saved_bytes(m, L, seq_length, micro_batch, wb, mode)
+        backward = moe_backward_bytes(m, L, seq_length, micro_batch, wb)
     if mode == "full":
         return LayerBytes(wb * x.s_r * x.b * x.h, 0.0, 0.0, 0.0, backward)
     norms = 2 * norm_bytes(m, x, wb) + 2 * wb * x.s_r * x.b * x.h
@@ -118,13 +123,14 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
     return LayerBytes(norms, attention, mlp, other, backward)
 
 
-def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str) -> float:
+def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
+                    kind: str = "dense") -> float:
     """Live above the kept input while a fully recomputed layer runs its backward: its activations again,
     of which the kept input is one (the first norm saves the input itself, either kind)."""
     if L.recompute != "full":
         return 0.0
-    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none").saved
-    return again - layer_bytes(m, L, seq_length, micro_batch, precision).saved
+    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none", kind=kind).saved
+    return again - layer_bytes(m, L, seq_length, micro_batch, precision, kind=kind).saved
 
 
 def megatron_layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,

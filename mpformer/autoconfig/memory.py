@@ -55,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mpformer.autoconfig.block_memory import head_live, layer_live
+from mpformer.autoconfig.expert_memory import expert_data_size, mlp_part_sizes, stage_expert_params
 from mpformer.autoconfig.inflight import inflight, offloaded, weighted_peak
 from mpformer.autoconfig.layer_memory import BYTES
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head
@@ -62,7 +63,7 @@ from mpformer.autoconfig.stage_units import PlanInputs, gathers, stage_units, wi
 from mpformer.autoconfig.step_memory import Peak, ReductionSpec, Unit, walk
 from mpformer.autoconfig.workload import Workload
 from mpformer.core.buffers import zero3_groups
-from mpformer.core.layer_spec import attention_kind, mlp_kind
+from mpformer.core.layer_spec import attention_kind
 from mpformer.core.layout import SPLIT_BACKWARD, ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
@@ -97,9 +98,26 @@ def layer_params_per_rank(m: ModelConfig, tp: int) -> int:
     return sum(layer_param_sizes(m, tp))
 
 
-def stage_params(m: ModelConfig, L: ParallelLayout, stage_layers: int, first: bool, last: bool) -> int:
+def rank_layers(m: ModelConfig, L: ParallelLayout, counts: list[int] | tuple[int, ...], r: int) -> list[int]:
+    """The global layer indices pipeline rank ``r`` holds (its chunks' stages, ``counts`` per stage)."""
+    out: list[int] = []
+    for c in range(L.vpp):
+        g = stage_index(L, r, c)
+        start = sum(counts[:g])
+        out += range(start, start + counts[g])
+    return out
+
+
+def stage_params(m: ModelConfig, L: ParallelLayout, stage_layers: int, first: bool, last: bool,
+                 layers: list[int] | None = None) -> int:
+    """Parameters one rank holds (before ZeRO): ``stage_layers`` layers (``layers``: which ones, for a
+    model whose layers differ in kind; default the first ones), the embedding and the head."""
     vocab = -(-m.vocab_size // L.tp) * m.hidden_size
-    n = stage_layers * layer_params_per_rank(m, L.tp)
+    if m.num_experts:  # a mixture of experts: each layer by its kind, its experts at the layout's ep, etp
+        ids = layers if layers is not None else range(stage_layers)
+        n = sum(sum(layer_param_sizes(m, L.tp, m.layer_mlp_kind(i), L)) for i in ids)
+    else:
+        n = stage_layers * layer_params_per_rank(m, L.tp)
     if first:
         n += vocab + (m.max_position_embeddings * m.hidden_size if m.learned_positions else 0)
     if last:
@@ -140,19 +158,23 @@ def head_bytes(m: ModelConfig, L: ParallelLayout, w: Workload) -> float:
     return 4.0 * (tokens * m.hidden_size + vocab * m.hidden_size) + chunk * vocab * (4 + 4 + BYTES[w.precision])
 
 
-def layer_param_sizes(m: ModelConfig, tp: int) -> list[int]:
+def layer_param_sizes(m: ModelConfig, tp: int, kind: str | None = None, L: ParallelLayout | None = None) -> list[int]:
     """One layer's parameters on one tensor-parallel rank, in model order (how the engine buckets them)."""
-    return [n for part in layer_part_sizes(m, tp) for n in part]
+    return [n for part in layer_part_sizes(m, tp, kind, L) for n in part]
 
 
-def layer_part_sizes(m: ModelConfig, tp: int) -> list[list[int]]:
+def layer_part_sizes(m: ModelConfig, tp: int, kind: str | None = None,
+                     L: ParallelLayout | None = None) -> list[list[int]]:
     """One layer's parameters by its parts (Block.parts(), how mpformer's ZeRO-3 makes units): each norm
     with the first part of the sublayer it feeds, as the attention and MLP kinds describe their parts
-    (core/layer_spec.py; dense: norm + qkv, o, norm + up, down)."""
+    (core/layer_spec.py; dense: norm + qkv, o, norm + up, down). ``kind``: the layer's MLP kind
+    (``layer_mlp_kind``; default the model's); ``L``: the layout whose ep and etp split the experts."""
     norm = [m.hidden_size, m.hidden_size] if m.norm_bias else [m.hidden_size]
+    L = L if L is not None else ParallelLayout(tp=tp, etp=1)
     out: list[list[int]] = []
-    for kind in (attention_kind(m.attention_kind), mlp_kind(m.mlp_kind)):
-        first, *rest = kind.part_sizes(m, tp)
+    for parts in (attention_kind(m.attention_kind).part_sizes(m, tp),
+                  mlp_part_sizes(m, L, m.mlp_kind if kind is None else kind)):
+        first, *rest = parts
         out += [norm + first, *rest]
     return out
 
@@ -214,32 +236,49 @@ def _plan(m: ModelConfig, L: ParallelLayout, w: Workload, device: str, bucket_mb
         micro *= L.pp_token_slices
     wb, n_d, stage3 = BYTES[w.precision], L.dp * L.cp, L.zero == 3
     sunk = stage3 and runtime.pooled  # mpformer's ZeRO-3 forms its projections' weight gradients in the buckets
-    layer_units = (tuple(layer_param_sizes(m, L.tp)),)  # a layer as one unit: its parameters go to the buckets
-    if stage3 and runtime.units == "parts":
-        parts = layer_part_sizes(m, L.tp)
+
+    def units(kind: str) -> tuple[tuple[int, ...], ...]:
+        if not (stage3 and runtime.units == "parts"):  # a layer as one unit: its parameters go to the buckets
+            return (tuple(layer_param_sizes(m, L.tp, kind, L)),)
+        parts = layer_part_sizes(m, L.tp, kind, L)
         groups = zero3_groups([sum(q) for q in parts], runtime.unit_numel)
-        layer_units = tuple(tuple(n for j in g for n in parts[j]) for g in groups)
+        return tuple(tuple(n for j in g for n in parts[j]) for g in groups)
+
+    # A mixture of experts: each layer by its MLP kind (sparse or dense); the fields for one layer are the
+    # heaviest kind's (what a unit in flight is counted at where the layer is not named).
+    kinds = tuple(m.layer_mlp_kind(i) for i in range(m.num_layers)) if m.num_experts else ()
+    by_kind = {k: (layer_live(m, L, w, L.recompute, runtime, sunk, k), layer_live(m, L, w, "none", runtime, sunk, k),
+                   units(k)) for k in dict.fromkeys(kinds)}
+    top = max(by_kind, key=lambda k: by_kind[k][1].saved) if by_kind else m.mlp_kind
     red = ReductionSpec(L.zero, n_d, wb if sunk else 4, wb if stage3 and wb < 4 else BYTES[L.grad_reduce_dtype],
                         bucket_mb * 2**20 / 4, MAX_IN_FLIGHT, device == "cpu" and 1 < n_d <= MAX_RANKS,
                         pooled=runtime.pooled or not stage3, budget=runtime.reduce_numel)
-    return PlanInputs(m, L, w, runtime, device, micro, peaks, counts,
-                      layer_live(m, L, w, L.recompute, runtime, sunk), layer_live(m, L, w, "none", runtime, sunk),
-                      head_live(m, L, w), layer_units, red)
+    if by_kind:
+        recomputed, plain, layer_units = by_kind[top]
+    else:
+        recomputed, plain = layer_live(m, L, w, L.recompute, runtime, sunk), layer_live(m, L, w, "none", runtime, sunk)
+        layer_units = units(m.mlp_kind)
+    return PlanInputs(m, L, w, runtime, device, micro, peaks, counts, recomputed, plain, head_live(m, L, w),
+                      layer_units, red, kinds, by_kind)
 
 
 def _stage_shape(p: PlanInputs, r: int, first: bool, last: bool, chunks: tuple[int, ...]) -> StageShape:
     """The stage of rank ``r`` (``chunks``: its layers per chunk): its persistent bytes and its units."""
     L, tied = p.L, p.m.tie_embeddings and first and last
-    n = stage_params(p.m, L, sum(chunks), first, last)
+    layers = rank_layers(p.m, L, p.counts, r)
+    starts = tuple(sum(p.counts[:stage_index(L, r, c)]) for c in range(L.vpp))
+    n = stage_params(p.m, L, sum(chunks), first, last, layers)
+    # Experts reduce, and ZeRO shards their state, over the expert-data group (dp cp / ep ranks)
+    n_e, edp = stage_expert_params(p.m, L, layers), expert_data_size(L)
     if p.stage3 and p.runtime.shard_bytes is not None:
-        state = sum(p.runtime.shard_bytes) * n / p.n_d
+        state = sum(p.runtime.shard_bytes) * ((n - n_e) / p.n_d + n_e / edp)
     else:
-        state = zero_formula_bytes(L.zero, n, p.n_d, w=0 if p.stage3 and p.wb < 4 else p.wb, g=4,
-                                   m=4 if p.wb < 4 else 0, k=8)
-    units = stage_units(p, first, last, chunks)
+        state = sum(zero_formula_bytes(L.zero, k, d, w=0 if p.stage3 and p.wb < 4 else p.wb, g=4,
+                                       m=4 if p.wb < 4 else 0, k=8) for k, d in ((n - n_e, p.n_d), (n_e, edp)) if k)
+    units = stage_units(p, first, last, chunks, starts)
     io = p.boundary * (((r > 0 or L.vpp > 1) and not p.shared_input) + (not last or L.vpp > 1))
     per_unit = sum(u.saved for u in units if u.name == "layer") + io
-    chunk_kept = tuple(io + sum(p.layer(i).saved for i in range(chunks[c])) for c in range(L.vpp))
+    chunk_kept = tuple(io + sum(p.layer(i, starts[c] + i).saved for i in range(chunks[c])) for c in range(L.vpp))
     if last and L.vpp == 1:  # each micro-batch in flight on the last stage holds its head's (GPipe: many)
         per_unit += p.head.saved
     front = 0.0  # ZeRO-3: the head gathered (a tied head reads the embedding's weight: that unit too)

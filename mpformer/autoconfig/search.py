@@ -30,6 +30,7 @@ first that fits is timed, as recompute modes are.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import replace
@@ -39,10 +40,10 @@ from mpformer.autoconfig.candidates import NOT_SEARCHED, PINNABLE, Candidate, Pi
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.cost import Breakdown, iteration_time
 from mpformer.autoconfig.fit import recompute_choice
-from mpformer.autoconfig.memory import Workload, plan_memory, stage_params
+from mpformer.autoconfig.memory import Workload, plan_memory, rank_layers, stage_params
 from mpformer.autoconfig.sharing import slowdowns
 from mpformer.core.errors import ConfigError
-from mpformer.core.layout import CP_KINDS, V_SCHEDULES, ParallelLayout, validate
+from mpformer.core.layout import CP_KINDS, EP_DISPATCHERS, V_SCHEDULES, ParallelLayout, validate
 from mpformer.core.model_config import ModelConfig, divisors
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 
@@ -141,7 +142,7 @@ def _structure_bound(model: ModelConfig, cluster: Cluster, w: Workload, bases: l
         L = replace(L, recompute=rec, recompute_layers=k)
         counts = stage_counts(model, L, w.seq_length)
         params = max(stage_params(model, L, sum(counts[stage_index(L, r, c)] for c in range(L.vpp)),
-                                  *rank_ends(L, r)) for r in range(L.pp))
+                                  *rank_ends(L, r), rank_layers(model, L, counts, r)) for r in range(L.pp))
         best = min(best, iteration_time(model, L, ww, cluster, params_per_rank=params,
                                         simulate_pipeline=False).iteration_s)
     return best
@@ -207,17 +208,33 @@ def _structure(model: ModelConfig, cluster: Cluster, w: Workload, result: Search
                 for sp in options("sequence_parallel", [tp > 1]):
                     stages = [0] if dp * cp == 1 else [0, 1, 2, 3] if pp == 1 else [0, 1]  # dp=1: all alike
                     stages = [z for z in stages if rt.zero_stages is None or z in rt.zero_stages]
-                    for zero in options("zero", stages):
+                    for zero, experts in itertools.product(options("zero", stages), expert_options(model, tp, dp, cp,
+                                                                                                   options)):
                         # Layers that do not split evenly go to stages balanced by compute (partition.py).
                         part = "uniform" if model.num_layers % (pp * vpp) == 0 else "balanced"
                         base = ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, vpp=vpp, schedule=schedule,
                                               sequence_parallel=sp, zero=zero,
                                               pp_partition=fixed.get("pp_partition", part),
-                                              **{k: fixed[k] for k in NOT_SEARCHED if k in fixed})
+                                              **{**{k: fixed[k] for k in NOT_SEARCHED if k in fixed}, **experts})
                         valid = _valid_kinds(model, cluster, w, result, mbs,
                                              [replace(base, cp_kind=k, cp_ulysses=u) for k, u in kinds])
                         if valid:
                             result.structures.append((valid, mbs))
+
+
+def expert_options(model: ModelConfig, tp: int, dp: int, cp: int, options: Pins) -> list[dict[str, Any]]:
+    """A mixture of experts' expert-parallel choices, each its own structure (the memory and the time
+    differ, not only the traffic): ep among the divisors of dp x cp that divide the experts, etp 1 or tp,
+    and at ep > 1 each dispatcher; pinned fields as pinned. A dense model: none (the pins as given)."""
+    if not model.num_experts:
+        return [{}]
+    eps = options("ep", [e for e in divisors(dp * cp) if model.num_experts % e == 0])
+    etps = options("etp", sorted({1, tp}))
+    out = []
+    for ep, etp in itertools.product(eps, etps):
+        for kind in options("ep_dispatcher", list(EP_DISPATCHERS) if ep > 1 else ["alltoall"]):
+            out.append({"ep": ep, "etp": etp, "ep_dispatcher": kind})
+    return out
 
 
 def _valid_kinds(model: ModelConfig, cluster: Cluster, w: Workload, result: SearchResult, mbs: int,

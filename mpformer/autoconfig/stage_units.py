@@ -10,7 +10,7 @@ ZeRO-3 what the runtime has gathered while it runs (runtimes.py).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from mpformer.autoconfig.block_memory import HeadLive, LayerLive, slice_kv_bytes
 from mpformer.autoconfig.layer_memory import BYTES, shape
@@ -38,6 +38,10 @@ class PlanInputs:
     head: HeadLive
     layer_units: tuple[tuple[int, ...], ...]  # a layer's ZeRO-3 units' parameter sizes, forward order (else one)
     red: ReductionSpec
+    # A model whose layers differ in MLP kind (a mixture of experts' sparse and dense layers): each global
+    # layer's kind, and per kind (recomputed, plain, layer_units); empty: every layer is the fields' above.
+    kinds: tuple[str, ...] = ()
+    by_kind: dict = field(default_factory=dict)
 
     @property
     def wb(self) -> int:
@@ -81,8 +85,16 @@ class PlanInputs:
         """A chunk's layer i: the first recompute_layers of each chunk recompute (None: all)."""
         return self.L.recompute != "none" and (self.L.recompute_layers is None or i < self.L.recompute_layers)
 
-    def layer(self, i: int) -> LayerLive:
+    def layer(self, i: int, g: int | None = None) -> LayerLive:
+        """A chunk's layer i (``g``: its global index, which names its kind)."""
+        if g is not None and self.by_kind:
+            recomputed, plain, _ = self.by_kind[self.kinds[g]]
+            return recomputed if self.recomputes(i) else plain
         return self.recomputed if self.recomputes(i) else self.plain
+
+    def units_of(self, g: int | None = None) -> tuple[tuple[int, ...], ...]:
+        """Global layer ``g``'s units (its parameters, as the engine buckets them)."""
+        return self.by_kind[self.kinds[g]][2] if g is not None and self.by_kind else self.layer_units
 
     def reruns(self, layer: Hashable | None) -> bool:
         """Whether a unit's layer ((chunk, index); None: the head, the embedding) runs its forward
@@ -90,7 +102,8 @@ class PlanInputs:
         return isinstance(layer, tuple) and self.recomputes(layer[1]) and self.L.recompute == "full"
 
 
-def stage_units(p: PlanInputs, first: bool, last: bool, chunks: tuple[int, ...]) -> list[Unit]:
+def stage_units(p: PlanInputs, first: bool, last: bool, chunks: tuple[int, ...],
+                starts: tuple[int, ...] | None = None) -> list[Unit]:
     """One micro-batch's units in backward order: the head, each chunk's layers from the last, the
     embedding. The schedule's units in flight are (micro-batch, chunk) pairs: the walk runs the last
     chunk's layers; the other chunks' layers only carry their parameters into the gradient buckets. A
@@ -106,10 +119,11 @@ def stage_units(p: PlanInputs, first: bool, last: bool, chunks: tuple[int, ...])
     for c in reversed(range(L.vpp)):
         walked = c == L.vpp - 1
         for i in reversed(range(chunks[c])):
-            layer = p.layer(i)
+            g = starts[c] + i if starts is not None else None  # its global index (its kind)
+            layer, layer_units = p.layer(i, g), p.units_of(g)
             back = layer.backward + leaf_grads * chunks[c]  # token slices: the earlier slices' key/value gradients
-            for j in reversed(range(len(p.layer_units))):
-                units.append(Unit("layer", p.layer_units[j], layer.saved if walked and j == 0 else 0.0,
+            for j in reversed(range(len(layer_units))):
+                units.append(Unit("layer", layer_units[j], layer.saved if walked and j == 0 else 0.0,
                                   back if walked else 0.0, carry, layer=(c, i)))
     if first:
         units.append(Unit("embedding", [p.embed], 0.0, 0.0, p.wb * p.embed))

@@ -168,11 +168,19 @@ def _dense_saved(m: MLPShape, tp: int) -> int:
 
 
 # ---- the MoE MLP (layers/moe.py): a router, E experts (gate|up, down), optional shared experts ----------
-def _moe_part_sizes(m: Any, tp: int) -> list[list[int]]:
-    h, f, e, fs = m.hidden_size, m.expert_ffn_size, m.num_experts, m.shared_expert_ffn_size
-    first = [e * h] + ([h * 2 * fs // tp] if fs else []) + [e * 2 * f * h, e * h * f]  # router, shared up, experts
+def _moe_part_sizes(m: Any, tp: int, ep: int = 1, etp: int = 1) -> list[list[int]]:
+    """On one rank: the router and shared experts as the dense MLP's (tp-split), the experts E / ep of
+    them each split over etp (parallel/expert_parallel.py; ``moe_expert_params`` the experts' part)."""
+    h, fs = m.hidden_size, m.shared_expert_ffn_size
+    e, f = m.num_experts // ep, m.expert_ffn_size // etp
+    first = [m.num_experts * h] + ([h * 2 * fs // tp] if fs else []) + [e * 2 * f * h, e * h * f]
     last = ([fs // tp * h] if fs else []) + ([h] if m.shared_expert_gate else [])
     return [first] + ([last] if last else [])
+
+
+def moe_expert_params(m: Any, ep: int = 1, etp: int = 1) -> int:
+    """The routed experts' parameters on one rank (the ones that reduce over the expert-data group)."""
+    return 3 * (m.num_experts // ep) * (m.expert_ffn_size // etp) * m.hidden_size
 
 
 def _moe_projections(m: Any, tp: int) -> list[Projection]:

@@ -8,7 +8,8 @@ embedding's backward, with every unit's gradients reducing: within the reduction
 GPT-2 of the same size (tied head) under ZeRO-3 in bf16 with full recompute and a unit per part of
 each layer (a recomputed layer's backward, its units gathered again one by one, the head's weight
 gradient waiting for the embedding's); and ZB-V over two pipeline ranks (rank 0 with both ends of the
-V: embedding and head). The oracle is
+V: embedding and head); and a mixture of experts at ep = 1 and ep = 2 (each dispatcher), whose experts'
+state is sharded over the expert-data group. The oracle is
 torch.profiler's record of every CPU allocation and free (mpformer/testing/memory.py), not anything
 the model computes. Tolerance: 5% of the predicted peak (benchmarks/bench_memory.py measured within
 2% on 18 layouts); the kernels are pinned to the native paths (no CPU-specific W^T copies or fp32
@@ -50,13 +51,29 @@ RUNS = {
 }
 
 
+# A mixture of experts (Mixtral style: every layer sparse, 8 experts of 3 x 256 x 256, top 2, dropless) at
+# dp = 2: whole on both ranks (ep = 1), or split over them (ep = 2: the expert-data group is one rank, the
+# experts' state unsharded, the dense weights' over both) with each dispatcher. The experts are most of
+# the model state, so the held bytes check the expert-data sharding; the peaks, the sparse layers' counts.
+MOE = {"model": "mixtral-tiny", "model.num_layers": 4, "model.hidden_size": 256, "model.num_attention_heads": 8,
+       "model.num_kv_heads": 4, "model.ffn_hidden_size": 256, "model.moe_ffn_hidden_size": 256,
+       "model.vocab_size": 1024, "model.router_aux_loss_coef": 0.0}
+MOE_RUNS = {
+    "moe ep1 zero1 fp32": {**MOE, "parallel.zero": 1},
+    "moe ep2 zero2 bf16 alltoall": {**MOE, "parallel.zero": 2, "parallel.ep": 2, "train.precision": "bf16"},
+    "moe ep2 zero3 fp32 allgather": {**MOE, "parallel.zero": 3, "parallel.ep": 2,
+                                     "parallel.ep_dispatcher": "allgather"},
+}
+
+
 def _args(root: str, data: str, name: str) -> list[str]:
     from mpformer.testing.train import overrides
 
-    return overrides({**BASE, "data.paths": f"[{data}]", **RUNS[name]}, Path(root) / name.replace(" ", "_"))
+    run = {**RUNS, **MOE_RUNS}[name]
+    return overrides({**BASE, "data.paths": f"[{data}]", **run}, Path(root) / name.replace(" ", "_"))
 
 
-def _worker(root: str) -> dict:
+def _worker(root: str, names: list[str]) -> dict:
     import torch.distributed as dist
 
     from mpformer.testing.memory import data_file, train_measured
@@ -64,16 +81,32 @@ def _worker(root: str) -> dict:
     data = data_file(Path(root), vocab=1024) if dist.get_rank() == 0 else None
     box = [data]
     dist.broadcast_object_list(box)
-    return {name: train_measured(_args(root, box[0], name)) for name in RUNS}
+    return {name: train_measured(_args(root, box[0], name)) for name in names}
+
+
+def _measure(tmp_path_factory, names: list[str]) -> dict:
+    from mpformer.testing.memory import predicted
+
+    root = str(tmp_path_factory.mktemp("memory"))
+    ranks = run_distributed(_worker, 2, args=(root, names), timeout=300, env=NATIVE_KERNELS)
+    return {name: (ranks, predicted(_args(root, "unused", name), 2)[1]) for name in names}
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from mpformer.testing.memory import predicted
+    return _measure(tmp_path_factory, list(RUNS))
 
-    root = str(tmp_path_factory.mktemp("memory"))
-    ranks = run_distributed(_worker, 2, args=(root,), timeout=300, env=NATIVE_KERNELS)
-    return {name: (ranks, predicted(_args(root, "unused", name), 2)[1]) for name in RUNS}
+
+@pytest.fixture(scope="module")
+def measured_moe(tmp_path_factory):
+    return _measure(tmp_path_factory, list(MOE_RUNS))
+
+
+@pytest.mark.parametrize("name", sorted(MOE_RUNS))
+def test_moe_peak_and_state_match_the_model(measured_moe, name):
+    """Mixture of experts: the held model state equals the formula (experts over the expert-data group),
+    and the peak the model's within TOL."""
+    test_peak_matches_the_model(measured_moe, name)
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
