@@ -298,8 +298,6 @@ def test_moe_dispatch_moves_what_its_formula_says(moe, name):
     assert {k: r["comm_bytes"].get(k) for k in ep} == ep, (r["comm_bytes"], ep)
 
 
-@pytest.mark.xfail(strict=True, reason="the memory model (autoconfig/memory.py) does not know experts yet: it "
-                                       "counts every expert on every ep rank and no expert activations")
 @pytest.mark.parametrize("name", list(MOE_CASES))
 def test_moe_peak_is_the_memory_models(moe, name):
     r = moe[name]
