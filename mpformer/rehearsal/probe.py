@@ -78,7 +78,9 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **kw
 
 
 # torch's formulas by op (GEMMs, the fused attention kernels), and the ones it lacks
-FLOPS = {**flop_registry, _aten._grouped_mm: grouped_mm_flops}
+# torch < 2.8 has no _grouped_mm (the experts then take the loop: layers/expert_gemm.py grouped_ok)
+_GROUPED_MM = getattr(_aten, "_grouped_mm", None)
+FLOPS = {**flop_registry, **({_GROUPED_MM: grouped_mm_flops} if _GROUPED_MM is not None else {})}
 
 
 @dataclass
@@ -210,7 +212,7 @@ class Probe(TorchDispatchMode):
             self._resized(args)
         out = func(*args, **kwargs)
         self._track(func, out)
-        if func is _aten._grouped_mm.default:
+        if _GROUPED_MM is not None and func is _GROUPED_MM.default:
             self.grouped_mm["calls"] += 1
             self.grouped_mm["flops"] += grouped_mm_flops(*args)
         if self.count_flops and (count := FLOPS.get(func._overloadpacket)) is not None:

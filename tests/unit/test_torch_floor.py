@@ -24,9 +24,12 @@ SINCE = {  # aten op -> the first torch release that has it
     "_scaled_dot_product_efficient_attention_backward": (2, 0),
     "_local_scalar_dense": (1, 0), "nonzero": (1, 0), "masked_select": (1, 0), "_unique2": (1, 0),
     "unique_consecutive": (1, 0), "repeat_interleave": (1, 0), "index": (1, 0), "index_put": (1, 0),
-    "index_put_": (1, 0),
+    "index_put_": (1, 0), "_to_copy": (2, 0),  # older than 2.0; no earlier release is claimed here
+    "_grouped_mm": (2, 8),  # torch.nn.functional.grouped_mm's kernel, first in 2.8's native_functions.yaml
 }
-FALLBACKS = {"_fused_rms_norm"}  # layers/norm.py computes it from plain ops where torch lacks it
+# layers/norm.py computes _fused_rms_norm from plain ops where torch lacks it; without _grouped_mm the
+# experts run the per-expert loop (layers/expert_gemm.py grouped_ok) and a rehearsal counts no such call
+FALLBACKS = {"_fused_rms_norm", "_grouped_mm"}
 
 
 def _floor() -> tuple[int, int]:
