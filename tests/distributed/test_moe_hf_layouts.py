@@ -6,19 +6,24 @@ Issue 34's parity rule: each tiny random HF model (from its transformers config 
 same 4 x 32 tokens (128 routed tokens a layer) each layout's ranks run the forward and compare their
 part of the result with HF's:
 
-    logits: max |diff| <= 1e-5 * max |HF logit|          (gathered from every rank's rows and positions)
+    logits: max |diff| <= 1e-5 * max |HF logit|          (each rank's rows and positions against the same
+                                                          slice of HF's, the maximum over the ranks)
     loss:   |diff| <= 1e-5 * |HF loss|                   (the training loss path: fused, vocab-parallel
                                                           under tp, shares summed over cp, mean over dp)
     top-k:  every sparse layer's k experts per token equal to HF's, in order; HF's from its router
             logits (output_router_logits=True): topk(softmax(logits)), as its routers pick them
 
 Layouts (ep carved from dp x cp; one spawn per world size runs every layout and family): ep=1 (one
-process), dp=2 x ep=2, cp=2 x ep=2 (ring), dp=4 x ep=4 (all-to-all and all-gather dispatchers),
-tp=2 x dp=2 x ep=2 with etp 1 and 2 (sequence parallelism on; etp 1 also without it: OLMoE's q/k norm
-over the whole projection is split over tp there), pp=2 x dp=2 x ep=2. Which ranks hold what: rows
-split over dp, positions over cp (the load-balanced chunks, ``SeqShard.index``), and under sequence
-parallelism with etp=1 each tp rank routes its chunk of its positions; with etp=tp every tp rank
-routes them all.
+process: the test's own), dp=2 x ep=2, cp=2 x ep=2 (ring and Ulysses), dp=4 x ep=4 (all-to-all and
+all-gather dispatchers), tp=2 x dp=2 x ep=2 with etp 1 and 2 (sequence parallelism on; etp 1 also
+without it; OLMoE's q/k norm over the whole projection is split over tp there), pp=2 x dp=2 x ep=2.
+Which ranks hold what: rows split over dp, positions over cp (the load-balanced chunks,
+``SeqShard.index``), and under sequence parallelism with etp=1 each tp rank routes its chunk of its
+positions; with etp=tp every tp rank routes them all.
+
+Observed (CPU, fp32): max |logit diff| / max |HF logit| 0 at ep=1, dp x ep and pp (the same kernels
+on the same rows), 5e-7 under cp ring and tp; the file runs in ~80 s on 2 shared cores (imports dominate
+each rank's start).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ LAYOUTS = {  # name -> (world size, ParallelLayout fields); world 1 runs in the 
     "ep1": (1, {}),
     "dp2_ep2": (2, dict(dp=2, ep=2)),
     "cp2_ep2": (2, dict(cp=2, ep=2)),
+    "cp2_ep2_ulysses": (2, dict(cp=2, ep=2, cp_kind="ulysses")),
     "dp4_ep4": (4, dict(dp=4, ep=4)),
     "dp4_ep4_allgather": (4, dict(dp=4, ep=4, ep_dispatcher="allgather")),
     "tp2_dp2_ep2_etp1": (4, dict(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True)),
@@ -138,8 +144,10 @@ def _check_layout(layout_kw: dict, ckpts: dict[str, str], tokens: torch.Tensor, 
             want = ref["experts"][layer][rows][:, pos].transpose(0, 1)  # [s_l, b, k], ours are s-major
             if sp_chunks:
                 want = want.chunk(layout.tp)[coords["tp"]]
+            want = want.reshape(-1, want.shape[-1])
+            assert got.shape == want.shape, (name, layer, got.shape, want.shape)
             res["layers"].append(layer)
-            res["mismatch"] += int((got != want.reshape(-1, want.shape[-1])).any(-1).sum())
+            res["mismatch"] += int((got != want).any(-1).sum())
         out[name] = res
     return out
 
@@ -196,6 +204,10 @@ def reference(tmp_path_factory) -> dict:
             results[lname] = [r[lname] for r in per_rank]
     seconds = {k: round(v[0].pop("seconds"), 1) for k, v in results.items()}
     print(f"\nseconds by world size (spawn included): {timings}; by layout (rank 0): {seconds}")
+    worst = {lname: max(r[f]["logit_err"] / refs[f]["logits"].abs().max().item()
+                        for r in ranks for f in FAMILIES if r[f]["logit_err"] is not None)
+             for lname, ranks in results.items()}
+    print("max |logit diff| / max |HF logit| by layout: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     return {"refs": refs, "results": results}
 
 
