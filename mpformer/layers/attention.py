@@ -28,7 +28,7 @@ from mpformer.core.model_config import ModelConfig
 from mpformer.core.sequence import Segment
 from mpformer.core.shards import Shard
 from mpformer.layers.linear import WeightGradStore
-from mpformer.layers.norm import RMSNorm
+from mpformer.layers.norm import RMSNorm, SplitRMSNorm
 from mpformer.layers.parallel import fused_shards, param_shards
 from mpformer.parallel.device import DeviceLike, kernel_device, recompute_contexts
 from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
@@ -159,14 +159,15 @@ class Attention(nn.Module):
             parts = [Part("q", heads, d), Part("k", kv, d), Part("v", kv, d)]
             self.qkv = resolve(linear.column)(cfg.hidden_size, parts, tp, bias=cfg.attention_bias, **kw)
             self.o = resolve(linear.row)(heads, cfg.hidden_size, tp, bias=cfg.out_proj_bias, **kw)
-        # Query/key RMSNorms before RoPE: per head (Qwen3: [d] gains, any tp) or over the whole projection
-        # (OLMoE: [n*d] and [k*d] gains, whose statistics span every head: one device for now).
+        # Query/key RMSNorms before RoPE: per head (Qwen3: [d] gains, whole on every tp rank) or over the
+        # whole projection (OLMoE: [n*d] and [k*d] gains; under tp split like the heads, the statistics
+        # all-reduced over tp: SplitRMSNorm).
         self.qk_norm = cfg.qk_norm
         self.q_norm = self.k_norm = None
         if cfg.qk_norm == "projection" and tp is not None:
-            raise NotImplementedError("model.qk_norm=projection (OLMoE) with tensor parallelism: its statistics "
-                                      "span the heads of every tp rank; use parallel.tp=1")
-        if cfg.qk_norm is not None:
+            self.q_norm, self.k_norm = (SplitRMSNorm(part, tp, cfg.norm_eps, device=device, dtype=dtype)
+                                        for part in parts[:2])
+        elif cfg.qk_norm is not None:
             q_dim, k_dim = (d, d) if cfg.qk_norm == "head" else (self.q_size, self.kv_size)
             self.q_norm = RMSNorm(q_dim, cfg.norm_eps, device=device, dtype=dtype)
             self.k_norm = RMSNorm(k_dim, cfg.norm_eps, device=device, dtype=dtype)
@@ -225,8 +226,9 @@ class Attention(nn.Module):
         return [("attn_in", first), ("attn_out", [self.o])]
 
     def grad_specs(self) -> list[GradSpec]:
-        """Per-head q/k norm gains under tp: every rank's heads add to their gradients (partial sums)."""
-        if self.tp is None or self.q_norm is None:
+        """Per-head q/k norm gains under tp: every rank's heads add to their gradients (partial sums).
+        (Projection norms under tp are SplitRMSNorms, which give their own.)"""
+        if self.tp is None or self.qk_norm != "head":
             return []
         return [GradSpec(m.weight, None, self.tp.size, self.tp.comm) for m in (self.q_norm, self.k_norm)]
 

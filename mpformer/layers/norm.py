@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.core.shards import Shard
+from mpformer.parallel.comm import all_reduce_sum
 from mpformer.parallel.device import DeviceLike, no_autocast
+from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
 
 _aten = torch.ops.aten
 # torch's fused RMSNorm forward (aten._fused_rms_norm: output and 1/rms) is 2.8's (pytorch PR 153666);
@@ -89,6 +92,38 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNormFn.apply(x, self.weight, self.eps)
+
+
+class SplitRMSNorm(nn.Module):
+    """RMSNorm over a vector whose elements are split over the tp ranks by ``part``'s rule (OLMoE's q/k
+    norm over every head's projection, the heads split over tp): this rank holds its block of the gain
+    and of each row; the row's sum of squares is all-reduced over tp (``all_reduce_sum``: every rank
+    normalises its own block by it, so its backward sums too). Kv heads replicated over r ranks
+    (tp > kv heads) enter the sum r times: it is divided by r. The gain's gradient is complete on a
+    rank (its rows see every token: the projection's output is sequence-gathered), save that the r
+    copies of a replicated block each hold a part, summed over their replica group."""
+
+    def __init__(self, part: Part, tp: TPContext, eps: float = 1e-6,
+                 device: DeviceLike = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.part, self.tp, self.eps = part, tp, eps
+        self.start, rows = part.block(tp.rank, tp.size)
+        self.replicas = part.replicas(tp.size)
+        self.weight = nn.Parameter(torch.ones(rows, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)  # statistics in fp32, as HF's OlmoeRMSNorm
+        xf = x.to(acc)
+        sumsq = all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.tp.comm)
+        rstd = torch.rsqrt(sumsq / (self.part.rows * self.replicas) + self.eps)
+        return self.weight * (xf * rstd).to(x.dtype)
+
+    def canonical_shards(self, name: str) -> dict[str, Shard]:
+        return {f"{name}.weight": Shard.rows(self.weight, self.part.rows, self.start)}
+
+    def grad_specs(self) -> list[GradSpec]:
+        sync = self.tp.replica_comm(self.replicas) if self.replicas > 1 else None
+        return [GradSpec(self.weight, None, self.replicas, sync)]
 
 
 class LayerNorm(nn.LayerNorm):

@@ -239,6 +239,26 @@ class _ReduceFromRegion(torch.autograd.Function):
         return g, None
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """A sum every rank goes on to use differently (a statistic over a split dimension: each rank
+    normalises its own slice by it): each rank's loss reaches every rank's term, so the gradient of a
+    term is the sum of every rank's gradient of the sum. Its own dual (forward and backward all-reduce),
+    unlike _ReduceFromRegion, whose identity backward is right only for a replicated continuation."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        x = x.contiguous().clone()
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        ctx.comm.all_reduce(g)
+        return g, None
+
+
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim):
@@ -301,6 +321,11 @@ def copy_to_region(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def reduce_from_region(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def all_reduce_sum(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum over ``comm`` whose backward also sums (see _AllReduceSum)."""
+    return x if comm.size == 1 else _AllReduceSum.apply(x, comm)
 
 
 def scatter_to_region(x: torch.Tensor, comm: Comm, dim: int = -1) -> torch.Tensor:
