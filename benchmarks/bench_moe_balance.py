@@ -1,7 +1,8 @@
 """Expert load balancing on the demo corpus: no balancing, the auxiliary loss, the bias method (fp32, CPU).
 
-    python benchmarks/bench_moe_balance.py [--steps 300] [--window 20] [--ranks 1] [--arms none,aux-0.02,...]
-                                           [--data demo_data] [--json F]            # ~4 min an arm on 1 core
+    python benchmarks/bench_moe_balance.py [--steps 300] [--window 20] [--ranks 1] [--jobs 1]
+                                           [--arms none,aux-0.02,...] [--data demo_data] [--json F]
+                                                                          # ~4 min an arm on one free core
 
 The model of configs/experiment/moe-demo.yaml (Mixtral style, 4 layers h=128, 8 experts top 2 in every
 layer, dropless) trains ``--steps`` steps through the pretrain CLI (global batch 16 x 128 tokens, the
@@ -21,7 +22,8 @@ E/k = 4 every token of a layer on the same k experts. Loss: mean training loss o
 Must hold (issue 34): <= 1.3 with the auxiliary loss at the demo's coefficient and with the bias method.
 
 Every arm is the same process count (``--ranks``, 1 by default: balance is a property of the routing, not
-of the layout; the ep=2 demo routes the same global batch) with one thread per rank, run one after another.
+of the layout; the ep=2 demo routes the same global batch) with one thread per rank, ``--jobs`` arms at a
+time (nothing here is timed, so arms running side by side change no figure).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--window", type=int, default=20, help="the last N steps are 'the end'")
     ap.add_argument("--ranks", type=int, default=1, help="processes per run (dp = ep = ranks)")
+    ap.add_argument("--jobs", type=int, default=1, help="arms run at the same time")
     ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS})")
     ap.add_argument("--data", type=Path, default=ROOT / "demo_data")
     ap.add_argument("--json", type=Path)
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
           f"experiment=moe-demo (8 experts top 2), {a.steps} steps, {a.ranks} rank(s), fp32", flush=True)
     data = demo_data(a.data)
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run_arm(name, a, data, Path(tmp)) for name in arms]
+        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            results = list(pool.map(lambda name: run_arm(name, a, data, Path(tmp)), arms))
     n_layers = len(results[0]["load_max_mean_per_layer"])
     headers = ["arm", "method", "max/mean (worst layer)", *[f"L{i}" for i in range(n_layers)],
                "stepwise worst", "loss", f"<= {BOUND}"]
