@@ -1,7 +1,7 @@
 """`make demo-moe` in miniature, through the same CLIs and the same experiment (configs/experiment/moe-demo.yaml:
 Mixtral style, 8 experts top 2, dp=2 ep=2 on 2 gloo ranks, aux loss on), at 16 steps on a 1 MB demo corpus:
 
-demo corpus -> torchrun pretrain -> tools/convert_checkpoint.py mpformer-to-hf -> tools/demo_report.py,
+demo corpus -> torchrun pretrain -> mpformer-to-hf conversion -> tools/demo_report.py (with --ckpt),
 then transformers as the oracle: the export's logits equal our checkpoint's on corpus tokens (fp32,
 max |diff| <= 1e-5 * max |logit|, as tests/integration/test_hf_moe_parity.py), and it generates.
 As tests/integration/test_end_to_end.py does for the dense path. ~40 s on 2 cores.
@@ -9,18 +9,28 @@ As tests/integration/test_end_to_end.py does for the dense path. ~40 s on 2 core
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
 
-from mpformer.testing.cli import run_cli
+from mpformer.cli.convert import main as convert_main
+from mpformer.testing.cli import REPO, run_cli
 
 STEPS, SEQ, TOL = 16, 64, 1e-5
 
 
-def test_moe_demo_trains_exports_and_generates(tmp_path: Path):
+def _load_tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_moe_demo_trains_exports_and_generates(tmp_path: Path, capsys):
     from mpformer.data.demo_corpus import PREFIX_NAME, build_demo
     from mpformer.data.indexed import IndexedDataset
 
@@ -40,14 +50,14 @@ def test_moe_demo_trains_exports_and_generates(tmp_path: Path):
     assert all(r["moe/dropped"] == 0.0 and r["moe/aux_loss"] > 0 for r in rows)
     assert rows[-1]["comm_bytes_by_kind"].get("ep.all_to_all", 0) > 0
 
+    # The conversion and the report in this process (what their scripts call): two interpreter starts saved.
     hf = tmp_path / "hf"
-    res = run_cli(["tools/convert_checkpoint.py", "mpformer-to-hf", "--ckpt", str(run / "checkpoints"),
-                   "--out", str(hf)])
-    assert res.returncode == 0, res.stderr[-2000:]
-    res = run_cli(["tools/demo_report.py", "--run", str(run), "--hf", str(hf), "--ckpt", str(run / "checkpoints"),
-                   "--max-new-tokens", "8"])
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "max/mean expert load, worst layer" in res.stdout and "MixtralForCausalLM" in res.stdout, res.stdout
+    assert convert_main(["mpformer-to-hf", "--ckpt", str(run / "checkpoints"), "--out", str(hf)]) == 0
+    report = _load_tool("demo_report")
+    assert report.main(["--run", str(run), "--hf", str(hf), "--ckpt", str(run / "checkpoints"),
+                        "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "max/mean expert load, worst layer" in out and "MixtralForCausalLM" in out, out
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
