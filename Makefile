@@ -9,6 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 DEMO_DATA  ?= demo_data
 DEMO_RUN   ?= outputs/demo
+DEMO_MOE_RUN ?= outputs/demo-moe
 PYTEST_ARGS ?=
 
 # Tests and the demo never reach a hub: tiny models are built locally, wandb runs offline.
@@ -17,7 +18,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MPFORMER_DEMO_DIR := $(DEMO_DATA)
 
-.PHONY: venv demo test lint clean gpu-wheels gpu-wheels-check
+.PHONY: venv demo demo-moe test lint clean gpu-wheels gpu-wheels-check
 
 venv: $(VENV)/.installed
 
@@ -36,6 +37,17 @@ demo: venv
 		experiment=demo hydra.run.dir=$(DEMO_RUN)
 	$(BIN)/python tools/convert_checkpoint.py mpformer-to-hf --ckpt $(DEMO_RUN)/checkpoints --out $(DEMO_RUN)/hf
 	$(BIN)/python tools/demo_report.py --run $(DEMO_RUN) --hf $(DEMO_RUN)/hf
+
+# The same path for a mixture of experts: Mixtral style, 8 experts top 2, dp=2 with the experts over both
+# ranks (ep=2), load balancing on (configs/experiment/moe-demo.yaml); the report adds the expert load and
+# checks the HF export's logits against the checkpoint's.
+demo-moe: venv
+	$(BIN)/python -m mpformer.data.demo_corpus --out $(DEMO_DATA)
+	rm -rf $(DEMO_MOE_RUN)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 pretrain/pretrain_gpt.py \
+		experiment=moe-demo hydra.run.dir=$(DEMO_MOE_RUN)
+	$(BIN)/python tools/convert_checkpoint.py mpformer-to-hf --ckpt $(DEMO_MOE_RUN)/checkpoints --out $(DEMO_MOE_RUN)/hf
+	$(BIN)/python tools/demo_report.py --run $(DEMO_MOE_RUN) --hf $(DEMO_MOE_RUN)/hf --ckpt $(DEMO_MOE_RUN)/checkpoints
 
 test: venv
 	$(BIN)/python -m pytest -q tests --durations=25 $(PYTEST_ARGS)
@@ -75,4 +87,4 @@ gpu-wheels-check: gpu-wheels
 	PYTHON=$(WHEEL_VENV)/bin/python bash benchmarks/gpu_check.sh --dry-run $(WHEEL_VENV)/out
 
 clean:
-	rm -rf $(DEMO_RUN) .pytest_cache .ruff_cache
+	rm -rf $(DEMO_RUN) $(DEMO_MOE_RUN) .pytest_cache .ruff_cache
