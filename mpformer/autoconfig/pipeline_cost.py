@@ -113,9 +113,14 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     equal ((m + p - 1) slots of 1F1B, (p - 1) / v of interleaving's fill); the zero-bubble schedules
     may run W after that backward, so their tail is not counted. ``back_to_back`` (the period of
     steps with no barrier between them): each rank still does its work once per period, but the
-    fill and the tail may overlap the steps beside it, so they are not counted."""
-    f = [costs._at("f", s) for s in range(pp * vpp)]
-    b = [costs._at("b", s) for s in range(pp * vpp)]
+    fill and the tail may overlap the steps beside it, so they are not counted.
+
+    A mixture of experts' exchanges (``Costs.a2a_f`` / ``a2a_b``) lengthen every compute that runs
+    alone, so they count as F and B time; in DualPipeV's overlapped pairs they may hide entirely
+    behind the other half's compute (``Costs.pair``), so there they are left out (a lower bound)."""
+    exposed = schedule != "dualpipev"  # the only schedule with overlapped pairs (actions.py)
+    f = [costs._at("f", s) + (costs._at("a2a_f", s) if exposed else 0.0) for s in range(pp * vpp)]
+    b = [costs._at("b", s) + (costs._at("a2a_b", s) if exposed else 0.0) for s in range(pp * vpp)]
     w = [costs._at("w", s) for s in range(pp * vpp)]
     hop = costs.p2p if pp > 1 else 0.0
     microbatches *= slices  # token slices: the units flow as micro-batches do, ``costs`` price one
