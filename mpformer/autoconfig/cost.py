@@ -42,12 +42,12 @@ from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.compute import LayerTimes, layer_times_from, matmul_dtype, measured_attention, pass_time
 from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
-from mpformer.autoconfig.expert_cost import dispatch_time, dp_share
+from mpformer.autoconfig.expert_cost import dp_share, stage_exchanges
 from mpformer.autoconfig.expert_memory import stage_expert_params
 from mpformer.autoconfig.kernels import attention_kernel, dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  # noqa: F401  (RING_FACTOR: re-exported)
 from mpformer.autoconfig.memory import BYTES, Workload, rank_layers
-from mpformer.autoconfig.pipeline_cost import offload_exposed, pipeline_bound, pipeline_time
+from mpformer.autoconfig.pipeline_cost import hidden_exchanges, offload_exposed, pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
 from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES, ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -60,6 +60,8 @@ class Breakdown:
     compute_s: float = 0.0
     tp_comm_s: float = 0.0
     cp_comm_s: float = 0.0  # context-parallel traffic not hidden behind attention (on the slowest rank)
+    ep_comm_s: float = 0.0  # a mixture of experts' token exchanges waited for (on the slowest rank)
+    ep_hidden_s: float = 0.0  # and those DualPipeV's overlapped pairs run beside compute (not a summand)
     pp_bubble_s: float = 0.0
     p2p_s: float = 0.0
     dp_comm_exposed_s: float = 0.0
@@ -126,7 +128,7 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     """(F, BI, BW, TP communication, attention forward) seconds of one layer, one micro-batch, one rank.
     Selective recompute reruns the attention core's forward in the backward, full recompute the
     whole forward (and its tensor-parallel collectives). ``kind``: the layer's MLP kind (a sparse
-    layer's token exchanges are waited with the tensor-parallel ones: expert_cost.py)."""
+    layer's token exchanges are not here: the pipeline prices them apart, expert_cost.stage_exchanges)."""
     lt = layer_compute(m, L, w, c, kind)
     f, bi, bw_ = lt.f, lt.bi, lt.bw
     if L.recompute == "selective" and w.runtime.selective == "op":
@@ -155,8 +157,6 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     # 2 in forward, 2 in backward, 2 more to recompute; the backward's two all-gathers of the kept input
     # shards (layers/linear.py) run under the input-gradient GEMMs and are not charged, as in Megatron
     tp_comm = (6 if L.recompute == "full" else 4) * per
-    if (m.mlp_kind if kind is None else kind) == "moe":
-        tp_comm += dispatch_time(m, L, w.seq_length, w.micro_batch_size, BYTES[w.precision], c)
     return f, bi, bw_, tp_comm, lt.attn_f
 
 
@@ -228,31 +228,43 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
             return interpolate(slow, k * per_rank)
 
         fs, bs = fc, bc
+    # A mixture of experts' token exchanges per stage: the pipeline's F and B carry them (Costs.a2a_f /
+    # a2a_b), so the schedule decides what they cost (DualPipeV's pairs run them beside compute); with
+    # one stage, or on shared cores (its waits are added on top), a plain exposed wait.
+    xf, xb = stage_exchanges(m, L, w.seq_length // k, w.micro_batch_size, BYTES[w.precision], c, counts)
+    exch = [x + y for x, y in zip(xf, xb)]
+    in_pipe = L.pp > 1 and dilation is None and any(exch)
+    if L.pp == 1 and any(exch):
+        fs, bs = [x + y for x, y in zip(fs, xf)], [x + y for x, y in zip(bs, xb)]
+    costs = Costs(f=fs, b=bs, w=wc, p2p=p2p, **({"a2a_f": xf, "a2a_b": xb} if in_pipe else {}))
     # train.overlap_validation: steps run back to back, a step's check in flight during the next one's
     # forward/backward (training/overlap.py); the pipeline term is their period, not one step alone.
     # Not with a tied embedding on two ranks: the first stage's step then waits for the last stage's
     # embedding gradient (engine.finish), which ends the step for both as a barrier would.
     b2b = w.runtime.overlap_validation and not (m.tie_embeddings and L.pp > 1 and L.schedule not in V_SCHEDULES)
     if L.pp > 1 and simulate_pipeline:
-        costs = Costs(f=fs, b=bs, w=wc, p2p=p2p)
         blocking = not w.runtime.overlap_p2p
         pipe = pipeline_time(L.schedule, L.pp, micro_batches, L.vpp, costs, dilation, blocking, k, b2b)
         if dilation is None:  # past 2p micro-batches the timeline is extrapolated: never below the bound
             pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, costs, blocking, k, b2b))
     else:  # the closed form: a lower bound of the simulated timeline, equal to it for even stages
-        pipe = pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
+        pipe = pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, costs,
                               blocking=not w.runtime.overlap_p2p, slices=k, back_to_back=b2b)
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
+    waits = [sum(tps[stage_index(L, r, c)] for c in range(L.vpp)) for r in range(L.pp)]
+    exchanges = [sum(exch[stage_index(L, r, c)] for c in range(L.vpp)) for r in range(L.pp)]
     if dilation is not None:
         pipe *= cal.pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
-        pipe += micro * max(sum(tps[stage_index(L, r, c_)] for c_ in range(L.vpp)) for r in range(L.pp))
+        pipe += micro * max(x + y for x, y in zip(waits, exchanges))
     compute = micro * compute_per_micro / L.pp
     tp_step = tp_step_time(m, L, c, cal)
     pipe += tp_step
-    waits = [sum(tps[stage_index(L, r, c)] for c in range(L.vpp)) for r in range(L.pp)]
-    slowest = max(range(L.pp), key=waits.__getitem__)
+    # the exchanges of one step that the rank's overlapped pairs run beside compute (DualPipeV)
+    hidden = hidden_exchanges(L.schedule, L.pp, micro_batches, L.vpp, costs, k) if in_pipe else [0.0] * L.pp
+    slowest = max(range(L.pp), key=lambda r: micro * (waits[r] + exchanges[r]) - hidden[r])
     tp_comm = micro * waits[slowest] + tp_step
+    ep_comm = micro * exchanges[slowest] - hidden[slowest]
     mine = [counts[stage_index(L, slowest, chunk)] for chunk in range(L.vpp)]
     cp_comm = micro * sum(sum(ns) * sum(cp_layer_times(m, lay, w, c)) for lay, ns in _recompute_split(L, mine)) \
         if L.cp > 1 else 0.0
@@ -260,13 +272,15 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     dp_params = params_per_rank
     if m.num_experts:  # the experts reduce over the expert-data group (dp cp / ep ranks): priced at their share
         dp_params = round(dp_share(L, params_per_rank, stage_expert_params(m, L, rank_layers(m, L, counts, 0))))
-    dp_exposed = _dp_time(m, L, w, c, dp_params, micro, sum(fs[i] for i in first),
-                          sum(bs[i] + wc[i] for i in first), slow is not None)
+    ax, bx = (xf, xb) if in_pipe else ([0.0] * len(fs), [0.0] * len(fs))  # exchanges not in fs / bs
+    dp_exposed = _dp_time(m, L, w, c, dp_params, micro, sum(fs[i] + ax[i] for i in first),
+                          sum(bs[i] + bx[i] + wc[i] for i in first), slow is not None)
     optimizer = optimizer_time(L, w, c, params_per_rank)
     if slow is not None:
         optimizer *= interpolate(slow, c.devices_per_node)
-    return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm,
-                     pp_bubble_s=max(pipe - compute - tp_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
+    return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm, ep_comm_s=ep_comm,
+                     ep_hidden_s=hidden[slowest],
+                     pp_bubble_s=max(pipe - compute - tp_comm - ep_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
                      dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
                      extra={"microbatches": micro_batches, "params": params_per_rank})
 
