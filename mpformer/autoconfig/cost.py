@@ -12,6 +12,9 @@ on the schedule itself, data-parallel reduction with its overlap, and the optimi
               or full recompute reruns the attention core and with it its forward's traffic
     PP        per-stage F / B / W costs into ``simulate`` with the actual schedule; p2p over the link
               between stages
+    EP        a sparse layer's token exchanges (expert_cost.py) per stage into the pipeline's
+              Costs.a2a_f / a2a_b: waited after a compute alone, run beside the other half's compute in
+              DualPipeV's pairs (Breakdown: ep_comm_s waited, ep_hidden_s hidden); with pp = 1 a plain wait
     DP / ZeRO (dp_cost.py) gradient reduce-scatter or all-reduce overlapped with the backward of the last
               micro-batch; parameter all-gather after the step (stages 1-2) or per layer (stage 3)
     overlap   a collective hidden behind compute still holds the SMs of its CTAs while it runs
