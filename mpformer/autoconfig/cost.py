@@ -12,6 +12,9 @@ on the schedule itself, data-parallel reduction with its overlap, and the optimi
               or full recompute reruns the attention core and with it its forward's traffic
     PP        per-stage F / B / W costs into ``simulate`` with the actual schedule; p2p over the link
               between stages
+    EP        a sparse layer's token exchanges (expert_cost.py) per stage into the pipeline's
+              Costs.a2a_f / a2a_b: waited after a compute alone, run beside the other half's compute in
+              DualPipeV's pairs (Breakdown: ep_comm_s waited, ep_hidden_s hidden); with pp = 1 a plain wait
     DP / ZeRO (dp_cost.py) gradient reduce-scatter or all-reduce overlapped with the backward of the last
               micro-batch; parameter all-gather after the step (stages 1-2) or per layer (stage 3)
     overlap   a collective hidden behind compute still holds the SMs of its CTAs while it runs
@@ -39,15 +42,21 @@ from dataclasses import dataclass, field, replace
 
 from mpformer.autoconfig.calibration import Calibration, clamp
 from mpformer.autoconfig.cluster import Cluster
-from mpformer.autoconfig.compute import LayerTimes, layer_times_from, matmul_dtype, measured_attention, pass_time
 from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
-from mpformer.autoconfig.expert_cost import dispatch_time, dp_share
+from mpformer.autoconfig.expert_cost import dp_share, stage_exchanges
 from mpformer.autoconfig.expert_memory import stage_expert_params
-from mpformer.autoconfig.kernels import attention_kernel, dims, embedding_work, head_work, layer_work
+from mpformer.autoconfig.kernel_times import (  # noqa: F401  (fused_attention: re-exported)
+    _PARTS,
+    embedding_times,
+    fused_attention,
+    head_times,
+    kernel_launches,
+    layer_compute,
+)
 from mpformer.autoconfig.links import RING_FACTOR, _collective, _p2p, sm_share  # noqa: F401  (RING_FACTOR: re-exported)
 from mpformer.autoconfig.memory import BYTES, Workload, rank_layers
-from mpformer.autoconfig.pipeline_cost import offload_exposed, pipeline_bound, pipeline_time
+from mpformer.autoconfig.pipeline_cost import hidden_exchanges, offload_exposed, pipeline_bound, pipeline_time
 from mpformer.autoconfig.sharing import interpolate, slowdowns
 from mpformer.core.layout import SPLIT_BACKWARD, V_SCHEDULES, ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -60,6 +69,8 @@ class Breakdown:
     compute_s: float = 0.0
     tp_comm_s: float = 0.0
     cp_comm_s: float = 0.0  # context-parallel traffic not hidden behind attention (on the slowest rank)
+    ep_comm_s: float = 0.0  # a mixture of experts' token exchanges waited for (on the slowest rank)
+    ep_hidden_s: float = 0.0  # and those DualPipeV's overlapped pairs run beside compute (not a summand)
     pp_bubble_s: float = 0.0
     p2p_s: float = 0.0
     dp_comm_exposed_s: float = 0.0
@@ -77,56 +88,12 @@ def layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> t
     return f, bi, bw_, tp_comm + sum(cp_layer_times(m, L, w, c, attn))
 
 
-def layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, kind: str | None = None) -> LayerTimes:
-    """The layer's kernels (kernels.py) timed on the device (compute.py), without recompute; ``kind``: its
-    MLP kind (default the model's)."""
-    key = (repr(m), _compute_key(L), _work_key(w), _cluster_key(c), id(c.measured), kind)
-    hit = _LAYER_CACHE.get(key)
-    if hit is None or hit[0] is not c.measured:
-        hit = _LAYER_CACHE[key] = (c.measured, _layer_compute(m, key[1], key[2], c, kind))
-    return hit[1]
-
-
-def _compute_key(L: ParallelLayout) -> ParallelLayout:
-    """The layout fields a layer's kernels depend on (the rest would only split the cache)."""
-    return ParallelLayout(tp=L.tp, cp=L.cp, sequence_parallel=L.sequence_parallel, ep=L.ep, etp=L.etp)
-
-
-def _work_key(w: Workload) -> Workload:
-    return replace(w, global_batch_size=w.micro_batch_size)
-
-
-# Layer and edge times by (model repr, compute layout, micro-batch workload, cluster, profile identity):
-# ``measured`` is not part of a cluster's equality, and the entry holds the profile, so its id is not
-# reused while the entry lives. The search asks for the same few thousand shapes again and again.
-_LAYER_CACHE: dict[tuple, tuple[dict, LayerTimes]] = {}
-_EDGE_CACHE: dict[tuple, tuple[dict, tuple[float, float, float]]] = {}
-
-
-def _cluster_key(c: Cluster) -> str:
-    return repr(replace(c, measured={}))
-
-
-def fused_attention(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> bool:
-    """Whether the runtime's attention core is a fused kernel on this device (kernels.attention_kernel)."""
-    return attention_kernel(m, L, w.seq_length, w.runtime.name, w.flash_attention, c.cores is not None,
-                            w.precision) != "math"
-
-
-def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, kind: str | None = None) -> LayerTimes:
-    dt, flash = w.precision, fused_attention(m, L, w, c)
-    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, flash, kind=kind)
-    x = dims(m, L, w.seq_length, w.micro_batch_size)
-    measured = measured_attention(c, dt, x["s"], x["s_k"], x["d"], x["b"] * x["heads"]) if flash else None
-    return layer_times_from(c, dt, work, measured, matmul_dtype(c, dt, w.runtime.tf32))
-
-
 def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, kind: str | None = None
                       ) -> tuple[float, float, float, float, float]:
     """(F, BI, BW, TP communication, attention forward) seconds of one layer, one micro-batch, one rank.
     Selective recompute reruns the attention core's forward in the backward, full recompute the
     whole forward (and its tensor-parallel collectives). ``kind``: the layer's MLP kind (a sparse
-    layer's token exchanges are waited with the tensor-parallel ones: expert_cost.py)."""
+    layer's token exchanges are not here: the pipeline prices them apart, expert_cost.stage_exchanges)."""
     lt = layer_compute(m, L, w, c, kind)
     f, bi, bw_ = lt.f, lt.bi, lt.bw
     if L.recompute == "selective" and w.runtime.selective == "op":
@@ -155,8 +122,6 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     # 2 in forward, 2 in backward, 2 more to recompute; the backward's two all-gathers of the kept input
     # shards (layers/linear.py) run under the input-gradient GEMMs and are not charged, as in Megatron
     tp_comm = (6 if L.recompute == "full" else 4) * per
-    if (m.mlp_kind if kind is None else kind) == "moe":
-        tp_comm += dispatch_time(m, L, w.seq_length, w.micro_batch_size, BYTES[w.precision], c)
     return f, bi, bw_, tp_comm, lt.attn_f
 
 
@@ -167,34 +132,6 @@ def cp_layer_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, a
     if L.cp == 1:
         return 0.0, 0.0
     return cp_traffic(m, L, w, c, layer_times_parts(m, L, w, c)[4] if attn is None else attn)
-
-
-def head_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float]:
-    """The last stage's final norm, LM head and cross entropy: (F, BI, BW) seconds per micro-batch."""
-    return _edge_times(m, L, w, c, True)
-
-
-def embedding_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) -> tuple[float, float, float]:
-    """The first stage's embedding lookup and its gradient: (F, BI, BW) seconds per micro-batch."""
-    return _edge_times(m, L, w, c, False)
-
-
-def _edge_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head: bool) -> tuple[float, float, float]:
-    key = (repr(m), _compute_key(L), _work_key(w), _cluster_key(c), id(c.measured), head)
-    hit = _EDGE_CACHE.get(key)
-    if hit is None or hit[0] is not c.measured:
-        hit = _EDGE_CACHE[key] = (c.measured, _edge_compute(m, key[1], key[2], c, head))
-    return hit[1]
-
-
-def _edge_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head: bool) -> tuple[float, float, float]:
-    dt = w.precision
-    work = (head_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, w.fused_cross_entropy) if head
-            else embedding_work(m, L, w.seq_length, w.micro_batch_size, dt))
-    mm = matmul_dtype(c, dt, w.runtime.tf32)
-    f, bi, bw_ = (pass_time(c, dt, p, backward=k > 0, gemm_dtype=mm).total
-                  for k, p in enumerate((work.f, work.bi, work.bw)))
-    return f, bi, bw_
 
 
 def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *,
@@ -228,31 +165,43 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
             return interpolate(slow, k * per_rank)
 
         fs, bs = fc, bc
+    # A mixture of experts' token exchanges per stage: the pipeline's F and B carry them (Costs.a2a_f /
+    # a2a_b), so the schedule decides what they cost (DualPipeV's pairs run them beside compute); with
+    # one stage, or on shared cores (its waits are added on top), a plain exposed wait.
+    xf, xb = stage_exchanges(m, L, w.seq_length // k, w.micro_batch_size, BYTES[w.precision], c, counts)
+    exch = [x + y for x, y in zip(xf, xb)]
+    in_pipe = L.pp > 1 and dilation is None and any(exch)
+    if L.pp == 1 and any(exch):
+        fs, bs = [x + y for x, y in zip(fs, xf)], [x + y for x, y in zip(bs, xb)]
+    costs = Costs(f=fs, b=bs, w=wc, p2p=p2p, **({"a2a_f": xf, "a2a_b": xb} if in_pipe else {}))
     # train.overlap_validation: steps run back to back, a step's check in flight during the next one's
     # forward/backward (training/overlap.py); the pipeline term is their period, not one step alone.
     # Not with a tied embedding on two ranks: the first stage's step then waits for the last stage's
     # embedding gradient (engine.finish), which ends the step for both as a barrier would.
     b2b = w.runtime.overlap_validation and not (m.tie_embeddings and L.pp > 1 and L.schedule not in V_SCHEDULES)
     if L.pp > 1 and simulate_pipeline:
-        costs = Costs(f=fs, b=bs, w=wc, p2p=p2p)
         blocking = not w.runtime.overlap_p2p
         pipe = pipeline_time(L.schedule, L.pp, micro_batches, L.vpp, costs, dilation, blocking, k, b2b)
         if dilation is None:  # past 2p micro-batches the timeline is extrapolated: never below the bound
             pipe = max(pipe, pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, costs, blocking, k, b2b))
     else:  # the closed form: a lower bound of the simulated timeline, equal to it for even stages
-        pipe = pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, Costs(f=fs, b=bs, w=wc, p2p=p2p),
+        pipe = pipeline_bound(L.schedule, L.pp, micro_batches, L.vpp, costs,
                               blocking=not w.runtime.overlap_p2p, slices=k, back_to_back=b2b)
         if dilation is not None:  # the shared-core bound: every rank busy at the shared rate
             pipe = max(pipe, micro * compute_per_micro / L.pp)
+    waits = [sum(tps[stage_index(L, r, c)] for c in range(L.vpp)) for r in range(L.pp)]
+    exchanges = [sum(exch[stage_index(L, r, c)] for c in range(L.vpp)) for r in range(L.pp)]
     if dilation is not None:
         pipe *= cal.pipeline_factor(L.pp, L.schedule)  # what processor sharing misses (calibration.py)
-        pipe += micro * max(sum(tps[stage_index(L, r, c_)] for c_ in range(L.vpp)) for r in range(L.pp))
+        pipe += micro * max(x + y for x, y in zip(waits, exchanges))
     compute = micro * compute_per_micro / L.pp
     tp_step = tp_step_time(m, L, c, cal)
     pipe += tp_step
-    waits = [sum(tps[stage_index(L, r, c)] for c in range(L.vpp)) for r in range(L.pp)]
-    slowest = max(range(L.pp), key=waits.__getitem__)
+    # the exchanges of one step that the rank's overlapped pairs run beside compute (DualPipeV)
+    hidden = hidden_exchanges(L.schedule, L.pp, micro_batches, L.vpp, costs, k) if in_pipe else [0.0] * L.pp
+    slowest = max(range(L.pp), key=lambda r: micro * (waits[r] + exchanges[r]) - hidden[r])
     tp_comm = micro * waits[slowest] + tp_step
+    ep_comm = micro * exchanges[slowest] - hidden[slowest]
     mine = [counts[stage_index(L, slowest, chunk)] for chunk in range(L.vpp)]
     cp_comm = micro * sum(sum(ns) * sum(cp_layer_times(m, lay, w, c)) for lay, ns in _recompute_split(L, mine)) \
         if L.cp > 1 else 0.0
@@ -260,13 +209,15 @@ def iteration_time(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, *
     dp_params = params_per_rank
     if m.num_experts:  # the experts reduce over the expert-data group (dp cp / ep ranks): priced at their share
         dp_params = round(dp_share(L, params_per_rank, stage_expert_params(m, L, rank_layers(m, L, counts, 0))))
-    dp_exposed = _dp_time(m, L, w, c, dp_params, micro, sum(fs[i] for i in first),
-                          sum(bs[i] + wc[i] for i in first), slow is not None)
+    ax, bx = (xf, xb) if in_pipe else ([0.0] * len(fs), [0.0] * len(fs))  # exchanges not in fs / bs
+    dp_exposed = _dp_time(m, L, w, c, dp_params, micro, sum(fs[i] + ax[i] for i in first),
+                          sum(bs[i] + bx[i] + wc[i] for i in first), slow is not None)
     optimizer = optimizer_time(L, w, c, params_per_rank)
     if slow is not None:
         optimizer *= interpolate(slow, c.devices_per_node)
-    return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm,
-                     pp_bubble_s=max(pipe - compute - tp_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
+    return Breakdown(compute_s=compute, tp_comm_s=tp_comm - cp_comm, cp_comm_s=cp_comm, ep_comm_s=ep_comm,
+                     ep_hidden_s=hidden[slowest],
+                     pp_bubble_s=max(pipe - compute - tp_comm - ep_comm, 0.0) if L.pp > 1 else 0.0, p2p_s=p2p,
                      dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer, iteration_s=pipe + dp_exposed + optimizer,
                      extra={"microbatches": micro_batches, "params": params_per_rank})
 
@@ -408,32 +359,6 @@ def _alone(c: Cluster, ref: dict) -> Calibration:
     else:
         extra = ref.get("seconds_split_backward", t) - t
     return Calibration(compute, 1.0 + max(extra, 0.0) / (compute * backward + launch * n_backward), launch=launch)
-
-
-_PARTS = ("layers", "head", "embedding")
-
-
-def kernel_launches(m: ModelConfig, L: ParallelLayout, w: Workload, part: str) -> tuple[int, int, int]:
-    """Kernels one micro-batch launches in one layer (``part="layers"``), the head or the embedding:
-    forward, input gradients (with what recompute reruns), weight gradients; kernels.py's counts."""
-    key = (repr(m), replace(_compute_key(L), recompute=L.recompute), _work_key(w), part)
-    hit = _LAUNCH_CACHE.get(key)
-    if hit is not None:
-        return hit
-    if part == "head":
-        work = head_work(m, L, w.seq_length, w.micro_batch_size, w.precision, w.runtime.kernels, w.fused_cross_entropy)
-    elif part == "embedding":
-        work = embedding_work(m, L, w.seq_length, w.micro_batch_size, w.precision)
-    else:
-        work = layer_work(m, L, w.seq_length, w.micro_batch_size, w.precision, w.runtime.kernels, w.flash_attention)
-    f, bi = work.f.launches + work.attn_f.launches, work.bi.launches + work.attn_b.launches
-    if part == "layers":  # recompute reruns the attention core's forward (selective) or all of it (full)
-        bi += {"selective": work.attn_f.launches, "full": f}.get(L.recompute, 0)
-    _LAUNCH_CACHE[key] = (f, bi, work.bw.launches)
-    return _LAUNCH_CACHE[key]
-
-
-_LAUNCH_CACHE: dict[tuple, tuple[int, int, int]] = {}
 
 
 def _from_layouts(c: Cluster, ref: dict, layouts: dict, base: Calibration) -> Calibration:

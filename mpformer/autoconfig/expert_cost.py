@@ -19,6 +19,10 @@ Exchange (``dispatch_time``), per layer and micro-batch, forward and backward:
                   slots (ep T k h): the dispatch's and the combine's, twice
     recompute     full recompute runs the forward's two exchanges again
 
+In the pipeline they are not tensor-parallel waits: each stage's sparse layers give its F and B
+exchanges (``stage_exchanges``, Costs.a2a_f / a2a_b), which a compute alone waits for and DualPipeV's
+overlapped pairs run beside the other half's compute (pipeline/simulate.py).
+
 The ep group is carved from dp x cp (core/topology.py): its ranks are tp apart in rank order, so it
 spans tp x ep consecutive devices and leaves the node when they exceed the node's devices, where it
 runs at the inter-node link's rate. The experts' gradients reduce over the expert-data group (dp cp /
@@ -26,6 +30,8 @@ ep ranks; ``dp_share``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.expert_memory import expert_data_size, expert_tp, routed_tokens
@@ -56,21 +62,47 @@ def ep_spans_nodes(L: ParallelLayout, c: Cluster) -> bool:
 def dispatch_time(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, wb: int,
                   c: Cluster) -> float:
     """Seconds of one sparse layer's token exchanges per micro-batch, forward and backward together."""
+    return sum(dispatch_times(m, L, seq_length, micro_batch, wb, c))
+
+
+def dispatch_times(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, wb: int,
+                   c: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of one sparse layer's token exchanges per micro-batch: the
+    all-to-all dispatcher's dispatch and combine in forward, their duals in backward (2 and 2); the
+    all-gather one's all-gather + reduce-scatter once each way; full recompute runs the forward's
+    again in the backward (the pipeline's F and B carry them: Costs.a2a_f / a2a_b)."""
     if L.ep == 1:
-        return 0.0
+        return 0.0, 0.0
     h, k, ep = m.hidden_size, m.num_experts_per_tok, L.ep
     t_r = routed_tokens(m, L, seq_length, micro_batch)
     spans = ep_spans_nodes(L, c)
     if L.ep_dispatcher == "allgather":
         one = (_collective(c, "all_gather", ep * t_r * h * wb, ep, spans)
                + _collective(c, "reduce_scatter", ep * t_r * k * h * wb, ep, spans))
-        passes = 2
+        fwd = 1
     else:
         one = _collective(c, "all_to_all", t_r * k * h * wb, ep, spans)
-        passes = 4
-    if L.recompute == "full":
-        passes += 2 if L.ep_dispatcher != "allgather" else 1
-    return passes * one
+        fwd = 2
+    return fwd * one, (2 * fwd if L.recompute == "full" else fwd) * one
+
+
+def stage_exchanges(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, wb: int, c: Cluster,
+                    counts: list[int]) -> tuple[list[float], list[float]]:
+    """Per (chunk) stage of ``counts`` layers in order: its sparse layers' exchanges per micro-batch,
+    (forward, backward) lists; a layer past ``recompute_layers`` of its chunk runs without recompute."""
+    fwd, bwd = [0.0] * len(counts), [0.0] * len(counts)
+    if L.ep == 1:
+        return fwd, bwd
+    plain = replace(L, recompute="none", recompute_layers=None)
+    start = 0
+    for i, n in enumerate(counts):
+        for j in range(start, start + n):
+            if m.layer_mlp_kind(j) == "moe":
+                lay = L if L.recompute_layers is None or j - start < L.recompute_layers else plain
+                x_f, x_b = dispatch_times(m, lay, seq_length, micro_batch, wb, c)
+                fwd[i], bwd[i] = fwd[i] + x_f, bwd[i] + x_b
+        start += n
+    return fwd, bwd
 
 
 def dp_share(L: ParallelLayout, params: int, expert: int) -> float:

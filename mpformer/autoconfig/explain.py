@@ -34,15 +34,19 @@ TOTAL = "iteration_s"
 RESIDUAL = "not_itemized_s"  # the part of the difference no summand accounts for
 # Seconds terms that are not summands of iteration_s: p2p_s is one stage-to-stage transfer, whose
 # cost the pipeline bubble already contains.
-NOT_PARTS = {"p2p_s": "the time of one stage-to-stage transfer, already inside the pipeline bubble"}
+# ep_hidden_s: the experts' exchanges DualPipeV's overlapped pairs run beside compute, which cost no time.
+NOT_PARTS = {"p2p_s": "the time of one stage-to-stage transfer, already inside the pipeline bubble",
+             "ep_hidden_s": "expert exchanges run beside compute in DualPipeV's overlapped pairs, costing no time"}
 NAMES = {"compute_s": "compute", "tp_comm_s": "tensor-parallel communication",
-         "cp_comm_s": "context-parallel communication", "pp_bubble_s": "pipeline bubble",
+         "cp_comm_s": "context-parallel communication", "ep_comm_s": "expert token exchanges",
+         "ep_hidden_s": "expert token exchanges hidden in overlapped pairs", "pp_bubble_s": "pipeline bubble",
          "p2p_s": "pipeline send/receive", "dp_comm_exposed_s": "exposed data-parallel communication",
          "optimizer_s": "optimizer step", RESIDUAL: "not itemized"}
 # The plan fields that move each term, named in the summary when they differ (at most two a term).
 DRIVERS = {"compute_s": ("recompute", "micro_batch_size", "tp"),
            "tp_comm_s": ("tp", "sequence_parallel", "recompute"),
            "cp_comm_s": ("cp", "cp_kind", "cp_ulysses"),
+           "ep_comm_s": ("ep", "schedule", "ep_dispatcher"),  # schedule: DualPipeV's pairs hide them
            "pp_bubble_s": ("pp", "vpp", "schedule", "microbatches", "offload"),  # offload: its exposed copies
            "p2p_s": ("pp", "sequence_parallel"),
            "dp_comm_exposed_s": ("dp", "zero"),

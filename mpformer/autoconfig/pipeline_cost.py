@@ -9,6 +9,7 @@ schedule), so that branch and bound simulates only the plans that can still win 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -113,9 +114,14 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
     equal ((m + p - 1) slots of 1F1B, (p - 1) / v of interleaving's fill); the zero-bubble schedules
     may run W after that backward, so their tail is not counted. ``back_to_back`` (the period of
     steps with no barrier between them): each rank still does its work once per period, but the
-    fill and the tail may overlap the steps beside it, so they are not counted."""
-    f = [costs._at("f", s) for s in range(pp * vpp)]
-    b = [costs._at("b", s) for s in range(pp * vpp)]
+    fill and the tail may overlap the steps beside it, so they are not counted.
+
+    A mixture of experts' exchanges (``Costs.a2a_f`` / ``a2a_b``) lengthen every compute that runs
+    alone, so they count as F and B time; in DualPipeV's overlapped pairs they may hide entirely
+    behind the other half's compute (``Costs.pair``), so there they are left out (a lower bound)."""
+    exposed = schedule != "dualpipev"  # the only schedule with overlapped pairs (actions.py)
+    f = [costs._at("f", s) + (costs._at("a2a_f", s) if exposed else 0.0) for s in range(pp * vpp)]
+    b = [costs._at("b", s) + (costs._at("a2a_b", s) if exposed else 0.0) for s in range(pp * vpp)]
     w = [costs._at("w", s) for s in range(pp * vpp)]
     hop = costs.p2p if pp > 1 else 0.0
     microbatches *= slices  # token slices: the units flow as micro-batches do, ``costs`` price one
@@ -131,6 +137,53 @@ def pipeline_bound(schedule: str, pp: int, microbatches: int, vpp: int, costs: C
         tail = 0.0 if schedule in SPLIT_BACKWARD or back_to_back else sum(b[:r]) + r * hop
         best = max(best, fill + work + tail)
     return best
+
+
+@lru_cache(maxsize=64)
+def _pair_counts(schedule: str, pp: int, microbatches: int, vpp: int, slices: int
+                 ) -> tuple[dict[tuple[tuple[str, int], tuple[str, int]], int], ...]:
+    """Per rank: how many overlapped pairs of each ((op, global stage), (op, global stage)) its
+    compute order holds (from the generator's orders, as timeline.compile_schedule reads them)."""
+    from mpformer.pipeline.actions import stage_of
+    from mpformer.pipeline.schedules import _paired, compute_orders
+
+    _, orders = compute_orders(schedule, pp, microbatches, vpp, slices)
+    v = schedule in V_SCHEDULES
+    out = []
+    for r, order in enumerate(orders):
+        counts: dict[tuple[tuple[str, int], tuple[str, int]], int] = {}
+        for x, y in itertools.pairwise(order):
+            if _paired(x):
+                key = ((x[0].value, stage_of(pp, r, x[2], v)), (y[0].value, stage_of(pp, r, y[2], v)))
+                counts[key] = counts.get(key, 0) + 1
+        out.append(counts)
+    return tuple(out)
+
+
+def hidden_exchanges(schedule: str, pp: int, microbatches: int, vpp: int, costs: Costs, slices: int = 1
+                     ) -> list[float]:
+    """Per rank, the expert exchanges (Costs.a2a_f / a2a_b) its overlapped pairs run beside compute in
+    one step: a pair of computes c1, c2 with exchanges x1, x2 takes max(c1 + c2, x1 + x2) against
+    c1 + x1 + c2 + x2 alone, so it hides min(x1 + x2, c1 + c2). Zero but for DualPipeV's pairs."""
+    if schedule != "dualpipev" or pp == 1:
+        return [0.0] * pp
+    from mpformer.pipeline.actions import Op
+
+    def parts(op: str, s: int) -> tuple[float, float]:  # (compute, exchange) of one action alone
+        o = Op(op)
+        if o is Op.BW:
+            return costs._at("w", s), 0.0
+        c = costs._at("f" if o is Op.F else "b", s) + (costs._at("w", s) if o is Op.B else 0.0)
+        return c, costs._at("a2a_f" if o is Op.F else "a2a_b", s)
+
+    out = []
+    for counts in _pair_counts(schedule, pp, microbatches, vpp, slices):
+        hidden = 0.0
+        for (a, b), n in counts.items():
+            (c1, x1), (c2, x2) = parts(*a), parts(*b)
+            hidden += n * min(x1 + x2, c1 + c2)
+        out.append(hidden)
+    return out
 
 
 def offload_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, counts: list[int],

@@ -52,11 +52,12 @@ class Costs:
     p2p: float = 0.0
     fb: float | None = None  # an overlapped F&B pair (DualPipe's F&B); None: from the halves (``pair``)
     # A mixture of experts' dispatch and combine (all-to-all over the ep group) in one compute's
-    # forward (``a2a_f``) and input-gradient backward (``a2a_b``; BW has none). A compute alone waits
-    # for its own exchanges; in an overlapped pair each half's exchanges run beside the other's
-    # compute (DeepSeek-V3, section 3.2.1: that is what DualPipe's pairs are for).
-    a2a_f: float = 0.0
-    a2a_b: float = 0.0
+    # forward (``a2a_f``) and input-gradient backward (``a2a_b``; BW has none), per global stage like
+    # f/b/w (a stage's sparse layers set them; dense stages have none). A compute alone waits for its
+    # own exchanges; in an overlapped pair each half's exchanges run beside the other's compute
+    # (DeepSeek-V3, section 3.2.1: that is what DualPipe's pairs are for).
+    a2a_f: PerStage = 0.0
+    a2a_b: PerStage = 0.0
     copy: float = 0.0  # activation offload: one unit's saved activations to host memory, or back
     # The engine's own time per compute action, outside the compute and the receive waits (posting its
     # messages, the Python between actions; trace.measured_gap): it delays the rank's next action and
@@ -65,7 +66,7 @@ class Costs:
     gap: float = 0.0
 
     def check(self, num_stages: int) -> None:
-        for key in ("f", "b", "w"):
+        for key in ("f", "b", "w", "a2a_f", "a2a_b"):
             val = getattr(self, key)
             vals = [val] if isinstance(val, int | float) else list(val)
             if not isinstance(val, int | float) and len(vals) != num_stages:
@@ -73,7 +74,7 @@ class Costs:
                                   f"stage (pp*vpp = {num_stages})")
             if any(v < 0 for v in vals):
                 raise ConfigError(f"cost {key}={val} must be >= 0")
-        for key in ("p2p", "gap", "a2a_f", "a2a_b"):
+        for key in ("p2p", "gap"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cost {key}={getattr(self, key)} must be >= 0")
         if self.fb is not None and self.fb < 0:
@@ -96,21 +97,22 @@ class Costs:
             return self._at("b", stage) + self._at("w", stage)
         return 0.0
 
-    def exchange(self, action: Action) -> float:
+    def exchange(self, action: Action, pp: int = 1, v: bool = False) -> float:
         """The expert dispatch and combine inside ``action`` (all-to-all time; 0 for BW and p2p)."""
-        return self.a2a_f if action.op == Op.F else self.a2a_b if action.op in (Op.B, Op.BI) else 0.0
+        key = "a2a_f" if action.op == Op.F else "a2a_b" if action.op in (Op.B, Op.BI) else None
+        return self._at(key, action.stage(pp, v)) if key else 0.0
 
     def duration(self, action: Action, pp: int, v: bool = False) -> float:
         """How long ``action`` keeps its rank busy alone: its compute, then its expert exchanges
         (p2p: 0, its wait is modelled apart)."""
-        return self.compute(action, pp, v) + self.exchange(action)
+        return self.compute(action, pp, v) + self.exchange(action, pp, v)
 
     def pair(self, a: Action, b: Action, pp: int, v: bool = False) -> float:
         """An overlapped pair's time: ``fb``, or the longer of the two halves' compute and the two
         halves' exchanges (one stream computes while the other exchanges; with no exchanges, the sum)."""
         if self.fb is not None:
             return self.fb
-        return max(self.compute(a, pp, v) + self.compute(b, pp, v), self.exchange(a) + self.exchange(b))
+        return max(self.compute(a, pp, v) + self.compute(b, pp, v), self.exchange(a, pp, v) + self.exchange(b, pp, v))
 
 
 @dataclass(frozen=True)
@@ -177,10 +179,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, blocking: bool =
     idle = [step - b for b in busy]
     per_rank = [i / step if step > 0 else 0.0 for i in idle]
     return SimResult(schedule, costs, timeline, step, busy, idle, per_rank, sum(per_rank) / len(per_rank), peaks,
-                     copies, _exchange_lane(timeline, costs))
+                     copies, _exchange_lane(timeline, costs, pp, v))
 
 
-def _exchange_lane(timeline: list[list[TimedAction]], costs: Costs) -> list[tuple[Action, float, float]]:
+def _exchange_lane(timeline: list[list[TimedAction]], costs: Costs, pp: int, v: bool
+                   ) -> list[tuple[Action, float, float]]:
     """When each compute's expert exchanges run: a compute alone ends with them; in a pair (drawn as
     its halves in turn) the second half's run from the pair's start, beside the first half's compute,
     and the first half's right after, beside the second's: the two streams ``Costs.pair`` prices."""
@@ -192,11 +195,11 @@ def _exchange_lane(timeline: list[list[TimedAction]], costs: Costs) -> list[tupl
             t = computes[k]
             if t.action.overlap and k + 1 < len(computes):
                 u = computes[k + 1]
-                x1, x2 = costs.exchange(t.action), costs.exchange(u.action)
+                x1, x2 = costs.exchange(t.action, pp, v), costs.exchange(u.action, pp, v)
                 out += [(u.action, t.start, t.start + x2), (t.action, t.start + x2, t.start + x2 + x1)]
                 k += 2
                 continue
-            x = costs.exchange(t.action)
+            x = costs.exchange(t.action, pp, v)
             out.append((t.action, t.end - x - costs.gap, t.end - costs.gap))
             k += 1
     return [e for e in out if e[2] > e[1]]

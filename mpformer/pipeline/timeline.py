@@ -40,11 +40,13 @@ class CompiledTimeline:
     def step_time(self, costs: Costs) -> float:
         """The last compute's end (= simulate(schedule, costs).step_time for the overlapped engine)."""
         costs.check(self.num_stages)
-        table: dict[tuple[Op, int], float] = {}
+        table: dict[tuple[Op, int], float] = {}  # a compute alone: its compute, then its exchanges
+        xtable: dict[tuple[Op, int], float] = {}  # its expert exchanges (a pair runs them beside compute)
         for op in set(self.ops):
             for s in range(self.num_stages):
                 alone = costs._at("b", s) + costs._at("w", s) if op is Op.B else costs._at(_KIND[op], s)
-                table[op, s] = alone + costs.exchange(Action(0, op, 0))
+                x = costs._at("a2a_f" if op is Op.F else "a2a_b", s) if op is not Op.BW else 0.0
+                table[op, s], xtable[op, s] = alone + x, x
         p2p, end = costs.p2p, [0.0] * len(self.prev)
         prev, sp, rp, inp, partner = self.prev, self.send_post, self.recv_post, self.has_input, self.partner
         pair_end: dict[int, float] = {}  # second half of a pair -> the pair's end
@@ -66,7 +68,7 @@ class CompiledTimeline:
             if inp[j]:
                 t = max(t, arrival(j))
             c1, c2 = table[op, s], table[self.ops[j], self.stages[j]]
-            x1, x2 = costs.exchange(Action(0, op, 0)), costs.exchange(Action(0, self.ops[j], 0))
+            x1, x2 = xtable[op, s], xtable[self.ops[j], self.stages[j]]
             d = costs.fb if costs.fb is not None else max(c1 - x1 + c2 - x2, x1 + x2)  # as Costs.pair
             end[i], pair_end[j] = t + (d * c1 / (c1 + c2) if c1 + c2 > 0 else 0.0), t + d
         return max(end, default=0.0)

@@ -59,3 +59,22 @@ def test_trace_draws_the_exchanges_beside_the_pair():
                 for a in (t.action, u.action):
                     start, end = next((x, y) for b, x, y in res.exchanges if b == a)
                     assert spans[a.rank, t.action][0] - 1e-9 <= start and end <= spans[a.rank, u.action][1] + 1e-9
+
+
+def test_exchanges_per_stage():
+    """Each global stage's own exchanges (a stage of dense layers has none); a list of the wrong length
+    is refused; equal lists time the schedule as the scalar does."""
+    from mpformer.core.errors import ConfigError
+
+    c = Costs(f=1.0, b=2.0, a2a_f=[0.0, 0.4, 0.8, 0.0], a2a_b=[0.1, 0.5, 0.9, 0.0])
+    v = True  # a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    assert [c.exchange(Action(1, Op.F, 0, chunk), 2, v) for chunk in (0, 1)] == [0.4, 0.8]
+    assert c.exchange(Action(0, Op.BI, 0, 1), 2, v) == 0.0 and c.exchange(Action(0, Op.B, 0, 0), 2, v) == 0.1
+    assert c.pair(Action(1, Op.F, 0, 0), Action(1, Op.BI, 1, 1), 2, v) == pytest.approx(3.0)  # 1.3 beside 3.0
+    with pytest.raises(ConfigError, match="a2a_f lists 3 values"):
+        Costs(a2a_f=[0.1, 0.2, 0.3]).check(4)
+    s = build_schedule("dualpipev", 2, 8, 2)
+    same = simulate(s, Costs(f=1.0, b=1.0, w=1.0, a2a_f=[0.7] * 4, a2a_b=[0.5] * 4)).step_time
+    assert same == pytest.approx(simulate(s, Costs(f=1.0, b=1.0, w=1.0, a2a_f=0.7, a2a_b=0.5)).step_time)
+    dense_end = simulate(s, Costs(f=1.0, b=1.0, w=1.0, a2a_f=[0.7, 0.7, 0.7, 0.0], a2a_b=[0.5, 0.5, 0.5, 0.0]))
+    assert dense_end.step_time <= same + 1e-12

@@ -24,7 +24,11 @@ def _costs(rng: random.Random, stages: int, split: bool) -> Costs:
     if not split:  # B carries W
         b, w = [x + y for x, y in zip(b, w)], [0.0] * stages
     a2a = rng.choice([0.0, 0.0, 0.3, 1.5])  # a mixture of experts' exchanges: hidden in pairs, or longer
-    return Costs(f=f, b=b, w=w, p2p=rng.choice([0.0, 0.02, 0.4]), a2a_f=a2a, a2a_b=a2a * rng.uniform(0.5, 1.5))
+    a2a_f, a2a_b = a2a, a2a * rng.uniform(0.5, 1.5)
+    if a2a and rng.random() < 0.5:  # per stage: sparse and dense stages, exchanges of unequal length
+        a2a_f = [a2a * rng.choice([0.0, 0.5, 1.0, 2.0]) for _ in range(stages)]
+        a2a_b = [x * rng.uniform(0.5, 1.5) for x in a2a_f]
+    return Costs(f=f, b=b, w=w, p2p=rng.choice([0.0, 0.02, 0.4]), a2a_f=a2a_f, a2a_b=a2a_b)
 
 
 def _schedules():
