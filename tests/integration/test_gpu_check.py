@@ -83,8 +83,9 @@ def _module(name: str):
 def test_every_part_fits_the_gpu_it_runs_on():
     """Each part rehearsed at its real size on the GPU it targets (an H100 80GB's usable memory): the
     kernels part's 16k-token layers and oracles (a dense-mask SDPA oracle once took ~96 GiB), the
-    train part's 1B Llama step (gpu_check.py's run, through pretraining's build) and the offload part's
-    pipeline rank 0 with nothing offloaded (bench_offload.py's, through pretraining's build)."""
+    train part's 1B Llama step (gpu_check.py's run, through pretraining's build), the offload part's
+    pipeline rank 0 with nothing offloaded (bench_offload.py's, through pretraining's build) and the moe
+    part's four methods (bench_expert_gemm.py's)."""
     from mpformer.rehearsal.devices import gpu_target
     from mpformer.testing.rehearsal import rehearse_many
 
@@ -99,6 +100,16 @@ def test_every_part_fits_the_gpu_it_runs_on():
     for r in (rank, offload):
         assert r["peak_bytes"] < usable, r["peak_bytes"]
         assert set(r["attention_kernels"]) == {"flash"} and not r["square_tensors"]
+    # the moe part's expert GEMMs at its GPU shapes (16 GiB rehearsed: Mixtral's HF-indexing loop)
+    import contextlib
+    import io
+
+    from mpformer.rehearsal.probe import FunctionProbe, Probe
+
+    probe = Probe()
+    with probe, FunctionProbe(probe), contextlib.redirect_stdout(io.StringIO()):
+        _module("bench_expert_gemm").main(["--device", "meta", *budget.MOE_ARGS])
+    assert probe.peak < usable / 2, probe.peak
 
 
 def test_each_parts_timeout_is_the_one_its_rehearsed_work_gives():
