@@ -21,7 +21,15 @@ bf16's error is reported. Time is the median of ``--reps`` fwd+bwd steps per met
 the methods alternating step by step (common.interleave); ratio = loop's median / this one (> 1: faster).
 On CPU the time compared is the process's CPU time with one torch thread (``--threads``), as in
 bench_cross_entropy.py: on a shared 2-core machine wall time (also given) mostly measures the neighbours;
-on CUDA (``--device cuda``, not yet run) it is wall time between synchronisations.
+on CUDA (``--device cuda``) it is wall time between ``torch.cuda.synchronize()`` calls, one before the
+clock is read and one before it is read again (kernels launch asynchronously: without them the time
+is the launches'), the data made on the GPU by a seeded CUDA generator (a CPU randn of Mixtral's
+expert weights takes seconds), and the peak memory of each method's step is reported.
+``--device meta`` runs the same calls on shapes alone (gpu_budget.py counts their FLOPs there; no
+check, no meaningful time). benchmarks/gpu_check.sh's ``moe`` part runs it on the GPU:
+
+    --device cuda --precision bf16      (its default shapes there, GPU_SHAPES: Mixtral 8x7B's experts, E 8,
+    top 2, h 4096, f 14336, and Qwen3-30B-A3B's, E 128, top 8, h 2048, f 768; 8192 tokens each)
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ from common import environment, format_table, interleave, median, quartiles, wri
 from mpformer.layers.expert_gemm import METHODS, choose_method, expert_mlp, grouped_ok
 
 SHAPES = ((8, 2, 4096, 512, 1024), (64, 8, 4096, 512, 256))  # and --shapes 16,2,4096,1024,2048 --precision fp32
+# a GPU's default (--device cuda, and meta, where gpu_budget.py counts the same run's FLOPs): Mixtral 8x7B's
+# and Qwen3-30B-A3B's expert layers at 8192 tokens
+GPU_SHAPES = ((8, 2, 8192, 4096, 14336), (128, 8, 8192, 2048, 768))
 QUICK = ((8, 2, 512, 128, 256), (64, 8, 256, 128, 64))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,12 +67,17 @@ def route(E: int, topk: int, tokens: int, seed: int) -> list[int]:
 
 
 def make(E: int, h: int, f: int, counts: list[int], dtype: torch.dtype, device: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(counts), h, generator=g)
-    w_up = torch.randn(E, 2 * f, h, generator=g) / math.sqrt(h)
-    w_down = torch.randn(E, h, f, generator=g) / math.sqrt(f)
-    dy = torch.randn(sum(counts), h, generator=g)
-    return [t.to(device=device, dtype=dtype) for t in (x, w_up, w_down, dy)]
+    """x [N, h], w_up [E, 2f, h], w_down [E, h, f], dy [N, h]: seeded, made where they are used (a CUDA
+    generator on a GPU; shapes alone on meta)."""
+    n = sum(counts)
+    shapes, scales = ((n, h), (E, 2 * f, h), (E, h, f), (n, h)), (1.0, 1 / math.sqrt(h), 1 / math.sqrt(f), 1.0)
+    kind = torch.device(device).type
+    if kind == "meta":
+        return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
+    g = torch.Generator(device if kind == "cuda" else "cpu").manual_seed(seed)
+    where = device if kind == "cuda" else "cpu"
+    return [(torch.randn(s, generator=g, device=where) * c).to(device=device, dtype=dtype)
+            for s, c in zip(shapes, scales)]
 
 
 HF = "loop, HF indexing"
@@ -90,12 +106,14 @@ def step(method: str, counts: list[int], x, w_up, w_down, dy) -> tuple[torch.Ten
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.device.type == "meta":
+        return float("nan")  # no values: nothing to compare
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="*", help="E,topk,tokens,h,f each (default: three shapes)")
+    ap.add_argument("--shapes", nargs="*", help="E,topk,tokens,h,f each (default: SHAPES; GPU_SHAPES on cuda)")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
@@ -106,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes] if a.shapes else list(QUICK if a.quick else SHAPES)
+    gpu = torch.device(a.device).type in ("cuda", "meta")
+    default = QUICK if a.quick else GPU_SHAPES if gpu else SHAPES
+    shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes] if a.shapes else list(default)
     reps = max(5, a.reps)
     env = environment()
     cuda = a.device.startswith("cuda")
@@ -140,20 +160,26 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 y, grads = step(m, counts, *args)
                 errors[m] = max(rel_err(y, y_ref), *(rel_err(p, q) for p, q in zip(grads, g_ref)))
-                if dtype == torch.float32 and errors[m] > 1e-5:
+                if dtype == torch.float32 and errors[m] > 1e-5:  # nan (meta) passes
                     raise SystemExit(f"{m} differs from the loop by {errors[m]:.2e} (relative) at {info}")
             del y_ref, g_ref
 
             cpu_times: dict[str, list[float]] = {m: [] for m in methods}
+            peak: dict[str, int] = {m: 0 for m in methods}
 
-            def timed(m: str, args=args, counts=counts, cpu_times=cpu_times):
+            def timed(m: str, args=args, counts=counts, cpu_times=cpu_times, peak=peak):
                 def run() -> list[float]:
-                    sync()
+                    sync()  # the queue empty before the clock is read: the time is this step's alone
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
                     t0, c0 = time.perf_counter(), time.process_time()
                     step(m, counts, *args)
-                    sync()
+                    sync()  # every kernel of the step done before the clock is read again
+                    t1 = time.perf_counter()
                     cpu_times[m].append(time.process_time() - c0)
-                    return [time.perf_counter() - t0]
+                    if cuda:
+                        peak[m] = max(peak[m], torch.cuda.max_memory_allocated())
+                    return [t1 - t0]
                 return run
 
             for m in methods:
@@ -167,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             per_dtype[prec] = {m: {"median_s": median(t[m]), "quartiles_s": quartiles(t[m]), "times_s": t[m],
                                    "wall_median_s": median(wall[m]), "wall_times_s": wall[m],
                                    "ratio_vs_loop": base / median(t[m]), "gflops": flop / median(t[m]) / 1e9,
-                                   "max_rel_err_vs_loop": errors.get(m, 0.0)} for m in methods}
+                                   "max_rel_err_vs_loop": errors.get(m, 0.0),
+                                   **({"peak_bytes": peak[m]} if cuda else {})} for m in methods}
             per_dtype[prec]["choose_method"] = choose_method(torch.device(a.device).type, dtype, h, f)
             del args
         results.append({**info, "flop_fwd_bwd": flop, "results": per_dtype})

@@ -9,6 +9,10 @@
               FLOP of its cases at their repetitions
     offload   bench_offload.py's rank 0 rehearsed as pretraining builds it (OFFLOAD_RANK): its step's
               FLOPs, three modes of ``steps + 2`` steps (one untimed, one metered)
+    moe       bench_expert_gemm.py run on meta tensors under the rehearsal's probe (its GPU shapes, bf16): every
+              GEMM FLOP of its four methods' steps (checks, warm-up, timed), plus the bytes of the HF-indexing
+              loop's whole-tensor gradients (per expert a zero gradient of x, w_up and w_down, written, then
+              read twice and written by the sum: 4 passes)
     tests     not derived: pytest's start and HF models' build dominate (a fixed 150 s)
 
     seconds = START + work / (rate x EFFICIENCY) x MARGIN
@@ -21,6 +25,8 @@ process's start (torch import, CUDA context, model build: 40 s) and MARGIN 2. An
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -43,6 +49,8 @@ OFFLOAD_RANK = ["model=tiny-llama", f"model.num_layers={OFFLOAD['layers']}",
                 f"train.global_batch_size={OFFLOAD['batch'] * OFFLOAD['microbatches']}", "train.precision=bf16",
                 f"parallel.pp={OFFLOAD['pp']}", "parallel.dp=1", "parallel.schedule=1f1b", "parallel.offload=none"]
 
+MOE_ARGS = ["--precision", "bf16"]  # gpu_check.sh's moe part, beside --device cuda
+
 
 def _seconds(flops: float, nbytes: float, rates: dict) -> float:
     work = flops / (rates["flops"] * EFFICIENCY) + nbytes / (rates["bandwidth"] * EFFICIENCY)
@@ -64,6 +72,31 @@ def _kernels_flops() -> int:
     return probe.flops
 
 
+def _moe_work() -> tuple[int, int]:
+    """(FLOPs, bytes) of bench_expert_gemm.py as gpu_check.sh runs it: FLOPs counted on meta tensors, bytes
+    of the HF-indexing loop's whole-tensor gradients (its ``warmup + reps + 1`` steps: the check, the
+    warm-up, the timed ones)."""
+    from mpformer.rehearsal.probe import FunctionProbe, Probe
+
+    module = _bench("bench_expert_gemm")
+    probe = Probe()
+    probe.count_flops = True
+    with probe, FunctionProbe(probe), contextlib.redirect_stdout(io.StringIO()):  # its table: of no times
+        module.main(["--device", "meta", *MOE_ARGS])
+    steps, bf16 = 1 + 1 + 5, 2
+    nbytes = sum(steps * 4 * E * bf16 * (tokens * k * h + E * 3 * h * f) for E, k, tokens, h, f in module.GPU_SHAPES)
+    return probe.flops, nbytes
+
+
+def _bench(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def budgets() -> dict:
     import yaml
 
@@ -76,13 +109,16 @@ def budgets() -> dict:
     train_s = _seconds(train["flops"] * TRAIN_STEPS + GEMM_CHECK_FLOPS, 4 * state * TRAIN_STEPS, rates) + SUSTAIN_S
     kernels_flops = _kernels_flops()
     offload_flops = offload["flops"] * (OFFLOAD["steps"] + 2) * 3  # steps + 1 and the metered one, 3 modes
+    moe_flops, moe_bytes = _moe_work()
     return {"about": __doc__.split("\n\n")[0], "efficiency": EFFICIENCY, "margin": MARGIN, "start_s": START,
             "rates": rates, "parts": {
                 "tests": {"seconds": 150, "derived": False},
                 "train": {"seconds": int(train_s), "flops_per_step": train["flops"], "state_bytes": state,
                           "steps": TRAIN_STEPS, "sustain_s": SUSTAIN_S},
                 "kernels": {"seconds": int(_seconds(kernels_flops, 0, rates)), "flops": kernels_flops},
-                "offload": {"seconds": int(_seconds(offload_flops, 0, rates)), "flops": offload_flops}}}
+                "offload": {"seconds": int(_seconds(offload_flops, 0, rates)), "flops": offload_flops},
+                "moe": {"seconds": int(_seconds(moe_flops, moe_bytes, rates)), "flops": moe_flops,
+                        "bytes": moe_bytes}}}
 
 
 def main() -> int:

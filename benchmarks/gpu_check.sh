@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# The prepared GPU check: four parts, each with its own timeout (benchmarks/gpu_budget.json, derived from
-# each part's rehearsed FLOPs and bytes: 334 s together, under 7 minutes with the start), each writing
-# its log and JSON under OUT as it ends, and OUT/summary.json over all of them:
+# The prepared GPU check: five parts, each with its own timeout (benchmarks/gpu_budget.json, derived from
+# each part's rehearsed FLOPs and bytes: 392 s together, under 8 minutes with the start), each writing
+# its log under OUT as it ends, and OUT/summary.json over all of them with each part's JSON result (the
+# results are written outside OUT first: a device run brings back at most 8 files, and five logs, five
+# JSONs and the summary would be 11):
 #
 #   tests     the tests marked gpu: HF parity on cuda, cuda against cpu, flash attention, bf16 training,
-#             deterministic resume, pinned loading, offload's copies (tests/gpu/test_cuda.py) and the
+#             deterministic resume, pinned loading, offload's copies (tests/gpu/test_cuda.py), the
 #             block kernels on CUDA's fused ops, the merged log-sum-exp, no host sync in the fused cross
-#             entropy, RMSNorm's saved bytes (tests/gpu/test_cuda_kernels.py)
+#             entropy, RMSNorm's saved bytes (tests/gpu/test_cuda_kernels.py), and the experts' grouped
+#             GEMM against the loop in bf16, an MoE layer cuda = cpu, one host read per dispatch
+#             (tests/gpu/test_cuda_moe.py)
 #   train     a 1B Llama, bf16, 30 steps, no checkpoint: MFU, peak memory, each beside the cost and
 #             memory models' prediction (benchmarks/gpu_check.py)
 #   kernels   one cp=2 ring rank's attention blocks and a document-masked layer at 16k tokens against
 #             SDPA: time, parity, the cost model's time (benchmarks/gpu_kernels.py)
 #   offload   activation offload's peak and step time on one pipeline rank (bench_offload.py)
+#   moe       the experts' GEMMs, bf16, forward + backward: grouped (torch._grouped_mm) against padded and
+#             the per-expert loop at Mixtral 8x7B's and Qwen3-30B-A3B's shapes, 8192 tokens: time between
+#             synchronisations, TFLOP/s, peak memory, error against the loop (bench_expert_gemm.py)
 #
 #   bash benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]
 #
@@ -19,7 +26,7 @@
 # It finds a Python whose torch sees a GPU ($PYTHON, python3, python, .venv/bin/python, in that order)
 # or fails in one line saying how to provide one. The project's pure-Python dependencies that the
 # machine lacks (hydra-core, omegaconf, antlr4 on an offline GPU image) come from .whl/: `make
-# gpu-wheels` here fills it (git-ignored: carry it). --dry-run runs the same four parts on this CPU with
+# gpu-wheels` here fills it (git-ignored: carry it). --dry-run runs the same five parts on this CPU with
 # tiny sizes (make test does, tests/integration/test_gpu_check.py), so a typo costs no GPU minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +34,8 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUT"
+RES="$(mktemp -d)"  # the parts' JSON results, gathered into OUT/summary.json at the end
+trap 'rm -rf "$RES"' EXIT
 
 has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 torch_of() { "$1" -c 'import torch; print("torch", torch.__version__ + ", no GPU visible")' 2>/dev/null || echo "no torch"; }
@@ -99,10 +108,12 @@ if [ $DRY = 1 ]; then  # the same parts, tiny, on this CPU
   TRAIN=(--device cpu --model tiny-llama --steps 3 --skip 1 --seq 64 --micro-batch 2 --global-batch 4 --sustain 0)
   KERNELS=(--device cpu --seq 1024 --heads 8 --kv-heads 2 --head-dim 32 --doc 200 --reps 1)
   OFFLOAD=(--device cpu --pp 2 --microbatches 2 --steps 1 --layers 2 --hidden 64 --heads 4 --vocab 256 --seq 64)
+  MOE=(--device cpu --precision bf16 --shapes 8,2,64,64,32 128,8,32,32,16)
 else
   TRAIN=(--steps 30)
   KERNELS=(--device cuda)
   OFFLOAD=(--device cuda)
+  MOE=(--device cuda --precision bf16)  # its GPU shapes (bench_expert_gemm.py GPU_SHAPES; gpu_budget.py MOE_ARGS)
 fi
 
 parts=()
@@ -120,17 +131,18 @@ part() {  # name, seconds, command...: its log under OUT, its rc and time for th
 # which writes gpu_budget.json; tests/integration/test_gpu_check.py keeps the two in step).
 budget() { "$PY" -c "import json, sys; print(json.load(open('benchmarks/gpu_budget.json'))['parts'][sys.argv[1]]['seconds'])" "$1"; }
 part tests "$(budget tests)" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
-part train "$(budget train)" "$PY" benchmarks/gpu_check.py "${TRAIN[@]}" --json "$OUT/train.json"
-part kernels "$(budget kernels)" "$PY" benchmarks/gpu_kernels.py "${KERNELS[@]}" --json "$OUT/kernels.json"
-part offload "$(budget offload)" "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}" --json "$OUT/offload.json"
+part train "$(budget train)" "$PY" benchmarks/gpu_check.py "${TRAIN[@]}" --json "$RES/train.json"
+part kernels "$(budget kernels)" "$PY" benchmarks/gpu_kernels.py "${KERNELS[@]}" --json "$RES/kernels.json"
+part offload "$(budget offload)" "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}" --json "$RES/offload.json"
+part moe "$(budget moe)" "$PY" benchmarks/bench_expert_gemm.py "${MOE[@]}" --json "$RES/moe.json"
 
-"$PY" - "$OUT" "$DRY" "${parts[@]}" <<'EOF'
+"$PY" - "$OUT" "$RES" "$DRY" "${parts[@]}" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 
 import torch
 
-out, dry, parts = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+out, res, dry, parts = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", sys.argv[4:]
 try:
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True, timeout=20).stdout.strip()
@@ -141,7 +153,7 @@ summary = {"dry_run": dry, "python": sys.executable, "torch": torch.__version__,
            "parts": []}
 for p in parts:
     name, rc, seconds = p.split(":")
-    f = out / f"{name}.json"
+    f = res / f"{name}.json"
     summary["parts"].append({"name": name, "passed": rc == "0", "exit": int(rc), "seconds": int(seconds),
                              "timed_out": rc in ("124", "137"),
                              "result": json.loads(f.read_text()) if f.exists() else None})

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mpformer.parallel.device import host_tensor
+
 METHODS = ("grouped", "padded", "loop")
 _GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
                    "cuda": (torch.bfloat16,), "meta": (torch.bfloat16,)}
@@ -74,8 +76,10 @@ class _GroupedMM(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [n, N] x [N, k] per group -> [E, n, k]
-            if ctx.empty:  # a group of no rows: zero by definition, whatever a kernel leaves there
-                dw[list(ctx.empty)] = 0
+            # a group of no rows: zero by definition, whatever a kernel leaves there. One view per expert
+            # (dw[e]), not dw[list] = 0: a list index is copied to the device, a host sync on CUDA
+            for e in ctx.empty:
+                dw[e].zero_()
         return dx, dw, None, None
 
 
@@ -86,7 +90,7 @@ def _offsets(counts: Sequence[int] | torch.Tensor, device: torch.device) -> tupl
     for c in counts:
         total += int(c)
         ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device), tuple(e for e, c in enumerate(counts) if c == 0)
+    return host_tensor(ends, torch.int32, device), tuple(e for e, c in enumerate(counts) if c == 0)
 
 
 def _swiglu(y: torch.Tensor, f: int) -> torch.Tensor:
@@ -125,9 +129,9 @@ def expert_mlp(x_mh: torch.Tensor, counts: Sequence[int] | torch.Tensor, w_up: t
         cap, n, dev = max(counts, default=0), x_mh.shape[0], x_mh.device
         starts = [0, *itertools.accumulate(counts)][:E]
         # row i of expert e (its j-th) goes to slot e * cap + j; built from the host's list: no sync
-        expert = torch.repeat_interleave(torch.arange(E, device=dev), torch.tensor(counts, device=dev),
+        expert = torch.repeat_interleave(torch.arange(E, device=dev), host_tensor(counts, torch.int64, dev),
                                          output_size=n)
-        dest = expert * cap + torch.arange(n, device=dev) - torch.tensor(starts, device=dev)[expert]
+        dest = expert * cap + torch.arange(n, device=dev) - host_tensor(starts, torch.int64, dev)[expert]
         xp = x_mh.new_zeros(E * cap, h).index_copy(0, dest, x_mh).view(E, cap, h)
         a = _swiglu(torch.bmm(xp, w_up.transpose(1, 2)), f)
         return torch.bmm(a, w_down.transpose(1, 2)).reshape(E * cap, h).index_select(0, dest)

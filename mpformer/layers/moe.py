@@ -362,7 +362,7 @@ def balance_loss(experts_tk: torch.Tensor, probs_te: torch.Tensor, s: int, b: in
         choices = torch.zeros(b, e, device=probs_te.device)
         per_seq = experts_tk.view(s, b, k).permute(1, 0, 2).reshape(b, s * k)
         choices.scatter_add_(1, per_seq, torch.ones(b, s * k, device=probs_te.device))
-        n = torch.tensor(float(s), device=probs_te.device)
+        n = float(s)  # a host number: torch.tensor(s, device=cuda) would be a synchronising copy
         if comm is not None:
             comm.all_reduce(choices)
             n = n * comm.size

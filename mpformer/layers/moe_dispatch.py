@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 
 from mpformer.parallel.comm import Comm
-from mpformer.parallel.device import host_ints
+from mpformer.parallel.device import host_ints, host_tensor
 
 ID_BYTES = 8  # expert ids and counts travel as int64
 
@@ -152,7 +152,7 @@ class _AllToAllRoute:
         self.token = order // k  # [R] the token of each sorted slot
         self.unsort = _inverse(order) if order.numel() == self.slots else None  # None: some slots dropped
         self.send, self.recv = send, [sum(row) for row in recv_se]
-        self.regroup = _regroup(torch.tensor(recv_se, dtype=torch.int64, device=order.device), sum(self.recv))
+        self.regroup = _regroup(host_tensor(recv_se, torch.int64, order.device), sum(self.recv))
         self.ungroup = _inverse(self.regroup)
 
     def to_experts(self, rows_sh: torch.Tensor) -> torch.Tensor:

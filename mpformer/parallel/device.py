@@ -48,6 +48,19 @@ def host_ints(t: torch.Tensor, stand_in: Callable[[], list[int]]) -> list[int]:
     return out
 
 
+def host_tensor(values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+    """``values`` (host integers: group sizes, offsets) as a tensor on ``device`` without waiting for it.
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which synchronises the stream (the
+    host waits for every kernel queued before it; ``torch.cuda.set_sync_debug_mode`` flags it); staged in
+    pinned memory, the copy is queued behind them instead, and the host allocator keeps the staging
+    buffer until the copy has run."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast casts ``t``'s GEMMs to where it is on for ``t``'s device, else None."""
     if t.device.type == "meta":

@@ -24,12 +24,15 @@ def test_dry_run_passes_every_part(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["passed"]
-    assert [p["name"] for p in summary["parts"]] == ["tests", "train", "kernels", "offload"]
+    assert [p["name"] for p in summary["parts"]] == ["tests", "train", "kernels", "offload", "moe"]
     assert all(p["passed"] for p in summary["parts"])
     assert all(p["result"] is not None for p in summary["parts"] if p["name"] != "tests")
     assert "passed" in (tmp_path / "tests.log").read_text()  # the kernel tests ran, not only skipped
     kernels = summary["parts"][2]["result"]["results"]
     assert kernels["ring_rank"]["error"] < 1e-5 and kernels["documents"]["error"] < 1e-5
+    moe = summary["parts"][4]["result"]["results"]  # every shape timed grouped, padded and the loop
+    assert all({"grouped", "padded", "loop"} <= set(shape["results"]["bf16"]) for shape in moe)
+    assert all(shape["results"]["bf16"]["grouped"]["max_rel_err_vs_loop"] <= 2e-2 for shape in moe)
     # at most 8 files come back from a device run's $OUT
     assert len(list(tmp_path.iterdir())) <= 8
 
@@ -80,8 +83,9 @@ def _module(name: str):
 def test_every_part_fits_the_gpu_it_runs_on():
     """Each part rehearsed at its real size on the GPU it targets (an H100 80GB's usable memory): the
     kernels part's 16k-token layers and oracles (a dense-mask SDPA oracle once took ~96 GiB), the
-    train part's 1B Llama step (gpu_check.py's run, through pretraining's build) and the offload part's
-    pipeline rank 0 with nothing offloaded (bench_offload.py's, through pretraining's build)."""
+    train part's 1B Llama step (gpu_check.py's run, through pretraining's build), the offload part's
+    pipeline rank 0 with nothing offloaded (bench_offload.py's, through pretraining's build) and the moe
+    part's four methods (bench_expert_gemm.py's)."""
     from mpformer.rehearsal.devices import gpu_target
     from mpformer.testing.rehearsal import rehearse_many
 
@@ -96,6 +100,16 @@ def test_every_part_fits_the_gpu_it_runs_on():
     for r in (rank, offload):
         assert r["peak_bytes"] < usable, r["peak_bytes"]
         assert set(r["attention_kernels"]) == {"flash"} and not r["square_tensors"]
+    # the moe part's expert GEMMs at its GPU shapes (16 GiB rehearsed: Mixtral's HF-indexing loop)
+    import contextlib
+    import io
+
+    from mpformer.rehearsal.probe import FunctionProbe, Probe
+
+    probe = Probe()
+    with probe, FunctionProbe(probe), contextlib.redirect_stdout(io.StringIO()):
+        _module("bench_expert_gemm").main(["--device", "meta", *budget.MOE_ARGS])
+    assert probe.peak < usable / 2, probe.peak
 
 
 def test_each_parts_timeout_is_the_one_its_rehearsed_work_gives():
@@ -107,6 +121,9 @@ def test_each_parts_timeout_is_the_one_its_rehearsed_work_gives():
                  ["parts"].items()}
     assert derived == committed, (derived, committed)
     assert "budget train" in SCRIPT.read_text() and sum(derived.values()) < 420  # the device's 10-minute call
+    # the moe part runs bench_expert_gemm.py with the arguments its budget counted (beside --device cuda)
+    args = re.search(r"^  MOE=\(--device cuda ([^)]*)\)", SCRIPT.read_text(), re.M).group(1).split()
+    assert args == module.MOE_ARGS, (args, module.MOE_ARGS)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
