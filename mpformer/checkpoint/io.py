@@ -34,6 +34,8 @@ from mpformer.core.errors import ConfigError
 from mpformer.core.shards import Shard, stored_name
 
 MODEL_PREFIX = "model."
+# Non-parameter state a checkpoint keeps (Transformer.canonical_buffers: a router's selection bias).
+BUFFER_PREFIX = "buffers."
 OPTIM_PREFIX = "optim."
 
 
@@ -211,6 +213,12 @@ def load_checkpoint(ckpt_dir: str | Path, model: nn.Module,
     ``loaded_optimizer`` saying which."""
     manifest = open_checkpoint(ckpt_dir)
     load_tensors(manifest.path, model_state(model))
+    buffers = getattr(model, "canonical_buffers", dict)()
+    stored = stored_metadata(manifest.path)
+    # where the checkpoint has them (a converted HF file does; an older or dense one starts them at 0)
+    targets = {BUFFER_PREFIX + k: sh for k, sh in buffers.items() if BUFFER_PREFIX + k in stored}
+    if targets:
+        load_tensors(manifest.path, targets)
     loaded = optimizer is not None and manifest.has_optimizer
     if loaded:
         targets = optimizer_state(model, optimizer)

@@ -15,6 +15,7 @@ from mpformer.convert.base import Rule, StateDictAdapter, Transform
 from mpformer.convert.gpt2 import GPT2Adapter
 from mpformer.convert.llama import LlamaFamilyAdapter
 from mpformer.convert.moe import MoEAdapter
+from mpformer.convert.sigmoid_moe import SigmoidMoEAdapter
 from mpformer.core.errors import ConfigError, format_choices
 
 # HF class name -> (model_type, mpformer arch). The adapters are cheap; built on request.
@@ -28,6 +29,8 @@ SUPPORTED = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "qwen2_moe"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe"),
     "OlmoeForCausalLM": ("olmoe", "olmoe"),
+    "Dots1ForCausalLM": ("dots1", "dots1"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "glm4_moe"),
 }
 
 
@@ -39,6 +42,8 @@ def adapter_for_arch(arch: str) -> StateDictAdapter:
         return LlamaFamilyAdapter(arch)
     if arch in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return MoEAdapter(arch)
+    if arch in ("dots1", "glm4_moe"):
+        return SigmoidMoEAdapter(arch)
     raise ConfigError(f"model arch {arch!r} has no HF adapter; valid: "
                       f"{format_choices(a for _, a in SUPPORTED.values())}")
 
@@ -63,5 +68,6 @@ def adapter_for_hf_config(hf: dict[str, Any]) -> StateDictAdapter:
     return adapter_for_arch(by_type[model_type])
 
 
-__all__ = ["SUPPORTED", "GPT2Adapter", "LlamaFamilyAdapter", "MoEAdapter", "Rule", "StateDictAdapter", "Transform",
+__all__ = ["SUPPORTED", "GPT2Adapter", "LlamaFamilyAdapter", "MoEAdapter", "Rule", "SigmoidMoEAdapter",
+           "StateDictAdapter", "Transform",
            "adapter_for_arch", "adapter_for_hf_config"]

@@ -122,11 +122,23 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(escaped + r"\Z")
 
 
-def expected_canonical(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Canonical name -> meta tensor (shape and no storage) of the model this config builds."""
+def _meta_model(cfg: ModelConfig):
     from mpformer.models.transformer import Transformer  # late: keeps key-map imports light
 
-    return Transformer(cfg, device="meta", seed=None).canonical_tensors()
+    return Transformer(cfg, device="meta", seed=None)
+
+
+def expected_canonical(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Canonical name -> meta tensor (shape and no storage) of the model this config builds: its
+    parameters and the buffers a checkpoint keeps (a router's selection bias, HF's
+    ``e_score_correction_bias``, which HF files store beside the weights)."""
+    model = _meta_model(cfg)
+    return {**model.canonical_tensors(), **{k: sh.local for k, sh in model.canonical_buffers().items()}}
+
+
+def canonical_buffer_names(cfg: ModelConfig) -> set[str]:
+    """The canonical names of ``expected_canonical`` that are buffers (stored as ``buffers.*``)."""
+    return set(_meta_model(cfg).canonical_buffers())
 
 
 @dataclass
@@ -145,6 +157,7 @@ class StateDictAdapter:
     # Other key layouts import accepts (name -> rows; detect_layout picks one); export writes ``rules``.
     layouts: dict[str, tuple[Rule, ...]] = field(default_factory=dict)
     mlp_kinds: tuple[str, ...] = ("dense",)  # the model.mlp_kind values the key map covers
+    partial_rotary: bool = False  # the HF class can rotate part of each head (config partial_rotary_factor)
 
     # ---- config mapping (per architecture) --------------------------------------------------
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
@@ -161,6 +174,9 @@ class StateDictAdapter:
                               f"{self.hf_architecture} key map covers mlp_kind "
                               f"{format_choices(self.mlp_kinds)} with self-attention only; valid: mlp_kind="
                               f"{format_choices(self.mlp_kinds)}, attention_kind=self")
+        if cfg.partial_rotary_factor != 1.0 and not self.partial_rotary:
+            raise ConfigError(f"model.partial_rotary_factor={cfg.partial_rotary_factor} has no "
+                              f"{self.hf_architecture} equivalent (it rotates whole heads); valid: 1.0")
 
     # ---- key map ---------------------------------------------------------------------------------
     def detect_layout(self, hf_state: dict[str, torch.Tensor]) -> str | None:

@@ -1,7 +1,8 @@
 """Whole-folder conversions: an HF folder -> an mpformer checkpoint directory, and back.
 
 The mpformer side is an ordinary checkpoint step directory (DCP payload with tensors keyed
-``model.<canonical name>``, manifest.json with step 0 and no optimizer state), written directly at
+``model.<canonical name>``, a router's selection bias ``buffers.<canonical name>``, manifest.json with
+step 0 and no optimizer state), written directly at
 the requested path rather than under ``save_dir/step_N``, so ``load_checkpoint(out, model)``,
 ``read_manifest(out)`` and ``read_all_tensors(out)`` accept it. Both directions write into a temp
 sibling and rename at the end, so an interrupted conversion never leaves a half-written output.
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mpformer.checkpoint.io import MODEL_PREFIX, quiet_dcp, read_all_tensors
+from mpformer.checkpoint.io import BUFFER_PREFIX, MODEL_PREFIX, quiet_dcp, read_all_tensors
 from mpformer.checkpoint.manifest import (
     Manifest,
     check_files,
@@ -34,7 +35,7 @@ from mpformer.checkpoint.manifest import (
     write_manifest,
 )
 from mpformer.convert import adapter_for_arch, adapter_for_hf_config
-from mpformer.convert.base import hf_dtype_name
+from mpformer.convert.base import canonical_buffer_names, hf_dtype_name
 from mpformer.convert.hf_io import (
     DEFAULT_MAX_SHARD_BYTES,
     read_generation_config,
@@ -81,17 +82,20 @@ def _atomic_dir(out: Path):
 
 
 def write_checkpoint_dir(path: str | os.PathLike, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
-                         *, populate: Callable[[Path], None] | None = None) -> Path:
+                         *, populate: Callable[[Path], None] | None = None,
+                         buffers: frozenset[str] | set[str] = frozenset()) -> Path:
     """Write a single-process mpformer checkpoint (step 0, weights only) directly at ``path``.
 
     ``tensors`` are canonical name -> tensor, stored in their own dtypes; ``populate(tmp_dir)`` may
-    add files (e.g. the tokenizer) before the manifest hashes everything.
+    add files (e.g. the tokenizer) before the manifest hashes everything. Names in ``buffers`` are stored
+    as ``buffers.<name>`` (where a training run keeps them), the rest as ``model.<name>``.
     """
     out = Path(path)
     _check_out(out, "checkpoint output")
     with _atomic_dir(out) as tmp:
         with quiet_dcp():
-            dcp.save({MODEL_PREFIX + k: v for k, v in tensors.items()}, checkpoint_id=str(tmp), no_dist=True)
+            dcp.save({(BUFFER_PREFIX if k in buffers else MODEL_PREFIX) + k: v for k, v in tensors.items()},
+                     checkpoint_id=str(tmp), no_dist=True)
         if populate is not None:
             populate(tmp)
         write_manifest(tmp, {"step": 0, **manifest})
@@ -120,7 +124,7 @@ def hf_to_mpformer(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Con
     def populate(tmp: Path) -> None:
         copied.extend(copy_tokenizer(src, tmp / TOKENIZER_DIR))
 
-    write_checkpoint_dir(out, canonical, manifest, populate=populate)
+    write_checkpoint_dir(out, canonical, manifest, populate=populate, buffers=canonical_buffer_names(cfg))
     notes = [] if copied else [f"no tokenizer files in {src}; the checkpoint has none"]
     return _summary(out, cfg, canonical, copied, notes)
 
@@ -137,7 +141,7 @@ def mpformer_to_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *,
     tok_src = _tokenizer_source(manifest, tokenizer)
     cfg = ModelConfig.from_dict(manifest.model).validate()
     adapter = adapter_for_arch(cfg.arch)
-    canonical = read_all_tensors(manifest.path)
+    canonical = {**read_all_tensors(manifest.path), **read_all_tensors(manifest.path, BUFFER_PREFIX)}
     hf_state = adapter.to_hf(canonical, cfg)
     hf_cfg, notes = adapter.config_to_hf(cfg)
     hf_cfg["dtype"] = hf_cfg["torch_dtype"] = hf_dtype_name(hf_state)  # 5.x and 4.x spellings

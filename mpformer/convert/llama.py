@@ -99,8 +99,10 @@ class LlamaFamilyAdapter(StateDictAdapter):
         return out, dropout_notes(cfg, self.name)
 
 
-def common_from_hf(hf: dict[str, Any], name: str, arch: str) -> dict[str, Any]:
-    """The ModelConfig fields every Llama-like HF config spells alike: sizes, heads, eps, tying, RoPE."""
+def common_from_hf(hf: dict[str, Any], name: str, arch: str, partial_rotary: float | None = None) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-like HF config spells alike: sizes, heads, eps, tying, RoPE.
+    ``partial_rotary``: the class's default partial_rotary_factor where it rotates part of each head
+    (GLM-4-MoE: 0.5); None where the class rotates all of it (the field must then be absent or 1)."""
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{name} hidden_act={act!r} is not supported; valid: silu")
@@ -121,7 +123,7 @@ def common_from_hf(hf: dict[str, Any], name: str, arch: str) -> dict[str, Any]:
         hidden_dropout=0.0,  # the HF classes have no hidden dropout
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_std=hf.get("initializer_range", 0.02),
-        **_rope_from_hf(hf, name),
+        **_rope_from_hf(hf, name, partial_rotary),
     )
 
 
@@ -181,21 +183,23 @@ def layered_window_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                 layer_types=[("sliding_attention" if sliding else "full_attention")] * cfg.num_layers)
 
 
-def _rope_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
+def _rope_from_hf(hf: dict[str, Any], name: str, partial_default: float | None = None) -> dict[str, Any]:
     """RoPE fields of ModelConfig from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (transformers 4)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if any(isinstance(v, dict) for v in rope.values()):
         raise ConfigError(f"{name} config.json has per-layer-type rope_parameters; mpformer supports one RoPE "
                           "for all layers")
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", partial_default or 1.0))
+    if partial != 1.0 and partial_default is None:
         raise ConfigError(f"{name} partial_rotary_factor={partial} is not supported; valid: 1.0")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ConfigError(f"{name} rope type {kind!r} is not supported; valid: {format_choices(ROPE_TYPES)}")
     out: dict[str, Any] = {"rope_theta": float(theta)}
+    if partial != 1.0:
+        out["partial_rotary_factor"] = float(partial)
     if kind == "llama3":
         try:
             out.update(rope_scaling_factor=float(rope["factor"]),
@@ -210,8 +214,9 @@ def _rope_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    partial = {"partial_rotary_factor": cfg.partial_rotary_factor} if cfg.partial_rotary_factor != 1.0 else {}
     if cfg.rope_scaling_factor is None:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta, **partial}
     return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling_factor,
             "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_position}
+            "original_max_position_embeddings": cfg.rope_original_max_position, **partial}

@@ -1,5 +1,5 @@
 """ModelConfig: one decoder-only family covering GPT-2, Llama, Mistral, Qwen2/3 and the MoE families
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; DeepSeek-V3's router).
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, GLM-4-MoE; DeepSeek-V3's router).
 
 The architecture name fixes the structural choices that Hugging Face fixes per class (norm type,
 position encoding, which projections carry biases), so that every valid config can be exported to
@@ -19,7 +19,9 @@ from mpformer.core.moe_config import MOE_ARCHS, QK_NORM_ARCHS, is_moe_layer, val
 ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
 NO_BIAS_ARCHS = ("mistral", "qwen3", "mixtral", "qwen3_moe", "olmoe")
-WINDOW_ARCHS = ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+WINDOW_ARCHS = ("mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "dots1")
+# Optional biases on q, k, v (and o where out_proj_bias says), never on the MLP: dots.llm1, GLM-4-MoE.
+OPTIONAL_QKV_BIAS_ARCHS = ("dots1", "glm4_moe")
 
 
 @dataclass
@@ -41,6 +43,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # RoPE on the first int(head_dim * factor) dims of each head, the rest passed through (GLM-4-MoE: 0.5)
+    partial_rotary_factor: float = 1.0
     tie_embeddings: bool = False
     attention_bias: bool = False  # bias on q, k, v (gpt2, qwen2) and on o for gpt2/llama
     mlp_bias: bool = False
@@ -86,6 +90,11 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_size * self.partial_rotary_factor)
+
+    @property
     def norm_type(self) -> str:
         return "layernorm" if self.arch == "gpt2" else "rmsnorm"
 
@@ -99,8 +108,8 @@ class ModelConfig:
 
     @property
     def out_proj_bias(self) -> bool:
-        """Bias on the attention output projection: HF Qwen2 and Mistral never have one."""
-        return self.attention_bias and self.arch in ("gpt2", "llama")
+        """Bias on the attention output projection: HF Qwen2, Mistral and GLM-4-MoE never have one."""
+        return self.attention_bias and self.arch in ("gpt2", "llama", "dots1")
 
     @property
     def norm_bias(self) -> bool:
@@ -144,6 +153,11 @@ class ModelConfig:
             )
         if self.head_size % 2 and not self.learned_positions:
             raise ConfigError(f"model head_dim={self.head_size} must be even for rotary embeddings")
+        if self.partial_rotary_factor != 1.0 and (self.learned_positions or not 0 < self.partial_rotary_factor < 1
+                                                  or self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(f"model.partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and "
+                              f"rotate an even number >= 2 of the head's {self.head_size} dims, with RoPE "
+                              f"(arch={self.arch})")
         for key, table in (("mlp_kind", MLP_KINDS), ("attention_kind", ATTENTION_KINDS)):
             if getattr(self, key) not in table:
                 raise ConfigError(f"model.{key}={getattr(self, key)!r} is not a registered kind; valid: "
@@ -184,6 +198,10 @@ class ModelConfig:
             if a in ("qwen2", "qwen2_moe") and (not self.attention_bias or self.mlp_bias):
                 raise ConfigError(f"arch={a} has biases on q, k, v only: set model.attention_bias=true "
                                   "and model.mlp_bias=false")
+        if a in OPTIONAL_QKV_BIAS_ARCHS and self.mlp_bias:
+            raise ConfigError(f"arch={a} has no MLP biases: set model.mlp_bias=false")
+        if a == "glm4_moe" and self.qk_norm not in (None, "head"):
+            raise ConfigError(f"model.qk_norm={self.qk_norm!r} is not available for arch=glm4_moe; valid: null, head")
         if a in QK_NORM_ARCHS and self.qk_norm != QK_NORM_ARCHS[a]:
             raise ConfigError(f"arch={a} normalises queries and keys per {QK_NORM_ARCHS[a]}: set "
                               f"model.qk_norm={QK_NORM_ARCHS[a]}")

@@ -13,7 +13,8 @@ Routers (HF's, one per family):
 
     softmax   p = softmax(logits); top-k of p; renormalised when norm_topk_prob   (Mixtral, Qwen, OLMoE)
     sigmoid   p = sigmoid(logits); top-k of p + bias (bias picks, never weighs), within the best
-              router_topk_groups of router_groups groups; renormalised; x routed_scaling_factor   (DeepSeek-V3)
+              router_topk_groups of router_groups groups (a group's score: the sum of its two best p + bias);
+              renormalised when norm_topk_prob; x routed_scaling_factor   (DeepSeek-V3, dots.llm1, GLM-4-MoE)
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any
 
 from mpformer.core.errors import ConfigError, format_choices
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-QK_NORM_ARCHS = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "projection"}
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "dots1", "glm4_moe")
+# The q/k norm each family must have (GLM-4-MoE: per head or none, its use_qk_norm; checked in model_config).
+QK_NORM_ARCHS = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "projection", "dots1": "head"}
 QK_NORMS = ("head", "projection")
 ROUTER_SCORES = ("softmax", "sigmoid")
 

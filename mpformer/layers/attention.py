@@ -35,8 +35,9 @@ from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [d/2] as HF computes them, with Llama 3 scaling when configured."""
-    d = cfg.head_size
+    """Inverse frequencies [r/2] as HF computes them (r = cfg.rotary_dim: d, or the rotated part of a
+    head under partial rotary), with Llama 3 scaling when configured."""
+    d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if cfg.rope_scaling_factor is None:
         return inv
@@ -78,8 +79,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first r = cos_sd.shape[-1] dims of each head; the other d - r pass
+    through (partial rotary, HF GLM's order: rotated part first)."""
     cos, sin = cos_sd.to(x_bnsd.dtype), sin_sd.to(x_bnsd.dtype)
-    return x_bnsd * cos + _rotate_half(x_bnsd) * sin
+    r = cos.shape[-1]
+    if r == x_bnsd.shape[-1]:
+        return x_bnsd * cos + _rotate_half(x_bnsd) * sin
+    rot, keep = x_bnsd[..., :r], x_bnsd[..., r:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:

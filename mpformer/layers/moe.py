@@ -106,7 +106,8 @@ class Router(nn.Module):
             grouped = choice.view(t, self.groups, -1)
             best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
             keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, 1.0)
-            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.e // self.groups, dim=1), 0.0)
+            # -inf, not 0: a trained selection bias is often negative, and a 0 would then outrank eligible experts
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.e // self.groups, dim=1), float("-inf"))
         experts = torch.topk(choice, self.k, dim=-1).indices
         weights = probs.gather(1, experts)
         if self.norm:

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from mpformer.checkpoint.checkpointer import Checkpointer, CheckpointPart, Manifest
-from mpformer.checkpoint.io import load_tensors, stored_metadata, verify_checksums
+from mpformer.checkpoint.io import BUFFER_PREFIX, load_tensors, stored_metadata, verify_checksums
 from mpformer.checkpoint.manifest import MANIFEST, check_model_matches, newest_complete
 from mpformer.core.config import LOAD_AUTO
 from mpformer.core.errors import ConfigError
@@ -30,8 +30,6 @@ from mpformer.parallel.kernel_choice import KernelChoice
 from mpformer.parallel.random import DropoutStreams
 from mpformer.training.preflight import RunSpec
 from mpformer.training.progress import Progress
-
-BUFFER_PREFIX = "buffers."
 
 
 class Weights(Protocol):

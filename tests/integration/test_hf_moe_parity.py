@@ -1,4 +1,5 @@
-"""Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (and dense Qwen3) HF -> mpformer -> HF, transformers as the oracle.
+"""Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, GLM-4-MoE (and dense Qwen3) HF -> mpformer -> HF,
+transformers as the oracle.
 
 As tests/integration/test_hf_parity.py: each tiny HF model (hidden 64, 4 heads, 2 kv heads, 8 experts
 top-2 of width 32, random weights and norm gains) is saved in fp32 with save_pretrained, which in
@@ -13,7 +14,9 @@ HF's loss is taken with output_router_logits=False (the cross entropy alone). Ob
 rel diff ~3e-7. Then ``mpformer-to-hf`` must reproduce save_pretrained's safetensors bit for bit and
 AutoModelForCausalLM.from_pretrained on the output (which fuses the experts on load) the same logits.
 Qwen2-MoE has a gated shared expert and a dense layer (mlp_only_layers); Qwen3-MoE dense layers from
-decoder_sparse_step=2 and head_dim 32 != hidden/heads; Qwen3 and OLMoE tied embeddings.
+decoder_sparse_step=2 and head_dim 32 != hidden/heads; Qwen3 and OLMoE tied embeddings. dots.llm1 and
+GLM-4-MoE route as DeepSeek-V3 (sigmoid, a random selection bias of std 0.5, groups, scaling) with shared
+experts and a dense first layer; GLM rotates half of each head.
 """
 
 from __future__ import annotations
@@ -51,12 +54,27 @@ CONFIGS = {
                                           norm_topk_prob=True, head_dim=32),
     "olmoe": lambda: T.OlmoeConfig(**KW, **MOE, intermediate_size=32, num_experts=8, tie_word_embeddings=True),
     "qwen3": lambda: T.Qwen3Config(**KW, intermediate_size=96, head_dim=32, tie_word_embeddings=True),
+    # DeepSeek-V3's router: sigmoid, selection bias, 2 of 4 groups, renormalised, scaled; 2 shared experts
+    "dots1": lambda: T.Dots1Config(**KW, num_experts_per_tok=2, intermediate_size=96, moe_intermediate_size=32,
+                                   n_routed_experts=8, n_shared_experts=2, n_group=4, topk_group=2,
+                                   first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                   attention_bias=True),
+    # ... 1 of 2 groups, not renormalised; per-head q/k norms, q/k/v biases, RoPE on half of each head
+    "glm4_moe": lambda: T.Glm4MoeConfig(**{**KW, "num_hidden_layers": 4}, num_experts_per_tok=2,
+                                        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                                        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                        norm_topk_prob=False, routed_scaling_factor=1.5, use_qk_norm=True,
+                                        attention_bias=True),
 }
+# HF's sigmoid routers take their top k unsorted (topk sorted=False): their picks compare as sets.
+UNSORTED = ("dots1", "glm4_moe")
 # The per-expert key save_pretrained writes (the legacy layout import must read): one per family.
 PER_EXPERT_KEY = {"mixtral": "model.layers.0.block_sparse_moe.experts.7.w1.weight",
                   "qwen2_moe": "model.layers.2.mlp.experts.7.gate_proj.weight",
                   "qwen3_moe": "model.layers.3.mlp.experts.7.down_proj.weight",
-                  "olmoe": "model.layers.2.mlp.experts.0.up_proj.weight"}
+                  "olmoe": "model.layers.2.mlp.experts.0.up_proj.weight",
+                  "dots1": "model.layers.2.mlp.experts.7.gate_proj.weight",
+                  "glm4_moe": "model.layers.3.mlp.experts.7.up_proj.weight"}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -65,6 +83,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
+        for name, b in model.named_buffers():  # the selection bias: large enough to change picks, often < 0
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +141,11 @@ def test_hf_to_mpformer_matches_hf_logits_loss_and_routing(name, hf_dirs, conver
     hf = T.AutoModelForCausalLM.from_pretrained(src).eval()
     ours = _ours(ckpt)
 
+    for i, router in _routers_of_hf(hf).items():  # the selection bias came across (a buffer, not a weight)
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is not None:
+            ours_bias = ours.layers[i].mlp.router.bias
+            assert bias.abs().max() > 0.1 and ours_bias is not None and torch.equal(ours_bias, bias)
     hf_picks, our_picks = {}, {}
     hooks = [r.register_forward_hook(lambda m, a, out, i=i: hf_picks.__setitem__(i, out[1:]))
              for i, r in _routers_of_hf(hf).items()]
@@ -145,6 +171,11 @@ def test_hf_to_mpformer_matches_hf_logits_loss_and_routing(name, hf_dirs, conver
         hf_weights, hf_experts = hf_picks[i]  # [b*s, k], batch-major tokens
         our_weights, our_experts = (t.view(SEQ, BATCH, -1).transpose(0, 1).reshape(BATCH * SEQ, -1)
                                     for t in our_picks[i])  # ours are sequence-major
+        if name in UNSORTED:
+            hf_experts, order = hf_experts.sort(dim=-1)
+            hf_weights = hf_weights.gather(1, order)
+            our_experts, order = our_experts.sort(dim=-1)
+            our_weights = our_weights.gather(1, order)
         assert torch.equal(our_experts, hf_experts), f"layer {i} routes differently"
         torch.testing.assert_close(our_weights, hf_weights.float(), rtol=TOL, atol=TOL)
         assert len(hf_experts.unique()) > 2  # the tokens spread over the experts: the check has teeth
@@ -168,7 +199,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(name, hf_dirs, conver
         torch.testing.assert_close(reloaded(tokens).logits, hf(tokens).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "glm4_moe"])
 def test_fused_layout_is_read(name, hf_dirs, converted, tmp_path):
     """A file holding transformers 5's module state (fused ``experts.gate_up_proj``/``down_proj``) converts
     to the same canonical tensors as the per-expert file save_pretrained wrote."""
@@ -176,7 +207,7 @@ def test_fused_layout_is_read(name, hf_dirs, converted, tmp_path):
     fused = tmp_path / "fused"
     fused.mkdir()
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    assert any(k.endswith(".mlp.experts.gate_up_proj") for k in state)
     save_file(state, str(fused / "model.safetensors"))
     (fused / "config.json").write_text((hf_dirs[name] / "config.json").read_text())
     assert main(["hf-to-mpformer", "--hf", str(fused), "--out", str(tmp_path / "mp")]) == 0

@@ -51,8 +51,12 @@ VARIANTS = {
                                           moe_intermediate_size=32, num_experts=8, decoder_sparse_step=2,
                                           norm_topk_prob=True, head_dim=32),
     "olmoe": lambda: T.OlmoeConfig(**MOE_KW, intermediate_size=32, num_experts=8, tie_word_embeddings=True),
+    "dots1": lambda: T.Dots1Config(**MOE_KW, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                                   n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1),
+    "glm4_moe": lambda: T.Glm4MoeConfig(**MOE_KW, intermediate_size=96, moe_intermediate_size=32,
+                                        n_routed_experts=8, n_group=2, topk_group=1, first_k_dense_replace=1),
 }
-MOE = ("mixtral", "mixtral-swa", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "mixtral-swa", "qwen2_moe", "qwen3_moe", "olmoe", "dots1", "glm4_moe")
 
 
 def _hf_state_shapes(hf_cfg) -> dict[str, torch.Size]:
@@ -334,6 +338,10 @@ def test_mixed_layouts_and_wrong_expert_count_are_refused():
     ("olmoe", {"mlp_only_layers": [0]}, r"make dense layers, which OLMoE has not"),
     ("qwen3_moe", {"shared_expert_ffn_size": 16}, r"Qwen3-MoE needs shared_expert_ffn_size=0"),
     ("qwen2_moe", {"shared_expert_gate": False}, r"Qwen2-MoE needs shared_expert_ffn_size >= 1 and shared_expert_gate"),
+    ("qwen3_moe", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 has no Qwen3MoeForCausalLM equivalent"),
+    ("dots1", {"router_score": "softmax", "router_bias": False}, r"router_score='softmax' has no dots.llm1 equivalent"),
+    ("glm4_moe", {"shared_expert_ffn_size": 48}, r"GLM-4-MoE has n_shared_experts experts of width .*=32; valid: a "
+                                                  r"positive multiple of 32"),
 ])
 def test_unexportable_moe_configs_are_one_line_errors(arch, change, match):
     adapter, cfg, state = _moe_case(arch)
@@ -377,3 +385,27 @@ def test_moe_presets_compose_train_and_export(preset, hf_class):
     hf = T.AutoConfig.for_model(**exported)
     assert type(hf) is hf_class
     assert adapter.config_from_hf(hf.to_dict()) == dataclasses.replace(cfg, router_z_loss_coef=0.0)  # not in HF
+
+
+def test_sigmoid_moe_config_fields_and_unsupported_options():
+    dots = adapter_for_arch("dots1").config_from_hf(VARIANTS["dots1"]().to_dict())
+    assert (dots.router_score, dots.router_bias, dots.router_groups, dots.router_topk_groups, dots.norm_topk_prob,
+            dots.shared_expert_ffn_size, dots.qk_norm, dots.layer_kinds()) == (
+        "sigmoid", True, 4, 2, False, 64, "head", ["dense", "moe", "moe"])
+    glm = adapter_for_arch("glm4_moe").config_from_hf(VARIANTS["glm4_moe"]().to_dict())
+    assert (glm.partial_rotary_factor, glm.rotary_dim, glm.qk_norm, glm.norm_topk_prob) == (0.5, 8, None, True)
+    no_partial = {k: v for k, v in VARIANTS["glm4_moe"]().to_dict().items() if k != "rope_parameters"}
+    assert adapter_for_arch("glm4_moe").config_from_hf(no_partial).partial_rotary_factor == 0.5  # the class default
+    exported, _ = adapter_for_arch("glm4_moe").config_to_hf(glm)
+    assert exported["rope_parameters"]["partial_rotary_factor"] == 0.5
+    for variant, change, match in [
+        ("dots1", {"n_shared_experts": 0}, r"dots.llm1 n_shared_experts=0 is not supported; valid: an integer >= 1"),
+        ("dots1", {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+         r"sliding-window attention on some layers only"),
+        ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         r"Llama partial_rotary_factor=0.5 is not supported; valid: 1.0"),
+    ]:
+        hf = {**VARIANTS[variant]().to_dict(), **change}
+        with pytest.raises(ConfigError, match=match) as e:
+            adapter_for_hf_config(hf).config_from_hf(hf)
+        assert "\n" not in str(e.value)

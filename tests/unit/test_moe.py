@@ -91,6 +91,15 @@ def test_group_limited_routing_stays_in_the_best_groups():
     assert (e // 2 == e[:, :1] // 2).all()  # both choices in one group of 2 experts
 
 
+def test_group_mask_outranks_negative_biased_scores():
+    """HF masks the other groups' experts to -inf: a selection bias below -1 (sigmoid + bias < 0 everywhere)
+    must still pick inside the best group, never a masked expert."""
+    r, cfg = _router("deepseek_router", router_groups=4, router_topk_groups=1)
+    r.bias = torch.full((cfg.num_experts,), -2.0)
+    _, e, _, _ = r(torch.randn(50, cfg.hidden_size))
+    assert (e // 2 == e[:, :1] // 2).all()
+
+
 def test_balance_loss_definition_and_uniform_value():
     s, b, e, k = 16, 2, 4, 2
     probs = torch.full((s * b, e), 1 / e)
