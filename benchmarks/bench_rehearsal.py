@@ -14,8 +14,7 @@ What the rehearsal counts and the model predicts are the tensors' live bytes; ne
 context, NCCL's buffers or the allocator's fragmentation (rehearsal/devices.py holds those).
 
 ``--moe``: mixture-of-experts layouts (Mixtral 8x7B at its full 32 layers, ep=8 over the dp ranks, each
-dispatcher), in a JSON of their own: the memory model does not know experts yet (it counts every expert
-on every ep rank), so their ratios are its gap, not its error on the dense layouts.
+dispatcher), in a JSON of their own; tests/unit/test_rehearsal_table.py holds both tables within 5%.
 """
 
 from __future__ import annotations

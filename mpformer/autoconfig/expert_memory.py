@@ -64,6 +64,15 @@ def expert_params(m: ModelConfig, L: ParallelLayout, kind: str) -> int:
     return moe_expert_params(m, L.ep, expert_tp(L)) if kind == MOE else 0
 
 
+def expert_param_sizes(m: ModelConfig, L: ParallelLayout, kind: str) -> tuple[int, ...]:
+    """Element counts of a layer's routed-expert parameters on one rank (layers/moe.py Experts: gate|up
+    [E/ep x 2f/etp, h], down [E/ep x h, f/etp]), as the engine buckets them apart; none for a dense MLP."""
+    if kind != MOE:
+        return ()
+    e, f = m.num_experts // L.ep, m.expert_ffn_size // expert_tp(L)
+    return (e * 2 * f * m.hidden_size, e * m.hidden_size * f)
+
+
 def stage_expert_params(m: ModelConfig, L: ParallelLayout, layers: Iterable[int]) -> int:
     """The expert parameters of these (global) layers on one rank."""
     return sum(expert_params(m, L, m.layer_mlp_kind(i)) for i in layers)

@@ -55,7 +55,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mpformer.autoconfig.block_memory import head_live, layer_live
-from mpformer.autoconfig.expert_memory import expert_data_size, mlp_part_sizes, stage_expert_params
+from mpformer.autoconfig.expert_memory import (
+    expert_data_size,
+    expert_param_sizes,
+    mlp_part_sizes,
+    stage_expert_params,
+)
 from mpformer.autoconfig.inflight import inflight, offloaded, weighted_peak
 from mpformer.autoconfig.layer_memory import BYTES
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head
@@ -250,8 +255,10 @@ def _plan(m: ModelConfig, L: ParallelLayout, w: Workload, device: str, bucket_mb
     by_kind = {k: (layer_live(m, L, w, L.recompute, runtime, sunk, k), layer_live(m, L, w, "none", runtime, sunk, k),
                    units(k)) for k in dict.fromkeys(kinds)}
     top = max(by_kind, key=lambda k: by_kind[k][1].saved) if by_kind else m.mlp_kind
+    edp = expert_data_size(L) if m.num_experts else n_d  # the routed experts' buckets reduce over it
     red = ReductionSpec(L.zero, n_d, wb if sunk else 4, wb if stage3 and wb < 4 else BYTES[L.grad_reduce_dtype],
                         bucket_mb * 2**20 / 4, MAX_IN_FLIGHT, device == "cpu" and 1 < n_d <= MAX_RANKS,
+                        edp=edp, expert_pairwise=device == "cpu" and 1 < edp <= MAX_RANKS,
                         pooled=runtime.pooled or not stage3, budget=runtime.reduce_numel)
     if by_kind:
         recomputed, plain, layer_units = by_kind[top]
@@ -259,7 +266,7 @@ def _plan(m: ModelConfig, L: ParallelLayout, w: Workload, device: str, bucket_mb
         recomputed, plain = layer_live(m, L, w, L.recompute, runtime, sunk), layer_live(m, L, w, "none", runtime, sunk)
         layer_units = units(m.mlp_kind)
     return PlanInputs(m, L, w, runtime, device, micro, peaks, counts, recomputed, plain, head_live(m, L, w),
-                      layer_units, red, kinds, by_kind)
+                      layer_units, red, kinds, by_kind, expert_param_sizes(m, L, top))
 
 
 def _stage_shape(p: PlanInputs, r: int, first: bool, last: bool, chunks: tuple[int, ...]) -> StageShape:
@@ -332,7 +339,7 @@ def _peak(p: PlanInputs, s: StageShape, flight: InFlight, state: float) -> Peak:
         # then no other micro-batch is in flight on the rank: its peak in flight meets no reduction,
         # the reductions meet only the last micro-batch (a rehearsal of GPT-3 175B, ZeRO-1, full
         # recompute, found the two counted together 5% high).
-        during = walked(replace(p.red, dp=1), flight.kept)
+        during = walked(replace(p.red, dp=1, edp=1), flight.kept)
         reducing = walked(p.red, flight.last_only)
         peak = during if during.live >= reducing.live else reducing
     else:

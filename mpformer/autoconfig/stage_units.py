@@ -13,6 +13,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
 from mpformer.autoconfig.block_memory import HeadLive, LayerLive, slice_kv_bytes
+from mpformer.autoconfig.expert_memory import expert_param_sizes
 from mpformer.autoconfig.layer_memory import BYTES, shape
 from mpformer.autoconfig.runtimes import Runtime, parts_gathered, zero3_extras
 from mpformer.autoconfig.step_memory import ReductionSpec, Unit
@@ -42,6 +43,7 @@ class PlanInputs:
     # layer's kind, and per kind (recomputed, plain, layer_units); empty: every layer is the fields' above.
     kinds: tuple[str, ...] = ()
     by_kind: dict = field(default_factory=dict)
+    layer_experts: tuple[int, ...] = ()  # the heaviest kind's routed-expert parameter sizes (experts_of)
 
     @property
     def wb(self) -> int:
@@ -96,6 +98,12 @@ class PlanInputs:
         """Global layer ``g``'s units (its parameters, as the engine buckets them)."""
         return self.by_kind[self.kinds[g]][2] if g is not None and self.by_kind else self.layer_units
 
+    def experts_of(self, g: int | None = None) -> tuple[int, ...]:
+        """Global layer ``g``'s routed-expert parameter sizes (their own buckets, the expert-data group)."""
+        if g is not None and self.kinds:
+            return expert_param_sizes(self.m, self.L, self.kinds[g])
+        return self.layer_experts
+
     def reruns(self, layer: Hashable | None) -> bool:
         """Whether a unit's layer ((chunk, index); None: the head, the embedding) runs its forward
         again in its backward (full recompute)."""
@@ -120,14 +128,25 @@ def stage_units(p: PlanInputs, first: bool, last: bool, chunks: tuple[int, ...],
         walked = c == L.vpp - 1
         for i in reversed(range(chunks[c])):
             g = starts[c] + i if starts is not None else None  # its global index (its kind)
-            layer, layer_units = p.layer(i, g), p.units_of(g)
+            layer, layer_units, experts = p.layer(i, g), p.units_of(g), p.experts_of(g)
             back = layer.backward + leaf_grads * chunks[c]  # token slices: the earlier slices' key/value gradients
             for j in reversed(range(len(layer_units))):
                 units.append(Unit("layer", layer_units[j], layer.saved if walked and j == 0 else 0.0,
-                                  back if walked else 0.0, carry, layer=(c, i)))
+                                  back if walked else 0.0, carry, layer=(c, i),
+                                  expert=_among(layer_units[j], experts)))
     if first:
         units.append(Unit("embedding", [p.embed], 0.0, 0.0, p.wb * p.embed))
     return units
+
+
+def _among(params: tuple[int, ...], experts: tuple[int, ...]) -> tuple[int, ...]:
+    """Of ``experts``' sizes, those a unit's ``params`` hold (a ZeRO-3 layer's parts split them)."""
+    left, out = list(params), []
+    for n in experts:
+        if n in left:
+            left.remove(n)
+            out.append(n)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class Unit:
     extra: float = 0.0  # other bytes live in its backward: gradients before the engine takes them, the
     # ZeRO-3 units gathered (itself and the one prefetched), another implementation's gradient buffers
     layer: Hashable | None = None  # the layer it is (a part of); None: the head, the embedding
+    expert: Sequence[int] = ()  # of ``params``, the routed experts': they reduce over the expert-data group
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class ReductionSpec:
     bucket_elems: float  # stages 0-2: the bucket cap in elements
     in_flight: int  # stage 2: reductions in flight beside the bucket filling
     pairwise: bool  # gloo on CPU: receive buffers of (n-1)/n of each reduce-scatter input
+    edp: int = 0  # ranks the experts' gradients are reduced over (dp x cp / ep; 0: read as ``dp``)
+    expert_pairwise: bool = False  # ``pairwise`` for the expert-data group
     pooled: bool = True  # stage 3: mpformer's buffers (walked here); False: the units' ``extra`` holds them
     budget: float = float("inf")  # stage 3: elements of the reductions in flight with a new buffer, and idle
 
@@ -92,37 +95,49 @@ class BucketSpan:
     elems: float
     first: int  # the unit (backward order) whose gradients reach it first: its buffer is taken then
     last: int  # the unit whose backward completes it: it launches then
+    expert: bool = False  # the routed experts' (the engine buckets each mesh view apart)
 
 
 def buckets(units: Sequence[Unit], red: ReductionSpec) -> list[BucketSpan]:
     """The engine's buckets in launch order: stage 3 one per unit; stages 0-2 the parameters packed
     last first (core/buffers.py plan_buckets: a bucket closes before the parameter that would pass
-    the cap; a larger parameter gets one of its own)."""
+    the cap; a larger parameter gets one of its own). A bucket holds one mesh view's parameters: the
+    routed experts' (``Unit.expert``) are packed apart from the rest, as the engine does."""
     if red.stage == 3:
-        return [BucketSpan(float(sum(u.params)), k, k) for k, u in enumerate(units)]
+        out = []
+        for k, u in enumerate(units):
+            e = float(sum(u.expert))
+            out += [BucketSpan(float(sum(u.params)) - e, k, k)] + ([BucketSpan(e, k, k, True)] if e else [])
+        return out
     out: list[BucketSpan] = []
-    size, first, last = 0.0, 0, 0
+    open_: dict[bool, list[float]] = {False: [0.0, 0, 0], True: [0.0, 0, 0]}  # per view: size, first, last
     for k, u in enumerate(units):
+        experts = list(u.expert)
         for n in reversed(u.params):
-            if size and size + n > red.bucket_elems:
-                out.append(BucketSpan(size, first, last))
-                size = 0.0
-            if not size:
-                first = k
-            size, last = size + n, k
-    if size:
-        out.append(BucketSpan(size, first, last))
-    return out
+            expert = n in experts
+            if expert:
+                experts.remove(n)
+            b = open_[expert]
+            if b[0] and b[0] + n > red.bucket_elems:
+                out.append(BucketSpan(b[0], b[1], b[2], expert))
+                b[0] = 0.0
+            if not b[0]:
+                b[1] = k
+            b[0], b[2] = b[0] + n, k
+    out += [BucketSpan(b[0], b[1], b[2], expert) for expert, b in open_.items() if b[0]]
+    return sorted(out, key=lambda bk: bk.last)
 
 
-def comm_bytes(elems: float, red: ReductionSpec) -> float:
+def comm_bytes(elems: float, red: ReductionSpec, expert: bool = False) -> float:
     """What one reduction in flight holds besides its input buffer: its output shard (stages 1-3), the
     receive buffers of gloo's pairwise reduce-scatter, and a copy in the collective's dtype when it
-    differs from the buffer's."""
-    if red.dp == 1 and red.stage < 2:
+    differs from the buffer's; over a group of one rank, nothing (the engine divides in place: the
+    experts' when ep = dp x cp). ``expert``: a bucket of the routed experts (the expert-data group)."""
+    dp, pairwise = (red.edp or red.dp, red.expert_pairwise) if expert else (red.dp, red.pairwise)
+    if dp == 1:
         return 0.0
-    shard = elems * red.reduce_bytes / red.dp if red.stage > 0 else 0.0
-    recv = elems * red.reduce_bytes * (red.dp - 1) / red.dp if red.pairwise and red.stage > 0 else 0.0
+    shard = elems * red.reduce_bytes / dp if red.stage > 0 else 0.0
+    recv = elems * red.reduce_bytes * (dp - 1) / dp if pairwise and red.stage > 0 else 0.0
     cast = elems * red.reduce_bytes if red.reduce_bytes != red.grad_bytes else 0.0
     return shard + recv + cast
 
@@ -151,8 +166,8 @@ def walk(units: Sequence[Unit], red: ReductionSpec, *, state: float, kept: float
     ``kept`` adds to every point but the end of the backward (its activations are gone), so the walk
     runs once per stage shape and ``kept`` is added after: the search walks every stage of thousands
     of plans, most of whose stages have the same shape."""
-    key = (tuple((u.name, tuple(u.params), u.saved, u.backward, u.extra) for u in units), red, state,
-           head_forward, micro, offloaded)
+    key = (tuple((u.name, tuple(u.params), u.saved, u.backward, u.extra, tuple(u.expert)) for u in units), red,
+           state, head_forward, micro, offloaded)
     hit = _WALKS.get(key)
     if hit is None:
         if len(_WALKS) > 200_000:
@@ -218,7 +233,7 @@ def _backward(units: Sequence[Unit], red: ReductionSpec, pool: _Pool, state: flo
     def complete_oldest() -> None:
         nonlocal comm, buffers_in_flight, elems_in_flight
         i, size = in_flight.pop(0)
-        comm -= comm_bytes(plan[i].elems, red)
+        comm -= comm_bytes(plan[i].elems, red, plan[i].expert)
         buffers_in_flight -= size
         elems_in_flight -= plan[i].elems
         pool.give(size)
@@ -245,7 +260,7 @@ def _backward(units: Sequence[Unit], red: ReductionSpec, pool: _Pool, state: flo
         if red.stage >= 2 and not red.pooled:
             continue
         for j in closes.get(k, ()):
-            comm += comm_bytes(plan[j].elems, red)
+            comm += comm_bytes(plan[j].elems, red, plan[j].expert)
             size = filling.pop(j, 0.0)
             in_flight.append((j, size))
             buffers_in_flight += size

@@ -299,13 +299,17 @@ class Probe(TorchDispatchMode):
 
 
 class ModuleNames:
-    """Global forward hooks naming the module running forward on the probe's stack (its ``modules``)."""
+    """Global forward hooks naming the module running forward on the probe's stack (its ``modules``). The
+    exit hook runs even when the forward raises: a checkpoint's recompute stops early by raising inside
+    the forward (torch.utils.checkpoint's early stop), which left the recomputed module's name on the
+    stack and named every later op of the step after it (the engine's end-of-backward reductions read
+    as "layers.0.mlp.experts forward")."""
 
     def __init__(self, probe: Probe, model: torch.nn.Module) -> None:
         names = {id(m): n or "model" for n, m in model.named_modules()}
         self.probe, self.names = probe, names
         self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
-                        torch.nn.modules.module.register_module_forward_hook(self._exit)]
+                        torch.nn.modules.module.register_module_forward_hook(self._exit, always_call=True)]
 
     def _enter(self, module, args) -> None:
         name = self.names.get(id(module))

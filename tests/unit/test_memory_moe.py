@@ -152,3 +152,43 @@ def test_bad_ep_pin_is_refused():
     res = search(MOE, load_cluster("dgx-h100"), Workload(64, 1, S, "bf16"), fixed={"ep": 3, "tp": 1, "pp": 1})
     assert not res.top
     assert "parallel.ep=3" in str(no_plan_error(res, load_cluster("dgx-h100")))
+
+
+@pytest.mark.parametrize("edp", [1, 2, 8])
+def test_expert_buckets_reduce_over_the_expert_data_group(edp):
+    """The engine buckets each mesh view apart (optim/engine.py _plan): the routed experts' gradients fill
+    buckets of their own, reduced and sharded over the expert-data group (dp cp / ep ranks); over a group
+    of one rank (ep = dp cp) the engine only divides in place (optim/bucket.py launch), so the reduction
+    holds nothing beside its buffer. (Was: every bucket's shard over dp cp: a Mixtral 8x7B last stage at
+    ep = dp = 8, ZeRO-1, held 5.6 GB of expert shards the model read as 0.7 GB.)"""
+    from mpformer.autoconfig.step_memory import ReductionSpec, Unit, buckets, comm_bytes
+
+    layer = Unit("layer", [10, 40, 20, 5], 0.0, expert=(40, 20))  # norms, experts' gate|up and down, router
+    red = ReductionSpec(1, 8, 4, 4, 60, 2, False, edp=edp)
+    plan = buckets([layer, layer], red)
+    assert [(b.elems, b.expert, b.first, b.last) for b in plan] == [
+        (60.0, True, 0, 0), (30.0, False, 0, 1), (60.0, True, 1, 1)]  # the experts' last first, capped at 60
+    assert comm_bytes(60.0, red, expert=True) == (0.0 if edp == 1 else 60 * 4 / edp)
+    assert comm_bytes(30.0, red) == 30 * 4 / 8
+    assert comm_bytes(30.0, replace(red, dp=1)) == 0.0  # a dense group of one: nothing either
+
+
+def test_a_group_of_one_only_divides_in_place():
+    """optim/bucket.py: a bucket whose group has one rank launches no collective and takes no buffer; its
+    shard (the whole buffer at ZeRO-1) holds the division."""
+    import torch
+
+    from mpformer.core.buffers import plan_buckets
+    from mpformer.optim.bucket import Bucket
+
+    (lay,) = plan_buckets([6, 2], dp=1, cap=100)
+    grads = torch.arange(8, dtype=torch.float32)
+
+    class One:  # a Comm of one rank: reaching a collective is the failure
+        size = 1
+
+    b = Bucket(lay, [], torch.zeros(8), None, grads[0:8], grads)
+    b.launch(One(), 1, torch.bfloat16, True, replicas=4)
+    assert b.pending[0] is None and b.pending[2] is b.grad_shard
+    b.complete(1, True)
+    assert torch.equal(grads, torch.arange(8, dtype=torch.float32) / 4)
