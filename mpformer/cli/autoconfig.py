@@ -136,20 +136,25 @@ def _print(res, model, cluster, w) -> None:
     rehearsed = any(c.rehearsed for c in res.top)
     table = Table(title=f"{len(res.feasible)} feasible of {res.evaluated} evaluated{pruned} on {cluster.name} x "
                         f"{cluster.nodes} ({res.seconds:.1f} s)")
+    experts = model.num_experts > 0  # ep, etp and the dispatcher, and the exchanges' wait, as their own columns
     for col in ("dp", "tp", "pp", "cp", "cp kind", "vpp", "schedule", "mbs", "zero", "recompute", "offload", "sp",
+                *(["ep/etp/dispatch"] if experts else []),
                 "iter s", "GB/dev", *(["rehearsed GB"] if rehearsed else []), "TFLOP/s/dev", "compute", "tp comm",
-                "cp comm", "bubble", "dp comm"):
+                "cp comm", *(["ep comm"] if experts else []), "bubble", "dp comm"):
         table.add_column(col, justify="right")
     for c in res.top:
         p, b = c.plan(), c.time
         pred = _predicted(c, model, cluster.world_size, w)
         sp = "y" if p["sequence_parallel"] else "n"
+        etp = c.layout.tp if c.layout.etp is None else c.layout.etp
         table.add_row(*map(str, (p["dp"], p["tp"], p["pp"], p["cp"], _cp_kind(p), p["vpp"], p["schedule"],
                                  p["micro_batch_size"], p["zero"], p["recompute"], _offload(p), sp)),
+                      *([f"{c.layout.ep}/{etp}/{c.layout.ep_dispatcher}"] if experts else []),
                       f"{b.iteration_s:.3g}", f"{c.memory_bytes / 1e9:.1f}",
                       *([f"{c.rehearsed['peak_bytes'] / 1e9:.1f}"] if rehearsed else []),
                       f"{pred['model_tflops_per_device']:.0f}",
-                      f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.cp_comm_s:.3g}", f"{b.pp_bubble_s:.3g}",
+                      f"{b.compute_s:.3g}", f"{b.tp_comm_s:.3g}", f"{b.cp_comm_s:.3g}",
+                      *([f"{b.ep_comm_s:.3g}"] if experts else []), f"{b.pp_bubble_s:.3g}",
                       f"{b.dp_comm_exposed_s:.3g}")
     Console(width=_width()).print(table)
     print(f"memory: {cluster.memory_note()}" + (" (rehearsed: the most loaded rank of each plan)" if rehearsed else ""))
