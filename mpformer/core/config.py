@@ -12,10 +12,11 @@ from typing import Any
 
 from mpformer.core.buffers import ZERO3_PREFETCH_NUMEL, ZERO3_REDUCE_NUMEL, ZERO3_UNIT_NUMEL
 from mpformer.core.errors import ConfigError, format_choices
+from mpformer.core.fp8_config import Fp8Config, check_fp8_config
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: core/fp8_config.py
 CPU_ATTENTION = ("auto", "native", "fp32")  # parallel/kernels.py ATTENTION_CHOICES, plus auto
 CPU_DGRAD = ("auto", "nn", "transposed")
 DECAYS = ("cosine", "linear", "constant")
@@ -74,6 +75,7 @@ class TrainConfig:
     seq_length: int = 256
     seed: int = 1234
     precision: str = "fp32"
+    fp8: Fp8Config = field(default_factory=Fp8Config)  # train.precision=fp8's recipe (core/fp8_config.py)
     stop_at: int | None = None  # end cleanly after this step (checkpoint written); schedules aim at `steps`
     device: str = "auto"  # auto | cpu | cuda
     threads: int | None = None  # CPU threads per rank (torch.set_num_threads); None keeps torch's default
@@ -281,6 +283,7 @@ def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
+    check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile)
     _choice("train.cpu_attention", t.cpu_attention, CPU_ATTENTION)
     _choice("train.cpu_dgrad", t.cpu_dgrad, CPU_DGRAD)
     if t.precision == "fp16" and not (t.initial_loss_scale >= t.min_loss_scale > 0 and t.loss_scale_window >= 1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mpformer.core.fp8_config import Fp8Options
 from mpformer.core.layer_spec import LINEAR_KINDS
 from mpformer.core.layout import RECOMPUTE
 
@@ -28,7 +29,8 @@ class ModelOptions:
     ``document_eos``: attention stays inside each document of a packed sequence (documents end with
     this token); ``linear_kind``: the linear layers' kind; ``fused_cross_entropy``: the loss
     ``cross_entropy_chunk`` tokens at a time, never forming the full logits (False: logits, then the
-    cross entropy)."""
+    cross entropy); ``fp8``: the linear layers' float8 settings (train.precision=fp8, models/fp8.py),
+    None: no float8."""
 
     recompute: str = "none"
     recompute_layers: int | None = None
@@ -37,6 +39,7 @@ class ModelOptions:
     fused_cross_entropy: bool = True
     cross_entropy_chunk: int = DEFAULT_CHUNK
     linear_kind: str = "default"  # the linear layers of every block (core/layer_spec.py LINEAR_KINDS)
+    fp8: Fp8Options | None = None
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -51,7 +54,8 @@ class ModelOptions:
         """The options a run's configuration gives: recompute from the layout, the rest from ``train``."""
         return cls(recompute=layout.recompute, recompute_layers=layout.recompute_layers, use_apex=train.use_apex,
                    document_eos=document_eos, fused_cross_entropy=train.fused_cross_entropy,
-                   cross_entropy_chunk=train.cross_entropy_chunk)
+                   cross_entropy_chunk=train.cross_entropy_chunk,
+                   fp8=Fp8Options.from_config(train.fp8) if train.precision == "fp8" else None)
 
 
 # The options of a model built without a run (tests, conversion): frozen, so one value serves every caller.

@@ -35,7 +35,7 @@ from mpformer.layers.fp8 import (
     rowwise_scale,
     tensorwise_scale,
 )
-from mpformer.layers.linear import WeightGradStore
+from mpformer.layers.grad_store import WeightGradStore
 
 E4M3 = torch.float8_e4m3fn
 

@@ -36,14 +36,15 @@ LinearWithGradAccumulationAndAsyncCommunication does the same).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Hashable, Iterator
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpformer.layers.fp8 import DelayedScalingState, Float8Recipe
+from mpformer.layers.fp8_linear import fp8_linear
+from mpformer.layers.grad_store import WeightGradStore
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, no_autocast
 from mpformer.parallel.kernels import cpu_kernels
@@ -97,38 +98,6 @@ class _CpuLowPrecisionLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db
-
-
-class WeightGradStore:
-    """Weight-gradient GEMMs deferred from BI to BW, per (micro-batch, chunk) key."""
-
-    def __init__(self) -> None:
-        self.capturing: list[Callable[[], list[torch.Tensor]]] | None = None
-        self.pending: dict[Hashable, list[Callable[[], list[torch.Tensor]]]] = {}
-
-    @contextlib.contextmanager
-    def capture(self, key: Hashable) -> Iterator[None]:
-        """Backward passes run inside queue their weight gradients under ``key``."""
-        assert self.capturing is None and key not in self.pending, f"weight gradients of {key} already captured"
-        self.capturing = []
-        try:
-            yield
-            self.pending[key] = self.capturing
-        finally:
-            self.capturing = None
-
-    def run(self, key: Hashable, on_accumulated: Callable[[torch.Tensor], None] | None = None) -> None:
-        """The weight gradients queued under ``key``, accumulated into ``.grad``; ``on_accumulated(p)``
-        then runs for each parameter, as autograd's post-accumulate-grad hooks would have (the
-        gradient engine's buffers)."""
-        with torch.no_grad():  # outside autograd's backward: the GEMMs must not be recorded
-            for job in self.pending.pop(key):
-                for p in job():
-                    if on_accumulated is not None:
-                        on_accumulated(p)
-
-    def clear(self) -> None:
-        self.pending.clear()
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -243,14 +212,48 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """nn.Linear with the CPU low-precision backward above; same parameters, same state dict.
-    ``store``: the zero-bubble pipeline's WeightGradStore, whose captures defer the weight gradients."""
+    ``store``: the zero-bubble pipeline's WeightGradStore, whose captures defer the weight gradients.
+    After ``enable_fp8`` (train.precision=fp8, models/fp8.py) its GEMMs run in float8 (layers/fp8_linear.py);
+    this forward is the one place the model's linears branch to it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  store: WeightGradStore | None = None, device=None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.store = store
+        self.fp8: Float8Recipe | None = None
+
+    def enable_fp8(self, recipe: Float8Recipe) -> None:
+        """Float8 GEMMs from now on. Delayed scaling keeps its amax history [3, H] and scales [3] as this
+        module's buffers ``fp8_amax_history`` and ``fp8_scale`` (fp32; saved by the run's checkpoints
+        through Transformer.canonical_buffers, so a resume continues with the same scales)."""
+        self.fp8 = recipe
+        if recipe.name == "delayed":
+            state = DelayedScalingState(recipe, device=self.weight.device)
+            self.register_buffer("fp8_amax_history", state.amax_history)
+            self.register_buffer("fp8_scale", state.scales)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Delayed scaling's state re-created on ``device`` (models/init.py materialise_buffers): no amax
+        seen yet, every scale 1."""
+        if self.fp8 is not None and self.fp8.name == "delayed":
+            state = DelayedScalingState(self.fp8, device=device)
+            self.fp8_amax_history, self.fp8_scale = state.amax_history, state.scales
+
+    def _fp8_state(self) -> DelayedScalingState | None:
+        """A view of the buffers as the numerics' state object, made per call: a checkpoint load or a
+        ``.to()`` may have replaced the buffer tensors, and the state must update the ones saved."""
+        if self.fp8 is None or self.fp8.name != "delayed":
+            return None
+        state = DelayedScalingState.__new__(DelayedScalingState)
+        state.recipe, state.amax_history, state.scales = self.fp8, self.fp8_amax_history, self.fp8_scale
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            assert grad_sink(self.weight) is None, "float8 linears have no ZeRO-3 gradient sink (config refuses it)"
+            out = autocast_dtype(x) or (x.dtype if x.dtype == torch.float32 else torch.bfloat16)
+            with no_autocast(x):  # the casts and scales are the recipe's, not autocast's
+                return fp8_linear(x, self.weight, self.fp8, self._fp8_state(), self.bias, out, self.store)
         return linear(x, self.weight, self.bias, self.store)
 
     def forward_parts(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -259,8 +262,9 @@ class Linear(nn.Linear):
         parameters, not row views) nor sunk (ZeRO-3 gathers and collects around each projection's
         own call): one narrower GEMM per block on the rows of the fused weight. Storage stays fused
         (contiguous tensor-parallel slices) and the narrower GEMMs run faster on CPU (measured in
-        benchmarks/bench_throughput.py), with no split or concat of activations."""
-        if self.store is not None or grad_sink(self.weight) is not None:
+        benchmarks/bench_throughput.py), with no split or concat of activations. In float8: one GEMM,
+        with one scale (and one delayed-scaling state) for the fused weight."""
+        if self.fp8 is not None or self.store is not None or grad_sink(self.weight) is not None:
             return self(x).chunk(n, dim=-1)
         weights = self.weight.chunk(n, dim=0)
         biases = self.bias.chunk(n, dim=0) if self.bias is not None else (None,) * n

@@ -42,6 +42,7 @@ from mpformer.layers.fused_cross_entropy import fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.norm import build_norm
 from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, gather_input, param_shards
+from mpformer.models.fp8 import apply_fp8, fp8_buffers
 from mpformer.models.init import ModelInit, init_weights
 from mpformer.parallel.comm import gather_from_region
 from mpformer.parallel.device import DeviceLike, recompute_contexts
@@ -162,6 +163,8 @@ class Transformer(nn.Module):
         self.tp, self.store = tp, store
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.region_hooks: RegionHooks | None = None  # set by ZeRO-3 (optim/gather.py)
+        # train.precision=fp8: the float8 linears chosen by name (models/fp8.py), before any buffer is made real
+        self.fp8_layers = apply_fp8(self, options.fp8, self.layer_ids, self.canonical_shards) if options.fp8 else []
         if seed is not None and (device is None or torch.device(device).type != "meta"):
             self.init_weights(seed)
 
@@ -338,12 +341,14 @@ class Transformer(nn.Module):
 
     def canonical_buffers(self) -> dict[str, Shard]:
         """Non-parameter state a checkpoint keeps (not trained by the optimizer, not in HF files): each
-        layer's MLP's ``canonical_buffers`` (an expert router's selection bias), by canonical name."""
+        layer's MLP's ``canonical_buffers`` (an expert router's selection bias) and each float8 linear's
+        delayed-scaling state (models/fp8.py), by canonical name."""
         out: dict[str, Shard] = {}
         for i, layer in zip(self.layer_ids, self.layers):
             own = getattr(layer.mlp, "canonical_buffers", None)
             if own is not None:
                 out.update(own(f"layers.{i}.mlp"))
+        out.update(fp8_buffers(self, self.layer_ids))  # delayed scaling's amax histories and scales
         return out
 
     def canonical_tensors(self) -> dict[str, torch.Tensor]:

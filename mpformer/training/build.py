@@ -17,6 +17,8 @@ that built it.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +26,12 @@ import torch.distributed as dist
 
 from mpformer.context_parallel.blockwise import doc_starts
 from mpformer.context_parallel.context import document_ids
+from mpformer.core.fp8_config import compute_precision
 from mpformer.core.model_options import ModelOptions
 from mpformer.core.topology import MESH_VIEWS
 from mpformer.data.loader import MicroBatch, StepLoader
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices, sample_origin
+from mpformer.models.fp8 import delayed_layers, sync_amax_histories
 from mpformer.models.parallelize import RankModel, build_rank, grad_specs
 from mpformer.optim.builder import build_engine
 from mpformer.optim.engine import REDUCE_DTYPES, GradEngine
@@ -52,7 +56,8 @@ from mpformer.training.router_report import RouterReport
 from mpformer.training.run_checkpoint import RunCheckpoint
 from mpformer.training.step import Precision, Rollback, Stepper
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 keeps bf16 parameters (fp32 masters) and autocast: only its linears' GEMMs are float8 (models/fp8.py)
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -150,6 +155,15 @@ def router_report(spec: RunSpec, groups: ProcessGroups, rank: RankModel) -> Rout
     return RouterReport(rank.model, m.num_layers, m.num_experts, m.router_bias_update_rate, world, counts)
 
 
+def amax_sync(groups: ProcessGroups, rank: RankModel) -> Callable[[], None] | None:
+    """fp8 delayed scaling under data parallelism: the step's amax histories all-reduced (max) over the
+    data group, as Transformer Engine does (models/fp8.py says why); None where there is nothing to agree."""
+    layers, comm = delayed_layers(rank.model), groups.data_comm()
+    if not layers or comm.size == 1:
+        return None
+    return functools.partial(sync_amax_histories, layers, lambda t: comm.all_reduce(t, op=dist.ReduceOp.MAX))
+
+
 def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
     """This rank's parts of the run ``spec`` describes, in the module docstring's order (collective:
     every rank calls it)."""
@@ -157,8 +171,9 @@ def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
     device = groups.device
     precision = build_precision(spec, device)
     saved = spec.manifest.get("kernels") if spec.manifest is not None else None
-    kernels = choose(device.kind, t.precision, t.cpu_attention, t.cpu_dgrad, saved)  # kernel_choice.py
-    install(kernels, t.precision)
+    compute = compute_precision(t.precision)  # fp8 runs bf16 kernels outside its float8 GEMMs
+    kernels = choose(device.kind, compute, t.cpu_attention, t.cpu_dgrad, saved)  # kernel_choice.py
+    install(kernels, compute)
     options = ModelOptions.for_run(layout, t, spec.document_eos)
     # Built on the meta device: the engine allocates the parameters in its buckets and fills them
     # from the blocked initialiser, a ZeRO-3 rank its shard alone (set-up memory ~ the rank's share).
@@ -197,7 +212,7 @@ def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
     preemption = Preemption()
     stepper = Stepper(rank.model, engine, pipeline, precision, loader, progress, check, schedule, preemption,
                       Rollback(checkpoint, engine, progress, metrics.message), t, o, micro_steps,
-                      router_report(spec, groups, rank))
+                      router_report(spec, groups, rank), amax_sync(groups, rank))
     overlap = (OverlappedSteps(stepper, engine, rng, progress, t.global_batch_size) if t.overlap_validation
                else None)
     return RunParts(spec, groups, precision, kernels, rank, engine, pipeline, progress, checkpoint, metrics,

@@ -87,12 +87,14 @@ class Stepper:
     def __init__(self, model: nn.Module, engine: GradEngine, pipeline: PipelineEngine | None, precision: Precision,
                  loader: StepLoader, progress: Progress, check: StepCheck, schedule: LRSchedule,
                  preemption: Preemption, rollback: Rollback, train: TrainConfig, optim: OptimConfig,
-                 micro_steps: int, router: RouterReport | None = None) -> None:
+                 micro_steps: int, router: RouterReport | None = None,
+                 amax_sync: Callable[[], None] | None = None) -> None:
         self.model, self.engine, self.pipeline, self.precision = model, engine, pipeline, precision
         self.loader, self.progress, self.check, self.schedule = loader, progress, check, schedule
         self.preemption, self.rollback, self.train, self.optim = preemption, rollback, train, optim
         self.micro_steps = micro_steps
         self.router = router  # an MoE model's routers (router_report.py)
+        self.amax_sync = amax_sync  # fp8 delayed scaling under dp > 1: one amax history for all ranks (models/fp8.py)
         self.stop_agreed = False
 
     def micro_batches(self) -> list[tuple]:
@@ -135,6 +137,8 @@ class Stepper:
             self.router.begin(self.progress.step + 1)
         loss_sum = self.forward_backward(batches)
         self.engine.finish()
+        if self.amax_sync is not None:  # after the step's last cast: the next step's scales agree on every rank
+            self.amax_sync()
         if self.router is not None:
             self.router.gather(self.progress.step + 1)
         return loss_sum
