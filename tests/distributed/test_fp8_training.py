@@ -43,7 +43,8 @@ def _worker(data: str, root: str) -> dict:
         fp8 = {"train.precision": "fp8", "train.fp8.recipe": "delayed"}
         half = Path(root) / "delayed_half"
         train(overrides(base, half, **fp8, **{"train.stop_at": 3}))
-        out["resumed"] = train(overrides(base, Path(root) / "delayed_resumed", **fp8, **{"checkpoint.load": str(half / "checkpoints")}))
+        load = {"checkpoint.load": str(half / "checkpoints")}
+        out["resumed"] = train(overrides(base, Path(root) / "delayed_resumed", **fp8, **load))
         out["into_bf16"] = train(overrides(base, Path(root) / "into_bf16", **{
             "train.precision": "bf16", "checkpoint.load": str(half / "checkpoints")}))
     finally:
