@@ -46,6 +46,7 @@ from mpformer.convert.hf_io import (
 from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.model_config import ModelConfig
 from mpformer.data.tokenizer import TOKENIZER_FILES, copy_tokenizer
+from mpformer.models.fp8 import BUFFERS as FP8_BUFFERS
 
 TOKENIZER_DIR = "tokenizer"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -142,6 +143,8 @@ def mpformer_to_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *,
     cfg = ModelConfig.from_dict(manifest.model).validate()
     adapter = adapter_for_arch(cfg.arch)
     canonical = {**read_all_tensors(manifest.path), **read_all_tensors(manifest.path, BUFFER_PREFIX)}
+    # A float8 run's delayed-scaling state is training state, not part of the model HF holds
+    canonical = {k: v for k, v in canonical.items() if k.rsplit(".", 1)[-1] not in FP8_BUFFERS}
     hf_state = adapter.to_hf(canonical, cfg)
     hf_cfg, notes = adapter.config_to_hf(cfg)
     hf_cfg["dtype"] = hf_cfg["torch_dtype"] = hf_dtype_name(hf_state)  # 5.x and 4.x spellings

@@ -284,6 +284,10 @@ def check_training_config(cfg: Config) -> None:
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
     check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile)
+    if t.precision == "fp8" and t.fp8.recipe == "delayed" and t.overlap_validation:
+        raise ConfigError("train.fp8.recipe=delayed with train.overlap_validation=true is not yet supported (a step "
+                          "run again would record its amaxes twice); valid: train.overlap_validation=false, or "
+                          "train.fp8.recipe=tensorwise|rowwise")
     _choice("train.cpu_attention", t.cpu_attention, CPU_ATTENTION)
     _choice("train.cpu_dgrad", t.cpu_dgrad, CPU_DGRAD)
     if t.precision == "fp16" and not (t.initial_loss_scale >= t.min_loss_scale > 0 and t.loss_scale_window >= 1):

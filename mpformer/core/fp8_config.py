@@ -93,6 +93,10 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
     if parallel.zero == 3:
         raise ConfigError("train.precision=fp8 with parallel.zero=3 is not yet supported (ZeRO-3's gathered weights "
                           "and gradient sinks have no float8 path); valid: parallel.zero=0|1|2")
+    if c.recipe == "delayed" and parallel.recompute == "full":
+        raise ConfigError("train.fp8.recipe=delayed with parallel.recompute=full is not yet supported (the "
+                          "recomputed forward would cast with scales the first forward already moved); valid: "
+                          "parallel.recompute=none|selective, or train.fp8.recipe=tensorwise|rowwise")
     if compile_layers:
         raise ConfigError("train.compile=true with train.precision=fp8 is not yet supported (the float8 linear's "
                           "delayed-scaling state is updated in Python); valid: train.compile=false")

@@ -11,7 +11,7 @@ the format's largest finite value ``fmax``::
 ``TINY`` is fp32's smallest normal (1.18e-38): for an amax in fp32's denormal range ``a / fmax`` would
 itself be denormal or 0, and ``A / scale`` would lose bits or be inf; floored, ``|A| / scale <= fmax``
 still holds. The cast saturates (clamps to +-fmax) before rounding: torch's ``.to(float8_e5m2)`` sends
-an overflow to inf (``e4m3fn`` saturates already), and a delayed scale may be smaller than this step's
+an overflow to inf and ``.to(float8_e4m3fn)`` to NaN, and a delayed scale may be smaller than this step's
 amax calls for.
 
 Recipes (``Float8Recipe.name``):
@@ -100,7 +100,10 @@ class DelayedScalingState:
     """Per-layer delayed-scaling state: an amax history of ``history_len`` per role, and the scale each
     role's next cast uses. ``scale(role)`` is what the next cast of ``role`` divides by; ``record(role,
     amax)`` then rolls ``amax`` into the history (newest at index 0, the oldest falls off) and sets the
-    next scale from the history's max. The first use of a role (history all zero) has scale 1."""
+    next scale from the history's max. The first use of a role (history all zero)
+    takes its scale from its own amax (``scale_for``), as a tensorwise cast would: scale 1 would flush a
+    gradient of 1e-5 to zero in e5m2. A non-finite amax (an overflowed step) is recorded as 0, so it
+    cannot poison the next ``history_len`` scales (TE keeps the previous scale then)."""
 
     def __init__(self, recipe: Float8Recipe, device: torch.device | str | None = None) -> None:
         if recipe.name != "delayed":
@@ -113,13 +116,22 @@ class DelayedScalingState:
         """The 0-d scale the next cast of ``role`` uses (a copy: a later record does not change it)."""
         return self.scales[ROLES.index(role)].clone()
 
+    def scale_for(self, role: str, amax: torch.Tensor) -> torch.Tensor:
+        """``scale(role)``, or on the role's first use (nothing recorded yet) the scale of ``amax``
+        itself; on the device, no host read."""
+        i = ROLES.index(role)
+        fresh = scale_from_amax(torch.nan_to_num(amax.detach().float(), posinf=0.0), self.recipe.dtype(role),
+                                self.recipe.margin)
+        return torch.where(self.amax_history[i].amax() > 0, self.scales[i], fresh.to(self.scales.device))
+
     def record(self, role: str, amax: torch.Tensor) -> None:
         """``amax`` of this use of ``role`` joins the history; the next scale follows (TE's update)."""
         i = ROLES.index(role)
         with torch.no_grad():
             row = self.amax_history[i]
             row.copy_(torch.roll(row, 1))
-            row[0] = amax.detach().float().to(row.device)
+            a = amax.detach().float().to(row.device)
+            row[0] = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
             self.scales[i] = scale_from_amax(row.amax(), self.recipe.dtype(role), self.recipe.margin)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -51,15 +51,17 @@ def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b
                             out_dtype=out_dtype)
 
 
-def _cast(t: torch.Tensor, role: str, recipe: Float8Recipe,
-          state: DelayedScalingState | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast(t: torch.Tensor, role: str, recipe: Float8Recipe, state: DelayedScalingState | None,
+          record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for all of ``t`` (tensorwise, or delayed: the state's scale, then this amax recorded)."""
     dtype = recipe.dtype(role)
     if recipe.name == "delayed":
         assert state is not None, "delayed scaling needs the layer's DelayedScalingState"
-        scale = state.scale(role)
+        amax = t.detach().abs().amax()
+        scale = state.scale_for(role, amax)
         t8 = cast_to_fp8(t, scale, dtype)
-        state.record(role, t.detach().abs().amax())
+        if record:
+            state.record(role, amax)
         return t8, scale
     scale = tensorwise_scale(t, dtype, recipe.margin)
     return cast_to_fp8(t, scale, dtype), scale
@@ -108,7 +110,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
                 state: DelayedScalingState | None, out_dtype: torch.dtype,
-                store: WeightGradStore | None) -> torch.Tensor:
+                store: WeightGradStore | None, record: bool = True) -> torch.Tensor:
         k, n = x.shape[-1], weight.shape[0]
         x2 = x.reshape(-1, k)
         _check_tokens(x2.shape[0], k)
@@ -116,8 +118,8 @@ class _Fp8Linear(torch.autograd.Function):
             y = rowwise_gemm(x2, weight.t(), E4M3, E4M3, recipe.margin, out_dtype)
             ctx.save_for_backward(x2, weight)
         else:
-            x8, sx = _cast(x2, "input", recipe, state)
-            w8, sw = _cast(weight, "weight", recipe, state)
+            x8, sx = _cast(x2, "input", recipe, state, record)
+            w8, sw = _cast(weight, "weight", recipe, state, record)
             y = scaled_mm(x8, w8.t(), sx, sw, out_dtype)
             ctx.save_for_backward(x8, sx, w8, sw)
         if bias is not None:
@@ -168,7 +170,7 @@ class _Fp8Linear(torch.autograd.Function):
                 return [p for p, _ in done]
 
             ctx.store.capturing.append(job)
-        return (dx, *grads, None, None, None, None)
+        return (dx, *grads, None, None, None, None, None)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
@@ -183,4 +185,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
                          "recipe needs a DelayedScalingState, the others take none")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_linear: out_dtype={out_dtype}; valid: torch.bfloat16, torch.float32")
-    return _Fp8Linear.apply(x, weight, bias, recipe, state, out_dtype, store)
+    # A forward under no_grad (validation, evaluation) does not train the delayed scales: only a training
+    # forward records (read here: inside the Function's forward grad mode is always off)
+    record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _Fp8Linear.apply(x, weight, bias, recipe, state, out_dtype, store, record)

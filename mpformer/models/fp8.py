@@ -107,6 +107,7 @@ def sync_amax_histories(layers: list[Linear], all_reduce_max: Callable[[torch.Te
         return
     flat = torch.cat([m.fp8_amax_history.reshape(-1) for m in layers])
     all_reduce_max(flat)
+    flat = torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat))  # as DelayedScalingState.record
     at = 0
     with torch.no_grad():
         for m in layers:

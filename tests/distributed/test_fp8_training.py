@@ -47,6 +47,13 @@ def _worker(data: str, root: str) -> dict:
         out["resumed"] = train(overrides(base, Path(root) / "delayed_resumed", **fp8, **load))
         out["into_bf16"] = train(overrides(base, Path(root) / "into_bf16", **{
             "train.precision": "bf16", "checkpoint.load": str(half / "checkpoints")}))
+        from safetensors import safe_open
+
+        from mpformer.convert.io import mpformer_to_hf
+
+        mpformer_to_hf(half / "checkpoints", Path(root) / "hf")  # the delayed-scaling state stays behind
+        out["hf_keys"] = sorted(k for f in (Path(root) / "hf").glob("*.safetensors")
+                                for k in safe_open(str(f), "pt").keys())
     finally:
         torch._scaled_mm = real
     return out
@@ -79,3 +86,10 @@ def test_fp8_checkpoint_loads_into_bf16(results):
     assert len(got) == 2
     for g, w in zip(got, want):
         assert abs(g - w) <= TOLERANCE * abs(w), (got, want)
+
+
+def test_fp8_checkpoint_converts_to_hf(results):
+    """mpformer-to-hf of a delayed-scaling checkpoint: the model's tensors, none of the float8 state."""
+    keys = results["hf_keys"]
+    assert "model.layers.0.self_attn.q_proj.weight" in keys, keys[:5]
+    assert not [k for k in keys if "fp8" in k]

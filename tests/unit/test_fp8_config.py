@@ -91,3 +91,12 @@ def test_unaligned_layer_names_itself_and_keep_bf16():
     want = r"layer layers.0.mlp.up has out_features=360.*keep_bf16=\[.*,layers.0.mlp.up\]"
     with pytest.raises(ConfigError, match=want):
         Transformer(_model(ffn_hidden_size=180), ModelOptions(fp8=Fp8Options()), device="meta", seed=None)
+
+
+def test_delayed_scaling_refuses_what_would_record_a_step_twice():
+    msg = _fails("train.precision=fp8", "train.fp8.recipe=delayed", "parallel.recompute=full")
+    assert "parallel.recompute=full" in msg and "recipe=tensorwise|rowwise" in msg
+    msg = _fails("train.precision=fp8", "train.fp8.recipe=delayed", "train.post_validation=true",
+                 "train.overlap_validation=true")
+    assert "train.overlap_validation=true" in msg
+    check_training_config(_cfg("train.precision=fp8", "train.fp8.recipe=tensorwise", "parallel.recompute=full"))

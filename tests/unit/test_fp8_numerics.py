@@ -101,23 +101,24 @@ def test_bias_and_leading_dims():
 
 
 def test_delayed_scaling_history():
-    """The scale at step t comes from the history of steps < t (1 at the first use); the history rolls
-    (newest first, the oldest of H dropped); scale = max(history) / fmax."""
+    """The scale at step t comes from the history of steps < t (at the first use, from the tensor's own
+    amax); the history rolls (newest first, the oldest of H dropped); scale = max(history) / fmax."""
     recipe = Float8Recipe(name="delayed", grad="e5m2", history_len=2)
     state = DelayedScalingState(recipe)
     hist: dict[str, list[float]] = {"input": [], "weight": [], "grad_output": []}
     fmt = {"input": E4, "weight": E4, "grad_output": E5}
 
-    def scale(role):
+    def scale(role, now):
         past = hist[role][:2]
-        return ref_scale(torch.tensor(max(past) if past else 0.0), fmt[role])
+        return ref_scale(torch.tensor(max(past)) if past else now, fmt[role])
 
     for t, mag in enumerate([1.0, 100.0, 0.01, 5.0]):
         x, w, dy = data(t)
         x, dy = x * mag, dy * mag
-        sx, sw, sdy = scale("input"), scale("weight"), scale("grad_output")
+        # dY arrives in bf16 (the output's dtype): its amax is the bf16 one
+        sx, sw, sdy = scale("input", x), scale("weight", w), scale("grad_output", dy.to(torch.float32))
         if t == 0:
-            assert sx.item() == sw.item() == sdy.item() == 1.0
+            assert sx.item() == ref_scale(x, E4).item() and sx.item() != 1.0
         y, dx, dw = run(x, w, dy, recipe, state, out_dtype=torch.float32)
         assert_matches(y, ref_gemm(x, w.t(), E4, E4, sa=sx, sb=sw))
         assert_matches(dx, ref_gemm(dy, w, E5, E4, sa=sdy, sb=sw))
@@ -126,7 +127,7 @@ def test_delayed_scaling_history():
             hist[role].insert(0, tt.abs().max().item())
         assert state.amax_history[0].tolist() == (hist["input"] + [0.0])[:2]
     # the state's next scale is the definition's, from the window's max
-    assert state.scale("input").item() == scale("input").item()
+    assert state.scale("input").item() == scale("input", x).item()
     assert hist["input"][2] == max(hist["input"])  # step 1's amax (x * 100) has left the window of 2
 
 
@@ -242,3 +243,20 @@ def test_dimension_checks():
         Float8Recipe(name="blockwise")
     with pytest.raises(ValueError, match="DelayedScalingState"):
         fp8_linear(torch.randn(M, K), torch.randn(N, K), Float8Recipe(name="delayed"))
+
+
+def test_delayed_scaling_ignores_non_finite_amax_and_no_grad_forwards():
+    """An overflowed use is recorded as 0 (its inf would make every scale after it inf for H steps); a
+    forward under no_grad (validation, evaluation) records nothing."""
+    recipe = Float8Recipe(name="delayed", history_len=4)
+    state = DelayedScalingState(recipe)
+    state.record("input", torch.tensor(2.0))
+    state.record("input", torch.tensor(float("inf")))
+    state.record("input", torch.tensor(float("nan")))
+    assert state.amax_history[0].tolist() == [0.0, 0.0, 2.0, 0.0]
+    assert state.scale("input").item() == ref_scale(torch.tensor(2.0), E4).item()
+    x, w, _ = data(1)
+    before = state.amax_history.clone()
+    with torch.no_grad():
+        fp8_linear(x, w, recipe, state)
+    assert torch.equal(state.amax_history, before)
