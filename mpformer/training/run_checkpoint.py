@@ -112,6 +112,11 @@ class RunCheckpoint:
         """The saved buffers, where the checkpoint has them (a dense or HF-converted one: they start at 0)."""
         stored = stored_metadata(step_dir)
         targets = {k: sh for k, sh in self._buffer_shards().items() if k in stored}
+        for k, sh in targets.items():  # e.g. fp8 amax histories after train.fp8.amax_history_len changed
+            if tuple(stored[k][0]) != tuple(sh.global_shape):
+                raise ConfigError(f"checkpoint {step_dir}: {k} has shape {tuple(stored[k][0])} where this run keeps "
+                                  f"{tuple(sh.global_shape)} (train.fp8.amax_history_len changed?); valid: the "
+                                  f"settings the checkpoint was saved with")
         if targets:
             load_tensors(step_dir, targets)
 

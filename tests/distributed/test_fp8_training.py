@@ -47,6 +47,11 @@ def _worker(data: str, root: str) -> dict:
         out["resumed"] = train(overrides(base, Path(root) / "delayed_resumed", **fp8, **load))
         out["into_bf16"] = train(overrides(base, Path(root) / "into_bf16", **{
             "train.precision": "bf16", "checkpoint.load": str(half / "checkpoints")}))
+        try:  # the history length the checkpoint was saved with is part of its state
+            train(overrides(base, Path(root) / "bad_len", **fp8, **load, **{"train.fp8.amax_history_len": 8}))
+            out["bad_len"] = ""
+        except Exception as e:  # the message is the test's subject
+            out["bad_len"] = f"{type(e).__name__}: {e}"
         from safetensors import safe_open
 
         from mpformer.convert.io import mpformer_to_hf
@@ -93,3 +98,8 @@ def test_fp8_checkpoint_converts_to_hf(results):
     keys = results["hf_keys"]
     assert "model.layers.0.self_attn.q_proj.weight" in keys, keys[:5]
     assert not [k for k in keys if "fp8" in k]
+
+
+def test_a_changed_history_length_is_named_on_resume(results):
+    msg = results["bad_len"]
+    assert msg.startswith("ConfigError") and "amax_history_len" in msg and "\n" not in msg, msg
