@@ -103,3 +103,35 @@ def test_fp8_checkpoint_converts_to_hf(results):
 def test_a_changed_history_length_is_named_on_resume(results):
     msg = results["bad_len"]
     assert msg.startswith("ConfigError") and "amax_history_len" in msg and "\n" not in msg, msg
+
+
+def _dp_worker(data: str, root: str) -> dict:
+    """dp=2, delayed scaling: each rank's amax histories before and after the step's max all-reduce."""
+    import mpformer.training.build as build
+
+    real, seen = build.sync_amax_histories, {"before": [], "after": []}
+
+    def watched(layers, all_reduce_max):
+        flat = lambda: torch.cat([torch.cat([m.fp8_amax_history.flatten(), m.fp8_scale]) for m in layers])
+        seen["before"].append(flat().clone())
+        real(layers, all_reduce_max)
+        seen["after"].append(flat().clone())
+
+    build.sync_amax_histories = watched
+    try:
+        out = train(overrides({**BASE, "data.paths": f"[{data}]", "train.steps": 3}, Path(root) / "dp2",
+                              **{"train.precision": "fp8", "train.fp8.recipe": "delayed", "parallel.dp": 2}))
+    finally:
+        build.sync_amax_histories = real
+    return {"losses": out["losses"], **seen}
+
+
+def test_delayed_scaling_agrees_across_data_parallel_ranks(tiny_data, tmp_path):
+    """Ranks see different samples, so their own amaxes differ; after each step's all-reduce (max) every
+    rank holds the same histories and scales (Transformer Engine's reduction over the data group)."""
+    ranks = run_distributed(_dp_worker, 2, args=(tiny_data, str(tmp_path)), timeout=600)
+    a, b = ranks
+    assert len(a["after"]) == len(b["after"]) == 3
+    assert all(torch.equal(x, y) for x, y in zip(a["after"], b["after"]))
+    assert any(not torch.equal(x, y) for x, y in zip(a["before"], b["before"]))
+    assert all(bool((x > 0).any()) for x in a["after"])
