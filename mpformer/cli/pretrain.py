@@ -45,8 +45,12 @@ def _run(composed: Composed, startup: StartupStop) -> list[float]:
     from mpformer.training.trainer import Trainer
 
     device = resolve_device(cfg.train.device)
-    if cfg.train.precision == "bf16" and not device.supports_dtype(torch.bfloat16):
-        raise ConfigError(f"train.precision=bf16 but this {device.kind} device has no bf16 support; valid: fp32")
+    if cfg.train.precision in ("bf16", "fp8") and not device.supports_dtype(torch.bfloat16):
+        raise ConfigError(f"train.precision={cfg.train.precision} but this {device.kind} device has no bf16 support; "
+                          "valid: fp32")
+    if cfg.train.precision == "fp8" and not device.supports_dtype(torch.float8_e4m3fn):
+        raise ConfigError(f"train.precision=fp8 but this {device.kind} device has no float8 GEMMs (compute "
+                          "capability 8.9 or newer: Ada, Hopper, Blackwell); valid: bf16, fp32")
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:

@@ -196,6 +196,8 @@ class Device:
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         if self.live_cuda and dtype == torch.bfloat16:
             return torch.cuda.is_bf16_supported()
+        if self.live_cuda and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return torch.cuda.get_device_capability() >= (8, 9)  # _scaled_mm's float8 kernels: Ada, Hopper on
         return True
 
 

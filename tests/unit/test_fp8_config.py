@@ -100,3 +100,19 @@ def test_delayed_scaling_refuses_what_would_record_a_step_twice():
                  "train.overlap_validation=true")
     assert "train.overlap_validation=true" in msg
     check_training_config(_cfg("train.precision=fp8", "train.fp8.recipe=tensorwise", "parallel.recompute=full"))
+
+
+def test_float8_needs_compute_capability_8_9(monkeypatch):
+    """The early device check: a live CUDA device below sm_89 has no float8 GEMMs (torch.cuda faked)."""
+    import torch
+
+    from mpformer.parallel.device import Device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    cuda = Device("cuda")
+    assert not cuda.supports_dtype(torch.float8_e4m3fn) and cuda.supports_dtype(torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert cuda.supports_dtype(torch.float8_e4m3fn)
+    assert Device("cpu").supports_dtype(torch.float8_e4m3fn)
+    assert Device("cuda", rehearsal=True).supports_dtype(torch.float8_e5m2)  # a rehearsal touches no runtime
