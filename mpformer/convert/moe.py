@@ -84,6 +84,12 @@ PER_EXPERT = {"mixtral": _per_expert_rules("block_sparse_moe", ("w1", "w3", "w2"
 QWEN_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
+def detect_fused_experts(hf_state: dict[str, Any]) -> str | None:
+    """"fused" when the file holds transformers 5's stacked experts, else None (one tensor per expert)."""
+    fused = any(k.endswith((".experts.gate_up_proj", ".experts.down_proj")) for k in hf_state)
+    return "fused" if fused else None
+
+
 class MoEAdapter(StateDictAdapter):
     def __init__(self, arch: str) -> None:
         experts = PER_EXPERT.get(arch) or _per_expert_rules("mlp", QWEN_NAMES)
@@ -94,8 +100,7 @@ class MoEAdapter(StateDictAdapter):
         self.name = NAMES[arch]
 
     def detect_layout(self, hf_state: dict[str, Any]) -> str | None:
-        fused = any(k.endswith((".experts.gate_up_proj", ".experts.down_proj")) for k in hf_state)
-        return "fused" if fused else None
+        return detect_fused_experts(hf_state)
 
     # ---- HF -> ModelConfig ------------------------------------------------------------------
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:

@@ -39,7 +39,7 @@ from mpformer.convert.llama import (
     common_to_hf,
     dropout_notes,
 )
-from mpformer.convert.moe import FUSED_RULES, QWEN_NAMES, E, _per_expert_rules
+from mpformer.convert.moe import FUSED_RULES, QWEN_NAMES, E, _per_expert_rules, detect_fused_experts
 from mpformer.core.errors import ConfigError
 from mpformer.core.model_config import ModelConfig
 
@@ -62,8 +62,7 @@ class SigmoidMoEAdapter(StateDictAdapter):
         self.name = NAMES[arch]
 
     def detect_layout(self, hf_state: dict[str, Any]) -> str | None:
-        fused = any(k.endswith((".experts.gate_up_proj", ".experts.down_proj")) for k in hf_state)
-        return "fused" if fused else None
+        return detect_fused_experts(hf_state)
 
     # ---- HF -> ModelConfig ------------------------------------------------------------------
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:

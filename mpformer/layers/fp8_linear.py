@@ -35,7 +35,7 @@ from mpformer.layers.fp8 import (
     rowwise_scale,
     tensorwise_scale,
 )
-from mpformer.layers.grad_store import WeightGradStore
+from mpformer.layers.grad_store import WeightGradStore, accumulate
 
 E4M3 = torch.float8_e4m3fn
 
@@ -93,14 +93,6 @@ def _check_tokens(m: int, k: int) -> None:
     if m % ALIGN:
         raise ValueError(f"train.precision=fp8: a linear layer's input has {m} tokens (rows of [{m}, {k}]); "
                          f"float8 GEMMs need a multiple of {ALIGN} (micro_batch_size * seq_length / tp)")
-
-
-def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    g = g.to(p.dtype)
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad.add_(g)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -166,7 +158,7 @@ class _Fp8Linear(torch.autograd.Function):
             def job() -> list[torch.Tensor]:
                 done = [(p, g) for p, g in zip((weight, bias), weight_grads(), strict=True) if g is not None]
                 for p, g in done:
-                    _accumulate(p, g)
+                    accumulate(p, g)
                 return [p for p, _ in done]
 
             ctx.store.capturing.append(job)

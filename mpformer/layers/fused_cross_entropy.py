@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpformer.core.model_options import DEFAULT_CHUNK
-from mpformer.layers.linear import WeightGradStore, _accumulate
+from mpformer.layers.grad_store import WeightGradStore, accumulate
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, no_autocast
 from mpformer.parallel.kernels import cpu_kernels
@@ -214,7 +214,7 @@ def _deferred_dw(sp: _Spec, weight: torch.Tensor, kept: list[torch.Tensor], g: t
         return _recompute_dw(x_nh, weight_vh, labels_n, lse, sp).mul_(g).to(weight.dtype)
 
     def job() -> list[torch.Tensor]:  # ``weight`` is the parameter itself (a leaf): accumulate into .grad
-        _accumulate(weight, _recompute_dw(x_nh, weight_vh, labels_n, lse, sp).mul_(g))
+        accumulate(weight, _recompute_dw(x_nh, weight_vh, labels_n, lse, sp).mul_(g))
         return [weight]
 
     sp.store.capturing.append(job)

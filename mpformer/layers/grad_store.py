@@ -42,3 +42,12 @@ class WeightGradStore:
 
     def clear(self) -> None:
         self.pending.clear()
+
+
+def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    """``g`` added into ``p.grad`` (set when there is none), in the parameter's dtype."""
+    g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)

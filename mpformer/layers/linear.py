@@ -44,7 +44,7 @@ from torch import nn
 
 from mpformer.layers.fp8 import DelayedScalingState, Float8Recipe
 from mpformer.layers.fp8_linear import fp8_linear
-from mpformer.layers.grad_store import WeightGradStore
+from mpformer.layers.grad_store import WeightGradStore, accumulate
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, no_autocast
 from mpformer.parallel.kernels import cpu_kernels
@@ -100,14 +100,6 @@ class _CpuLowPrecisionLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    g = g.to(p.dtype)
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad.add_(g)
-
-
 class _SplitLinear(torch.autograd.Function):
     """y = x W^T + b whose weight gradients can be deferred to a ``WeightGradStore`` or added into a
     ``GradSink``'s buffer; ``dtype`` is the autocast dtype to compute in (None: the inputs' dtype);
@@ -161,7 +153,7 @@ class _SplitLinear(torch.autograd.Function):
                 dw, db = weight_grads()
                 done = [(p, g) for p, g in ((weight, dw), (bias, db)) if g is not None]
                 for p, g in done:
-                    _accumulate(p, g)
+                    accumulate(p, g)
                 return [p for p, _ in done]
 
             ctx.store.capturing.append(job)
