@@ -62,12 +62,6 @@ def compute_precision(precision: str) -> str:
     return COMPUTE_DTYPE if precision == "fp8" else precision
 
 
-# Layouts whose linear layers do more than a local GEMM: not wired to float8 yet (one line each, the key).
-_UNSUPPORTED = (("tp", "tensor-parallel linears (and their sequence-parallel gathers) have no float8 path yet"),
-                ("cp", "context parallelism is untested with float8 linears"),
-                ("pp", "pipeline stages (the zero-bubble store, keep_bf16 across stages) are not wired yet"))
-
-
 def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool) -> None:
     """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig)."""
     if precision != "fp8":
@@ -85,11 +79,6 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
         raise ConfigError(f"train.fp8.amax_history_len={c.amax_history_len} must be >= 1")
     if c.margin < 0:
         raise ConfigError(f"train.fp8.margin={c.margin} must be >= 0 (powers of two of headroom)")
-    for key, why in _UNSUPPORTED:
-        value = getattr(parallel, key)
-        if value > 1:
-            raise ConfigError(f"train.precision=fp8 with parallel.{key}={value}>1 is not yet supported ({why}); "
-                              f"valid: parallel.{key}=1, or train.precision=bf16")
     if parallel.zero == 3:
         raise ConfigError("train.precision=fp8 with parallel.zero=3 is not yet supported (ZeRO-3's gathered weights "
                           "and gradient sinks have no float8 path); valid: parallel.zero=0|1|2")

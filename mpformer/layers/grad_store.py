@@ -1,13 +1,15 @@
 """The zero-bubble schedules' weight-gradient store (see layers/linear.py's docstring for the split).
 
 Its own module so that both linear paths (layers/linear.py's bf16 one and layers/fp8_linear.py's float8
-one, which linear.py dispatches to) can defer into it without importing each other.
+one, which linear.py dispatches to) can defer into it without importing each other; ZeRO-3's gradient
+sink (``GradSink``, see layers/linear.py) lives here for the same reason.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
+from typing import Protocol
 
 import torch
 
@@ -51,3 +53,28 @@ def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad = g
     else:
         p.grad.add_(g)
+
+
+class GradSink(Protocol):
+    """Where a parameter's gradient goes instead of ``.grad`` (ZeRO-3's unit buffers, optim/engine.py)."""
+
+    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like ``p`` (in its dtype) to add ``p``'s gradient into."""
+        ...
+
+    def grad_arrived(self, p: torch.Tensor) -> None:
+        """``p``'s gradient of this backward is in its buffer."""
+        ...
+
+
+_SINK = "_mpformer_grad_sink"
+
+
+def set_grad_sink(p: torch.Tensor, sink: GradSink | None) -> None:
+    """Linear layers add ``p``'s gradient into ``sink`` instead of handing it to autograd (None: autograd's).
+    Only for a parameter that one ``linear`` call per backward reads whole (a projection's weight or bias)."""
+    setattr(p, _SINK, sink)
+
+
+def grad_sink(p: torch.Tensor | None) -> GradSink | None:
+    return getattr(p, _SINK, None) if p is not None else None

@@ -36,45 +36,17 @@ LinearWithGradAccumulationAndAsyncCommunication does the same).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpformer.layers.fp8 import DelayedScalingState, Float8Recipe
-from mpformer.layers.fp8_linear import fp8_linear
-from mpformer.layers.grad_store import WeightGradStore, accumulate
+from mpformer.layers.fp8_layer import Float8Layer
+from mpformer.layers.grad_store import GradSink, WeightGradStore, accumulate, grad_sink
 from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, no_autocast
 from mpformer.parallel.kernels import cpu_kernels
 
 _LOW = (torch.bfloat16, torch.float16)
-
-
-class GradSink(Protocol):
-    """Where a parameter's gradient goes instead of ``.grad`` (ZeRO-3's unit buffers, optim/engine.py)."""
-
-    def grad_buffer(self, p: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped like ``p`` (in its dtype) to add ``p``'s gradient into."""
-        ...
-
-    def grad_arrived(self, p: torch.Tensor) -> None:
-        """``p``'s gradient of this backward is in its buffer."""
-        ...
-
-
-_SINK = "_mpformer_grad_sink"
-
-
-def set_grad_sink(p: torch.Tensor, sink: GradSink | None) -> None:
-    """Linear layers add ``p``'s gradient into ``sink`` instead of handing it to autograd (None: autograd's).
-    Only for a parameter that one ``linear`` call per backward reads whole (a projection's weight or bias)."""
-    setattr(p, _SINK, sink)
-
-
-def grad_sink(p: torch.Tensor | None) -> GradSink | None:
-    return getattr(p, _SINK, None) if p is not None else None
 
 
 class _CpuLowPrecisionLinear(torch.autograd.Function):
@@ -202,50 +174,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
+class Linear(nn.Linear, Float8Layer):
     """nn.Linear with the CPU low-precision backward above; same parameters, same state dict.
     ``store``: the zero-bubble pipeline's WeightGradStore, whose captures defer the weight gradients.
-    After ``enable_fp8`` (train.precision=fp8, models/fp8.py) its GEMMs run in float8 (layers/fp8_linear.py);
-    this forward is the one place the model's linears branch to it."""
+    After ``enable_fp8`` (train.precision=fp8, models/fp8.py) its GEMMs run in float8 (layers/fp8_layer.py);
+    this forward is the one place the model's one-device linears branch to it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  store: WeightGradStore | None = None, device=None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.store = store
-        self.fp8: Float8Recipe | None = None
-
-    def enable_fp8(self, recipe: Float8Recipe) -> None:
-        """Float8 GEMMs from now on. Delayed scaling keeps its amax history [3, H] and scales [3] as this
-        module's buffers ``fp8_amax_history`` and ``fp8_scale`` (fp32; saved by the run's checkpoints
-        through Transformer.canonical_buffers, so a resume continues with the same scales)."""
-        self.fp8 = recipe
-        if recipe.name == "delayed":
-            state = DelayedScalingState(recipe, device=self.weight.device)
-            self.register_buffer("fp8_amax_history", state.amax_history)
-            self.register_buffer("fp8_scale", state.scales)
-
-    def reset_buffers(self, device: torch.device | str) -> None:
-        """Delayed scaling's state re-created on ``device`` (models/init.py materialise_buffers): no amax
-        seen yet, every scale 1."""
-        if self.fp8 is not None and self.fp8.name == "delayed":
-            state = DelayedScalingState(self.fp8, device=device)
-            self.fp8_amax_history, self.fp8_scale = state.amax_history, state.scales
-
-    def _fp8_state(self) -> DelayedScalingState | None:
-        """A view of the buffers as the numerics' state object, made per call: a checkpoint load or a
-        ``.to()`` may have replaced the buffer tensors, and the state must update the ones saved."""
-        if self.fp8 is None or self.fp8.name != "delayed":
-            return None
-        state = DelayedScalingState.__new__(DelayedScalingState)
-        state.recipe, state.amax_history, state.scales = self.fp8, self.fp8_amax_history, self.fp8_scale
-        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
-            assert grad_sink(self.weight) is None, "float8 linears have no ZeRO-3 gradient sink (config refuses it)"
-            out = autocast_dtype(x) or (x.dtype if x.dtype == torch.float32 else torch.bfloat16)
-            with no_autocast(x):  # the casts and scales are the recipe's, not autocast's
-                return fp8_linear(x, self.weight, self.fp8, self._fp8_state(), self.bias, out, self.store)
+            return self.fp8_forward(x, self.bias)
         return linear(x, self.weight, self.bias, self.store)
 
     def forward_parts(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:

@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpformer.core.shards import Shard
+from mpformer.layers.fp8_layer import Float8Layer
+from mpformer.layers.fp8_linear import Fp8Shards
 from mpformer.layers.linear import WeightGradStore, linear
-from mpformer.parallel.comm import all_gather_seq, copy_to_region, reduce_from_region, reduce_scatter_seq
+from mpformer.parallel.comm import Comm, all_gather_seq, copy_to_region, reduce_from_region, reduce_scatter_seq
 from mpformer.parallel.device import autocast_dtype
 from mpformer.parallel.tensor_parallel import GradSpec, Part, TPContext, vocab_block
 
@@ -67,8 +69,10 @@ def reduce_output(y: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return reduce_scatter_seq(y, tp.comm) if tp.sequence_parallel else reduce_from_region(y, tp.comm)
 
 
-class ColumnParallelLinear(nn.Module):
-    """Output rows split over tp, part by part (a fused projection keeps ``[part_0 r | part_1 r ...]``)."""
+class ColumnParallelLinear(Float8Layer):
+    """Output rows split over tp, part by part (a fused projection keeps ``[part_0 r | part_1 r ...]``).
+    In float8 (Float8Layer) the weight's and dY's amaxes span tp (N is split), and under sequence
+    parallelism the input is cast to float8 before its all-gather (layers/fp8_linear.py)."""
 
     def __init__(self, in_features: int, parts: list[Part], tp: TPContext, *, bias: bool,
                  store: WeightGradStore | None = None, device: torch.device | str | None = None,
@@ -80,7 +84,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
 
+    def fp8_split(self, tokens: tuple[Comm, ...]) -> Fp8Shards:
+        seq = self.tp.comm if self.tp.sequence_parallel else None
+        return Fp8Shards(tokens=tokens, n=self.tp.comm, seq=seq)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:  # x as it is: the float8 cast is the only one (as on one device)
+            sp = self.tp.sequence_parallel and self.tp.size > 1
+            return self.fp8_forward(x if sp else copy_to_region(x, self.tp.comm), self.bias)
         if not self.tp.sequence_parallel or self.tp.size == 1:
             return linear(gather_input(x, self.tp), self.weight, self.bias, self.store)
         if (dt := autocast_dtype(x)) is not None:  # the collectives move 16-bit data (as gather_input)
@@ -117,8 +128,9 @@ class ColumnParallelLinear(nn.Module):
         return specs
 
 
-class RowParallelLinear(nn.Module):
-    """Input columns split over tp; partial outputs summed (or reduce-scattered), then the bias."""
+class RowParallelLinear(Float8Layer):
+    """Input columns split over tp; partial outputs summed (or reduce-scattered), then the bias. In
+    float8 (Float8Layer) the input's and weight's amaxes span tp (K is split)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPContext, *, bias: bool,
                  store: WeightGradStore | None = None, device: torch.device | str | None = None,
@@ -131,8 +143,12 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.cols, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
+    def fp8_split(self, tokens: tuple[Comm, ...]) -> Fp8Shards:
+        return Fp8Shards(tokens=tokens, k=self.tp.comm)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_output(linear(x, self.weight, store=self.store), self.tp)
+        partial = self.fp8_forward(x, None) if self.fp8 is not None else linear(x, self.weight, store=self.store)
+        y = reduce_output(partial, self.tp)
         return y + self.bias if self.bias is not None else y
 
     def canonical_shards(self, name: str) -> dict[str, Shard]:

@@ -1,12 +1,13 @@
 """train.precision=fp8 on a built model: which linear layers go float8, their checkpointed state, and the
 data-parallel agreement on delayed scaling's amaxes (issue 35).
 
-Which layers: every ``layers.linear.Linear`` (the blocks' projections: qkv, o, up, down, a MoE's shared
-experts) whose canonical module name matches no ``keep_bf16`` pattern. Names are the layout-free ones of
-checkpoints: ``layers.<global index>.attn.qkv``, ``layers.3.mlp.down``, ``embedding.word``, ``lm_head``,
-``layers.1.mlp.router`` (a fused projection is one GEMM with one scale, so it is kept or cast whole; the
-names of its parts, ``layers.0.attn.q``, also match it). The embedding, the LM head, the routers and the
-routed experts' grouped GEMMs are not ``Linear`` and stay bf16.
+Which layers: every linear layer (``layers.fp8_layer.Float8Layer``: the one-device ``Linear`` and the
+tensor-parallel column and row layers; the blocks' projections qkv, o, up, down, a MoE's shared
+experts) whose canonical module name matches no ``keep_bf16`` pattern. Names are the layout-free ones
+of checkpoints: ``layers.<global index>.attn.qkv``, ``layers.3.mlp.down``, ``embedding.word``,
+``lm_head``, ``layers.1.mlp.router`` (a fused projection is one GEMM with one scale, so it is kept or
+cast whole; the names of its parts, ``layers.0.attn.q``, also match it). The embedding, the LM head,
+the routers and the routed experts' grouped GEMMs are not such layers and stay bf16.
 
 Why the amax all-reduce: under delayed scaling each rank records the amaxes of the tensors it saw, and
 data-parallel ranks see different data. Left per rank, their scales drift apart, so the "same" model casts
@@ -14,7 +15,9 @@ its weights differently on each replica and a checkpoint (saved from rank 0) res
 scales they never had. Transformer Engine reduces the amaxes over the data-parallel group; here the
 histories are all-reduced (max) once per step, which makes every rank's history the elementwise max of
 all of them (every rank records the same number of amaxes per step, so positions line up), and the scales
-are recomputed from it.
+are recomputed from it. (Within a step, the amaxes of tensors split over tensor, sequence or context
+parallelism are already reduced over those groups at each cast, layers/fp8_linear.py: those ranks
+record the same amaxes.)
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from mpformer.core.errors import ConfigError
 from mpformer.core.fp8_config import DEFAULT_KEEP_BF16, Fp8Options
 from mpformer.core.shards import Shard
 from mpformer.layers.fp8 import ROLES, Float8Recipe, check_fp8_dims, scale_from_amax
-from mpformer.layers.linear import Linear
+from mpformer.layers.fp8_layer import Float8Layer
+from mpformer.parallel.comm import Comm
 
 BUFFERS = ("fp8_amax_history", "fp8_scale")
 _FUSED = {"qkv": ("q", "k", "v"), "up": ("gate", "up")}  # a fused projection's canonical parts (one GEMM)
@@ -55,9 +59,11 @@ def canonical_module_names(model: nn.Module, layer_ids: list[int]) -> dict[str, 
 
 
 def apply_fp8(model: nn.Module, options: Fp8Options, layer_ids: list[int],
-              canonical: Callable[[], dict[str, Shard]]) -> list[str]:
-    """Turn the float8 path on in every ``Linear`` of ``model`` not kept in bf16; returns their names.
-    ``canonical``: the model's canonical parameter names (a fused projection's parts). Raises a
+              canonical: Callable[[], dict[str, Shard]], tokens: tuple[Comm, ...] = ()) -> list[str]:
+    """Turn the float8 path on in every linear layer (``Float8Layer``: one-device, column- or
+    row-parallel) of ``model`` not kept in bf16; returns their names. ``canonical``: the model's canonical
+    parameter names (a fused projection's parts); ``tokens``: the groups that split every sequence
+    (context parallelism: the amaxes of activations span them). Raises a
     ConfigError for a ``keep_bf16`` pattern (other than the defaults) that matches nothing and for a
     float8 layer whose dimensions are not multiples of 16."""
     modules = canonical_module_names(model, layer_ids)
@@ -70,17 +76,17 @@ def apply_fp8(model: nn.Module, options: Fp8Options, layer_ids: list[int],
                               "lm_head, embedding.word")
     recipe, done = recipe_of(options), []
     for name, m in modules.items():
-        if not isinstance(m, Linear):
+        if not isinstance(m, Float8Layer):
             continue
         parent, _, leaf = name.rpartition(".")
         own = {name} | {f"{parent}.{p}" for p in _FUSED.get(leaf, ())}
         if any(fnmatch.fnmatch(n, pat) for n in own for pat in options.keep_bf16):
             continue
         try:
-            check_fp8_dims(name, m.in_features, m.out_features)
+            check_fp8_dims(name, m.weight.shape[1], m.weight.shape[0])  # this rank's GEMM: its own block
         except ValueError as e:
             raise ConfigError(f"{e}; e.g. train.fp8.keep_bf16=[{','.join(options.keep_bf16)},{name}]") from None
-        m.enable_fp8(recipe)
+        m.enable_fp8(recipe, tokens)
         done.append(name)
     return done
 
@@ -90,17 +96,17 @@ def fp8_buffers(model: nn.Module, layer_ids: list[int]) -> dict[str, Shard]:
     whole on every rank, for Transformer.canonical_buffers (checkpoints)."""
     out: dict[str, Shard] = {}
     for name, m in canonical_module_names(model, layer_ids).items():
-        if isinstance(m, Linear) and m.fp8 is not None and m.fp8.name == "delayed":
+        if isinstance(m, Float8Layer) and m.fp8 is not None and m.fp8.name == "delayed":
             for b in BUFFERS:
                 out[f"{name}.{b}"] = Shard.full(getattr(m, b))
     return out
 
 
-def delayed_layers(model: nn.Module) -> list[Linear]:
-    return [m for m in model.modules() if isinstance(m, Linear) and m.fp8 is not None and m.fp8.name == "delayed"]
+def delayed_layers(model: nn.Module) -> list[Float8Layer]:
+    return [m for m in model.modules() if isinstance(m, Float8Layer) and m.fp8 is not None and m.fp8.name == "delayed"]
 
 
-def sync_amax_histories(layers: list[Linear], all_reduce_max: Callable[[torch.Tensor], None]) -> None:
+def sync_amax_histories(layers: list[Float8Layer], all_reduce_max: Callable[[torch.Tensor], None]) -> None:
     """Every data-parallel rank's amax histories made the elementwise max over the group (one collective
     for all layers), each scale recomputed from its history (see the module docstring)."""
     if not layers:

@@ -164,7 +164,9 @@ class Transformer(nn.Module):
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.region_hooks: RegionHooks | None = None  # set by ZeRO-3 (optim/gather.py)
         # train.precision=fp8: the float8 linears chosen by name (models/fp8.py), before any buffer is made real
-        self.fp8_layers = apply_fp8(self, options.fp8, self.layer_ids, self.canonical_shards) if options.fp8 else []
+        tokens = (self.cp.comm,) if self.cp is not None else ()
+        self.fp8_layers = (apply_fp8(self, options.fp8, self.layer_ids, self.canonical_shards, tokens)
+                           if options.fp8 else [])
         if seed is not None and (device is None or torch.device(device).type != "meta"):
             self.init_weights(seed)
 

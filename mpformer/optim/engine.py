@@ -62,7 +62,7 @@ from torch import nn
 from mpformer.checkpoint.rows import canonical_rows
 from mpformer.core.buffers import BucketLayout, Slot, plan_buckets
 from mpformer.core.shards import Shard
-from mpformer.layers.linear import set_grad_sink
+from mpformer.layers.grad_store import set_grad_sink
 from mpformer.models.init import ModelInit
 from mpformer.optim.bucket import Bucket, GradPool, ShardParam, shard_grads
 from mpformer.optim.gather import Region, UnitGather

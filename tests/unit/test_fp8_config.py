@@ -47,9 +47,6 @@ def test_unknown_key_is_an_error():
     (("train.fp8.recipe=blockwise",), "tensorwise, rowwise, delayed"),
     (("train.fp8.grad_dtype=e3m4",), "e4m3, e5m2"),
     (("train.fp8.amax_history_len=0",), "amax_history_len=0 must be >= 1"),
-    (("parallel.tp=2",), "parallel.tp=2>1 is not yet supported"),
-    (("parallel.cp=2",), "parallel.cp=2>1 is not yet supported"),
-    (("parallel.pp=2",), "parallel.pp=2>1 is not yet supported"),
     (("parallel.zero=3",), "valid: parallel.zero=0|1|2"),
 ])
 def test_fp8_rules(overrides, words):

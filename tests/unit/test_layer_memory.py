@@ -148,7 +148,7 @@ def test_backward_adds_what_the_count_says(cfg, precision, tol, sunk):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from mpformer.layers.linear import set_grad_sink
+    from mpformer.layers.grad_store import set_grad_sink
 
     model, seq, x, ctx = _block(cfg, precision, "none")
     with ctx:

@@ -1,0 +1,148 @@
+"""Float8 operands of a sharded linear = the matching slices of one process's, bit for bit (issue 35).
+
+Oracle: ``fp8_linear`` on one process with the whole x [M, K], W [N, K] and dY [M, N]. On two gloo ranks
+each rank runs the same layer on its block (column-parallel: N split; the same with sequence parallelism,
+x arriving as its sequence shard and gathered in float8; row-parallel: K split; context parallelism: the
+tokens M split) and every ``_scaled_mm`` call's float8 operands and scales (forward, dgrad, wgrad) are
+compared with the one-process call's, sliced where the rank holds a block. The tensors have one large
+element on one rank's block only, so a scale taken from a rank's own block instead of the whole tensor
+(no amax all-reduce) fails the comparison. Delayed scaling: the rank's amax history equals one process's.
+
+The gathers' bytes are the formula (ledger): under sequence parallelism x moves as float8 (1 byte an
+element) in forward and again in backward (tensorwise, delayed), rowwise adds the rows' fp32 scales in
+forward and gathers the high-precision x in backward (its wgrad scales x's columns over the tokens); each
+amax all-reduce is 4 bytes per scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpformer.parallel.spawn import run_distributed
+
+RECIPES = ("tensorwise", "rowwise", "delayed")
+S, B, K, N = 16, 4, 64, 64  # M = S * B = 64 tokens; every block a multiple of 16
+T = 2
+Slices = tuple[tuple[slice, slice], tuple[slice, slice]]  # (a8's rows, cols), (b8's rows, cols)
+
+
+def _blocks(rank: int) -> tuple[slice, slice, slice]:
+    m, k, n = S * B // T, K // T, N // T
+    return slice(rank * m, (rank + 1) * m), slice(rank * k, (rank + 1) * k), slice(rank * n, (rank + 1) * n)
+
+
+def _slices(layout: str, rank: int) -> list[Slices]:
+    """Per GEMM (forward, dgrad, wgrad), which block of one process's operands this rank's are."""
+    mb, kb, nb = _blocks(rank)
+    a = slice(None)
+    if layout in ("column", "column_sp"):  # W rows, dY columns split
+        return [((a, a), (a, nb)), ((a, nb), (nb, a)), ((nb, a), (a, a))]
+    if layout == "row":  # x and W columns split
+        return [((a, kb), (kb, a)), ((a, a), (a, kb)), ((a, a), (a, kb))]
+    return [((mb, a), (a, a)), ((mb, a), (a, a)), ((a, mb), (mb, a))]  # cp: the tokens split
+
+
+def _tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(S, B, K, generator=g) * torch.logspace(-2, 1, K)  # columns of different ranges
+    w = torch.randn(N, K, generator=g) * 0.05
+    dy = torch.randn(S, B, N, generator=g) * 1e-3
+    x[S - 1, B - 1, K - 1] = 300.0  # the last rank's block only (tokens, K): its amax is the whole tensor's
+    w[N - 1, K - 1] = 2.0
+    dy[S - 1, B - 1, N - 1] = 0.5
+    return x, w, dy
+
+
+def _run(x, w, dy, shards, recipe_name: str) -> tuple[list, object, torch.Tensor, torch.Tensor]:
+    from mpformer.layers.fp8 import DelayedScalingState, Float8Recipe
+    from mpformer.layers.fp8_linear import fp8_linear
+
+    calls, real = [], torch._scaled_mm
+
+    def capture(a, b, scale_a, scale_b, out_dtype):
+        calls.append(tuple(t.clone() for t in (a, b, scale_a, scale_b)))
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    recipe = Float8Recipe(recipe_name)
+    state = DelayedScalingState(recipe) if recipe_name == "delayed" else None
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch._scaled_mm = capture
+    try:
+        y = fp8_linear(x, w, recipe, state, out_dtype=torch.float32, shards=shards)
+        y.backward(dy)
+    finally:
+        torch._scaled_mm = real
+    assert len(calls) == 3
+    return calls, state, x.grad, w.grad
+
+
+def _worker(recipe_name: str) -> dict:
+    import torch.distributed as dist
+
+    from mpformer.layers.fp8_linear import ONE, Fp8Shards
+    from mpformer.parallel.comm import Comm, CommLedger
+
+    rank = dist.get_rank()
+    x, w, dy = _tensors()
+    ref, ref_state, _, _ = _run(x, w, dy, ONE, recipe_name)
+    mb, kb, nb = _blocks(rank)
+    sb = slice(rank * S // T, (rank + 1) * S // T)  # the sequence shard (dim 0 of [S, B, K])
+    out: dict = {"mismatch": [], "ledger": {}}
+    for layout in ("column", "column_sp", "row", "cp"):
+        ledger = CommLedger()
+        comm = Comm(dist.group.WORLD, ledger)
+        if layout == "column":
+            args = (x, w[nb], dy[..., nb], Fp8Shards(n=comm))
+        elif layout == "column_sp":
+            args = (x[sb], w[nb], dy[..., nb], Fp8Shards(n=comm, seq=comm))
+        elif layout == "row":
+            args = (x[..., kb], w[:, kb], dy, Fp8Shards(k=comm))
+        else:
+            args = (x[sb], w, dy[sb], Fp8Shards(tokens=(comm,)))
+        got, state, _, _ = _run(*args, recipe_name)
+        out["ledger"][layout] = ledger.take()
+        for gemm, (mine, theirs, (sa, sb_)) in enumerate(zip(got, ref, _slices(layout, rank), strict=True)):
+            a8, b8, scale_a, scale_b = mine
+            ra8, rb8, rsa, rsb = theirs
+            want = [ra8[sa], rb8[sb_], rsa[sa[0]] if rsa.dim() == 2 else rsa, rsb[:, sb_[1]] if rsb.dim() == 2 else rsb]
+            for name, g, r in zip(("a8", "b8", "scale_a", "scale_b"), (a8, b8, scale_a, scale_b), want, strict=True):
+                same = g.shape == r.shape and torch.equal(g.contiguous().view(torch.uint8) if g.element_size() == 1
+                                                          else g, r.contiguous().view(torch.uint8)
+                                                          if r.element_size() == 1 else r)
+                if not same:
+                    out["mismatch"].append(f"{layout} gemm {gemm} {name}")
+        if state is not None and not torch.equal(state.amax_history, ref_state.amax_history):
+            out["mismatch"].append(f"{layout} amax history")
+    return out
+
+
+def _all_recipes() -> dict:
+    return {r: _worker(r) for r in RECIPES}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_all_recipes, T, timeout=300)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_sharded_operands_equal_one_process_slices(results, recipe):
+    for rank in range(T):
+        assert results[rank][recipe]["mismatch"] == [], (rank, results[rank][recipe]["mismatch"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_gather_bytes_are_the_formula(results, recipe):
+    """Sequence parallelism's gathers and the amax all-reduces, in bytes sent per rank (ring: (t-1)/t)."""
+    m, f = S * B, (T - 1) / T
+    ledger = results[0][recipe]["ledger"]["column_sp"]
+    if recipe == "rowwise":  # float8 x + its rows' scales forward, the fp32 x again in backward
+        gathers = (m * K * 1 + m * 4) * f + m * K * 4 * f
+        reduces = 2 * f * (m + K) * 4  # dgrad: dY rows and W columns, amaxes along N (split)
+    else:  # float8 x forward and backward; amaxes of x (over seq), W and dY (over N)
+        gathers = 2 * m * K * 1 * f
+        reduces = 3 * 2 * f * 4
+    assert ledger.get("all_gather", 0) == gathers, ledger
+    assert ledger.get("all_reduce", 0) == reduces, ledger
+    assert ledger.get("reduce_scatter", 0) == m * K * 4 * f, ledger  # dX (fp32 here) back to the shards
