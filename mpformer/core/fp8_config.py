@@ -14,6 +14,7 @@ loss scaler: e5m2 gradients and per-tensor scales keep the range, so fp8 with fp
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +69,9 @@ _UNSUPPORTED = (("tp", "tensor-parallel linears (and their sequence-parallel gat
                 ("pp", "pipeline stages (the zero-bubble store, keep_bf16 across stages) are not wired yet"))
 
 
-def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool) -> None:
-    """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig)."""
+def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool, num_experts: int = 0) -> None:
+    """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig);
+    ``num_experts``: the model's routed experts (0: dense)."""
     if precision != "fp8":
         if c != Fp8Config():
             changed = next(k for k in Fp8Config.__dataclass_fields__ if getattr(c, k) != getattr(Fp8Config(), k))
@@ -90,6 +92,12 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
         if value > 1:
             raise ConfigError(f"train.precision=fp8 with parallel.{key}={value}>1 is not yet supported ({why}); "
                               f"valid: parallel.{key}=1, or train.precision=bf16")
+    etp = parallel.etp if parallel.etp is not None else parallel.tp
+    # fnmatch on the literal name "layers.*.mlp.experts": true for a pattern that keeps every layer's experts
+    if num_experts and etp > 1 and not any(fnmatch.fnmatch("layers.*.mlp.experts", p) for p in c.keep_bf16):
+        raise ConfigError(f"train.precision=fp8 with parallel.etp={etp}>1 is not yet supported (experts split over "
+                          "tp need their float8 amaxes all-reduced over the etp shards); valid: parallel.etp=1, or "
+                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
     if parallel.zero == 3:
         raise ConfigError("train.precision=fp8 with parallel.zero=3 is not yet supported (ZeRO-3's gathered weights "
                           "and gradient sinks have no float8 path); valid: parallel.zero=0|1|2")

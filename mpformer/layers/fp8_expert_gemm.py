@@ -44,24 +44,27 @@ from dataclasses import dataclass
 
 import torch
 
+from mpformer.core.shards import Shard
 from mpformer.layers.fp8 import ALIGN, ROLES, Float8Recipe, cast_to_fp8, scale_from_amax
 from mpformer.layers.fp8_linear import scaled_mm
-from mpformer.parallel.device import host_tensor
+from mpformer.parallel.device import autocast_dtype, host_tensor, kernel_device, no_autocast
 
 E4M3 = torch.float8_e4m3fn
 FP8_METHODS = ("grouped", "loop")
 
 
-def fp8_grouped_ok(device_type: str, recipe: Float8Recipe, h: int, f: int) -> bool:
+def fp8_grouped_ok(device_type: str, recipe: Float8Recipe, h: int, f: int,
+                   out_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs this recipe: CUDA (or a rehearsal's meta), e4m3 gradients,
-    h and f multiples of 16."""
+    h and f multiples of 16, bf16 out."""
     return (device_type in ("cuda", "meta") and hasattr(torch, "_scaled_grouped_mm") and recipe.grad == "e4m3"
-            and h % ALIGN == 0 and f % ALIGN == 0)
+            and h % ALIGN == 0 and f % ALIGN == 0 and out_dtype == torch.bfloat16)
 
 
-def choose_fp8_method(device_type: str, recipe: Float8Recipe, h: int, f: int) -> str:
+def choose_fp8_method(device_type: str, recipe: Float8Recipe, h: int, f: int,
+                      out_dtype: torch.dtype = torch.bfloat16) -> str:
     """``grouped`` where the fused kernel runs (see ``fp8_grouped_ok``), else ``loop`` (CPU: no kernel)."""
-    return "grouped" if fp8_grouped_ok(device_type, recipe, h, f) else "loop"
+    return "grouped" if fp8_grouped_ok(device_type, recipe, h, f, out_dtype) else "loop"
 
 
 @dataclass(frozen=True)
@@ -318,3 +321,23 @@ def rescale(recipe: Float8Recipe, history: torch.Tensor, scales: torch.Tensor) -
     with torch.no_grad():
         for i, role in enumerate(ROLES):
             scales[..., i] = scale_from_amax(history[..., i, :].amax(-1), recipe.dtype(role), recipe.margin)
+
+
+def expert_fp8_shards(prefix: str, local: range, history: torch.Tensor, scales: torch.Tensor) -> dict[str, Shard]:
+    """Delayed scaling's buffers by canonical name, per expert under the names a dense float8 linear's have
+    (``{prefix}.{e}.up|down.fp8_amax_history`` [3, H], ``.fp8_scale`` [3]; ``up`` the fused gate/up GEMM,
+    as models/fp8.py names ``mlp.up``): layout-free, whichever ep rank holds expert ``e``."""
+    return {f"{prefix}.{e}.{p}.{b}": Shard.full(t[i, j]) for i, e in enumerate(local)
+            for j, p in enumerate(PROJECTIONS) for b, t in (("fp8_amax_history", history), ("fp8_scale", scales))}
+
+
+def experts_forward(x_mh: torch.Tensor, counts: list[int], w_up: torch.Tensor, w_down: torch.Tensor,
+                    recipe: Float8Recipe, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """layers/moe.py Experts' float8 forward: out in autocast's dtype (bf16 under train.precision=fp8), the
+    method the device runs, delayed scaling's states over the module's ``buffers`` (history, scales)."""
+    out = autocast_dtype(x_mh) or (x_mh.dtype if x_mh.dtype == torch.float32 else torch.bfloat16)
+    states = expert_states(recipe, *buffers) if buffers is not None else None
+    # the device the GEMMs run on: a rehearsal's meta rows stand for a GPU's, and take its grouped kernel
+    method = choose_fp8_method(kernel_device(x_mh), recipe, w_up.shape[-1], w_down.shape[-1], out)
+    with no_autocast(x_mh):  # the casts and scales are the recipe's, not autocast's
+        return fp8_expert_mlp(x_mh, counts, w_up, w_down, recipe, states, method=method, out_dtype=out)
