@@ -94,7 +94,13 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
                               f"valid: parallel.{key}=1, or train.precision=bf16")
     etp = parallel.etp if parallel.etp is not None else parallel.tp
     # fnmatch on the literal name "layers.*.mlp.experts": true for a pattern that keeps every layer's experts
-    if num_experts and etp > 1 and not any(fnmatch.fnmatch("layers.*.mlp.experts", p) for p in c.keep_bf16):
+    experts = num_experts > 0 and not any(fnmatch.fnmatch("layers.*.mlp.experts", p) for p in c.keep_bf16)
+    if experts and c.recipe == "delayed" and parallel.recompute == "selective":
+        raise ConfigError("train.fp8.recipe=delayed with parallel.recompute=selective is not yet supported for the "
+                          "routed experts (selective recompute re-runs their GEMMs with scales the first forward "
+                          "already moved); valid: parallel.recompute=none, train.fp8.recipe=tensorwise|rowwise, or "
+                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
+    if experts and etp > 1:
         raise ConfigError(f"train.precision=fp8 with parallel.etp={etp}>1 is not yet supported (experts split over "
                           "tp need their float8 amaxes all-reduced over the etp shards); valid: parallel.etp=1, or "
                           "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")

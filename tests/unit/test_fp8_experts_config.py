@@ -61,3 +61,13 @@ def test_experts_split_over_tensor_parallel_are_refused_in_one_line():
     check_fp8_config("fp8", c, _parallel(etp=1), False, num_experts=8)
     kept = Fp8Config(keep_bf16=[*DEFAULT_KEEP_BF16, "layers.*.mlp.experts"])
     check_fp8_config("fp8", kept, _parallel(etp=2), False, num_experts=8)  # experts kept bf16: nothing to split
+
+
+def test_delayed_experts_refuse_selective_recompute():
+    """Selective recompute re-runs the experts' forward in backward: under delayed scaling it would cast with
+    the scales the first forward moved (and record twice)."""
+    delayed = Fp8Config(recipe="delayed")
+    with pytest.raises(ConfigError, match=r"recipe=delayed with parallel.recompute=selective .* routed experts"):
+        check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, num_experts=8)
+    check_fp8_config("fp8", Fp8Config(), _parallel(recompute="selective"), False, num_experts=8)  # tensorwise
+    check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, num_experts=0)
