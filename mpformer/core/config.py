@@ -283,7 +283,7 @@ def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
-    check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile)
+    check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile, cfg.model.num_experts)
     if t.precision == "fp8" and t.fp8.recipe == "delayed" and t.overlap_validation:
         raise ConfigError("train.fp8.recipe=delayed with train.overlap_validation=true is not yet supported (a step "
                           "run again would record its amaxes twice); valid: train.overlap_validation=false, or "

@@ -14,6 +14,7 @@ loss scaler: e5m2 gradients and per-tensor scales keep the range, so fp8 with fp
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +63,9 @@ def compute_precision(precision: str) -> str:
     return COMPUTE_DTYPE if precision == "fp8" else precision
 
 
-def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool) -> None:
-    """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig)."""
+def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool, num_experts: int = 0) -> None:
+    """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig);
+    ``num_experts``: the model's routed experts (0: dense)."""
     if precision != "fp8":
         if c != Fp8Config():
             changed = next(k for k in Fp8Config.__dataclass_fields__ if getattr(c, k) != getattr(Fp8Config(), k))
@@ -79,6 +81,23 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
         raise ConfigError(f"train.fp8.amax_history_len={c.amax_history_len} must be >= 1")
     if c.margin < 0:
         raise ConfigError(f"train.fp8.margin={c.margin} must be >= 0 (powers of two of headroom)")
+    etp = parallel.etp if parallel.etp is not None else parallel.tp
+    # fnmatch on the literal name "layers.*.mlp.experts": true for a pattern that keeps every layer's experts
+    experts = num_experts > 0 and not any(fnmatch.fnmatch("layers.*.mlp.experts", p) for p in c.keep_bf16)
+    if experts and c.recipe == "delayed" and parallel.recompute == "selective":
+        raise ConfigError("train.fp8.recipe=delayed with parallel.recompute=selective is not yet supported for the "
+                          "routed experts (selective recompute re-runs their GEMMs with scales the first forward "
+                          "already moved); valid: parallel.recompute=none, train.fp8.recipe=tensorwise|rowwise, or "
+                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
+    if experts and etp > 1:
+        raise ConfigError(f"train.precision=fp8 with parallel.etp={etp}>1 is not yet supported (experts split over "
+                          "tp need their float8 amaxes all-reduced over the etp shards); valid: parallel.etp=1, or "
+                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
+    if experts and parallel.cp > 1:
+        raise ConfigError(f"train.precision=fp8 with parallel.cp={parallel.cp}>1 is not yet supported for the routed "
+                          "experts (an expert's token block would be cast with the amax of this rank's part of the "
+                          "sequence, not the whole micro-batch's); valid: parallel.cp=1, or "
+                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
     if parallel.zero == 3:
         raise ConfigError("train.precision=fp8 with parallel.zero=3 is not yet supported (ZeRO-3's gathered weights "
                           "and gradient sinks have no float8 path); valid: parallel.zero=0|1|2")

@@ -34,7 +34,9 @@ from mpformer.context_parallel.context import CPContext
 from mpformer.core.layer_spec import DEFAULT_LINEAR, LinearKind
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.shards import Shard
+from mpformer.layers import fp8_expert_gemm as fp8x
 from mpformer.layers.expert_gemm import choose_method, expert_mlp
+from mpformer.layers.fp8 import Float8Recipe
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.mlp import MLP
 from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher, build_dispatcher, histogram
@@ -133,9 +135,36 @@ class Experts(nn.Module):
         n = len(local)
         self.up = nn.Parameter(torch.empty(n * 2 * self.f, self.h, device=device, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n * self.h, self.f, device=device, dtype=dtype))
+        self.fp8: Float8Recipe | None = None
+
+    def enable_fp8(self, recipe: Float8Recipe) -> None:
+        """Float8 GEMMs from now on (layers/fp8_expert_gemm.py). Delayed scaling keeps, per local expert,
+        projection (up, down) and role, its amax histories and scales as the buffers ``fp8_amax_history``
+        [E_l, 2, 3, H] and ``fp8_scale`` [E_l, 2, 3] (checkpointed per expert: ``fp8_buffers``)."""
+        self.fp8 = recipe
+        if recipe.name == "delayed":
+            hist, scales = fp8x.expert_scaling_buffers(recipe, len(self.local), self.up.device)
+            self.register_buffer("fp8_amax_history", hist)
+            self.register_buffer("fp8_scale", scales)
+
+    def reset_buffers(self, device: DeviceLike) -> None:
+        if self.fp8 is not None and self.fp8.name == "delayed":
+            self.fp8_amax_history, self.fp8_scale = fp8x.expert_scaling_buffers(self.fp8, len(self.local), device)
+
+    def _fp8_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # read per call: a checkpoint load or .to() may have replaced the buffer tensors
+        return (self.fp8_amax_history, self.fp8_scale) if self.fp8 is not None and self.fp8.name == "delayed" else None
+
+    def fp8_buffers(self, prefix: str) -> dict[str, Shard]:
+        """Delayed scaling's state by per-expert canonical name (layers/fp8_expert_gemm.py expert_fp8_shards)."""
+        bufs = self._fp8_buffers()
+        return fp8x.expert_fp8_shards(prefix, self.local, *bufs) if bufs is not None else {}
 
     def forward(self, x_mh: torch.Tensor, counts: list[int]) -> torch.Tensor:
         n = len(self.local)
+        if self.fp8 is not None:
+            return fp8x.experts_forward(x_mh, counts, self.up.view(n, 2 * self.f, self.h),
+                                        self.down.view(n, self.h, self.f), self.fp8, self._fp8_buffers())
         # the device the GEMMs run on: a rehearsal's meta rows stand for a GPU's, and take its grouped GEMM
         method = choose_method(kernel_device(x_mh), x_mh.dtype, self.h, self.f)
         return expert_mlp(x_mh, counts, self.up.view(n, 2 * self.f, self.h), self.down.view(n, self.h, self.f),
@@ -313,8 +342,10 @@ class MoE(nn.Module):
         return [GradSpec(self.router.weight, None, self.tp.size, self.tp.comm)]
 
     def canonical_buffers(self, prefix: str) -> dict[str, Shard]:
-        """State that is no parameter but must be saved: the selection bias (the same on every rank)."""
-        return {f"{prefix}.router.bias": Shard.full(self.router.bias)} if self.router.bias is not None else {}
+        """State that is no parameter but must be saved: the selection bias (the same on every rank), the
+        local experts' float8 delayed-scaling state."""
+        out = {f"{prefix}.router.bias": Shard.full(self.router.bias)} if self.router.bias is not None else {}
+        return {**out, **self.experts.fp8_buffers(f"{prefix}.experts")}  # float8 delayed scaling's state
 
     def canonical_shards(self, prefix: str) -> dict[str, Shard]:
         out = {f"{prefix}.router.weight": Shard.full(self.router.weight)}

@@ -7,7 +7,8 @@ experts) whose canonical module name matches no ``keep_bf16`` pattern. Names are
 of checkpoints: ``layers.<global index>.attn.qkv``, ``layers.3.mlp.down``, ``embedding.word``,
 ``lm_head``, ``layers.1.mlp.router`` (a fused projection is one GEMM with one scale, so it is kept or
 cast whole; the names of its parts, ``layers.0.attn.q``, also match it). The embedding, the LM head,
-the routers and the routed experts' grouped GEMMs are not such layers and stay bf16.
+the routers are not such layers and stay bf16. The routed experts (``layers.<i>.mlp.experts``: grouped
+GEMMs) go float8 in ``apply_expert_fp8`` (layers/fp8_expert_gemm.py) unless a pattern keeps them.
 
 Why the amax all-reduce: under delayed scaling each rank records the amaxes of the tensors it saw, and
 data-parallel ranks see different data. Left per rank, their scales drift apart, so the "same" model casts
@@ -33,7 +34,9 @@ from mpformer.core.errors import ConfigError
 from mpformer.core.fp8_config import DEFAULT_KEEP_BF16, Fp8Options
 from mpformer.core.shards import Shard
 from mpformer.layers.fp8 import ROLES, Float8Recipe, check_fp8_dims, scale_from_amax
+from mpformer.layers.fp8_expert_gemm import rescale
 from mpformer.layers.fp8_layer import Float8Layer
+from mpformer.layers.moe import Experts
 from mpformer.parallel.comm import Comm
 
 BUFFERS = ("fp8_amax_history", "fp8_scale")
@@ -122,3 +125,44 @@ def sync_amax_histories(layers: list[Float8Layer], all_reduce_max: Callable[[tor
             at += hist.numel()
             for i, role in enumerate(ROLES):
                 m.fp8_scale[i] = scale_from_amax(hist[i].amax(), m.fp8.dtype(role), m.fp8.margin)
+
+
+# --- the routed experts (kept apart from apply_fp8: they are no Linear) ------------------------------------
+
+def apply_expert_fp8(model: nn.Module, options: Fp8Options, layer_ids: list[int]) -> list[str]:
+    """Turn the float8 path on in every MoE layer's routed experts (``layers.<i>.mlp.experts``) that no
+    ``keep_bf16`` pattern matches; returns their names. Their GEMMs' K and N (h, f and 2f) must be
+    multiples of 16 (the tokens are padded per expert: layers/fp8_expert_gemm.py)."""
+    recipe, done = recipe_of(options), []
+    for name, m in canonical_module_names(model, layer_ids).items():
+        if not isinstance(m, Experts) or any(fnmatch.fnmatch(name, p) for p in options.keep_bf16):
+            continue
+        try:
+            check_fp8_dims(name, m.h, m.f)
+        except ValueError as e:
+            raise ConfigError(f"{e}; e.g. train.fp8.keep_bf16=[{','.join(options.keep_bf16)},layers.*.mlp.experts]"
+                              ) from None
+        m.enable_fp8(recipe)
+        done.append(name)
+    return done
+
+
+def delayed_experts(model: nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts) and m.fp8 is not None and m.fp8.name == "delayed"]
+
+
+def sync_expert_amax_histories(experts: list[Experts], all_reduce_max: Callable[[torch.Tensor], None]) -> None:
+    """As ``sync_amax_histories`` for the routed experts' per-expert histories, over the group whose ranks
+    hold the same experts (expert-data-parallel: the caller's ``all_reduce_max``)."""
+    if not experts:
+        return
+    flat = torch.cat([m.fp8_amax_history.reshape(-1) for m in experts])
+    all_reduce_max(flat)
+    flat = torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat))
+    at = 0
+    with torch.no_grad():
+        for m in experts:
+            hist = m.fp8_amax_history
+            hist.copy_(flat[at:at + hist.numel()].view_as(hist))
+            at += hist.numel()
+            rescale(m.fp8, hist, m.fp8_scale)

@@ -42,7 +42,7 @@ from mpformer.layers.fused_cross_entropy import fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.norm import build_norm
 from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, gather_input, param_shards
-from mpformer.models.fp8 import apply_fp8, fp8_buffers
+from mpformer.models.fp8 import apply_expert_fp8, apply_fp8, fp8_buffers
 from mpformer.models.init import ModelInit, init_weights
 from mpformer.parallel.comm import gather_from_region
 from mpformer.parallel.device import DeviceLike, recompute_contexts
@@ -167,6 +167,7 @@ class Transformer(nn.Module):
         tokens = (self.cp.comm,) if self.cp is not None else ()
         self.fp8_layers = (apply_fp8(self, options.fp8, self.layer_ids, self.canonical_shards, tokens)
                            if options.fp8 else [])
+        self.fp8_layers += apply_expert_fp8(self, options.fp8, self.layer_ids) if options.fp8 else []  # routed experts
         if seed is not None and (device is None or torch.device(device).type != "meta"):
             self.init_weights(seed)
 

@@ -31,7 +31,7 @@ from mpformer.core.model_options import ModelOptions
 from mpformer.core.topology import MESH_VIEWS
 from mpformer.data.loader import MicroBatch, StepLoader
 from mpformer.data.sampler import get_batch, micro_batch_sample_indices, sample_origin
-from mpformer.models.fp8 import delayed_layers, sync_amax_histories
+from mpformer.models.fp8 import delayed_experts, delayed_layers, sync_amax_histories, sync_expert_amax_histories
 from mpformer.models.parallelize import RankModel, build_rank, grad_specs
 from mpformer.optim.builder import build_engine
 from mpformer.optim.engine import REDUCE_DTYPES, GradEngine
@@ -157,11 +157,23 @@ def router_report(spec: RunSpec, groups: ProcessGroups, rank: RankModel) -> Rout
 
 def amax_sync(groups: ProcessGroups, rank: RankModel) -> Callable[[], None] | None:
     """fp8 delayed scaling under data parallelism: the step's amax histories all-reduced (max) over the
-    data group, as Transformer Engine does (models/fp8.py says why); None where there is nothing to agree."""
+    data group, as Transformer Engine does (models/fp8.py says why), the routed experts' over the
+    expert-data group; None where there is nothing to agree."""
     layers, comm = delayed_layers(rank.model), groups.data_comm()
-    if not layers or comm.size == 1:
-        return None
-    return functools.partial(sync_amax_histories, layers, lambda t: comm.all_reduce(t, op=dist.ReduceOp.MAX))
+    # routed experts: over the ranks that hold the same experts (their expert-data-parallel replicas)
+    experts, ecomm = delayed_experts(rank.model), groups.view("expert_data")
+    syncs = []
+    if layers and comm.size > 1:
+        syncs.append(functools.partial(sync_amax_histories, layers, lambda t: comm.all_reduce(t, op=dist.ReduceOp.MAX)))
+    if experts and ecomm.size > 1:
+        syncs.append(functools.partial(sync_expert_amax_histories, experts,
+                                       lambda t: ecomm.all_reduce(t, op=dist.ReduceOp.MAX)))
+
+    def sync() -> None:
+        for s in syncs:
+            s()
+
+    return sync if syncs else None
 
 
 def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:

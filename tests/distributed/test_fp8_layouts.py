@@ -5,9 +5,9 @@ sequence parallelism, cp=2, and pp=2 under 1F1B and ZB-V (the zero-bubble store 
 weight-gradient GEMMs), 10 steps of losses track it within 2e-2 relative: the tolerance the suite uses
 for bf16 layouts (the float8 operands themselves are equal bit for bit, tests/distributed/
 test_fp8_operands.py; what differs is the order of the sums over the shards, whose bf16 roundings then
-move the next cast's inputs; under a pipeline, the loss's and the gradients' sums). Delayed scaling's state travels with checkpoints: stopped at step 5 at tp=2 and resumed
-at tp=2 it continues bit for bit; resumed at pp=2 it continues within the tolerance (a checkpoint loads
-at any layout).
+move the next cast's inputs; under a pipeline, the loss's and the gradients' sums). Delayed scaling's
+state travels with checkpoints: stopped at step 5 at tp=2 and resumed at tp=2 it continues bit for bit;
+resumed at pp=2 it continues within the tolerance (a checkpoint loads at any layout).
 """
 
 from __future__ import annotations
