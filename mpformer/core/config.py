@@ -284,10 +284,12 @@ def check_training_config(cfg: Config) -> None:
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
     check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile, cfg.model.num_experts)
-    if t.precision == "fp8" and t.fp8.recipe == "delayed" and t.overlap_validation:
-        raise ConfigError("train.fp8.recipe=delayed with train.overlap_validation=true is not yet supported (a step "
-                          "run again would record its amaxes twice); valid: train.overlap_validation=false, or "
-                          "train.fp8.recipe=tensorwise|rowwise")
+    tokens = t.micro_batch_size * t.seq_length // max(cfg.parallel.cp, 1)  # a float8 GEMM's M: dW's K on CUDA
+    if t.precision == "fp8" and tokens % 16:
+        raise ConfigError(f"train.precision=fp8 with {tokens} tokens per micro-batch and rank (train.micro_batch_size="
+                          f"{t.micro_batch_size} x train.seq_length={t.seq_length} / parallel.cp={cfg.parallel.cp}): "
+                          "float8 weight-gradient GEMMs need a multiple of 16; valid: a micro-batch x sequence "
+                          "length that is")
     _choice("train.cpu_attention", t.cpu_attention, CPU_ATTENTION)
     _choice("train.cpu_dgrad", t.cpu_dgrad, CPU_DGRAD)
     if t.precision == "fp16" and not (t.initial_loss_scale >= t.min_loss_scale > 0 and t.loss_scale_window >= 1):

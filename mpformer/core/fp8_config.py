@@ -84,9 +84,9 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
     etp = parallel.etp if parallel.etp is not None else parallel.tp
     # fnmatch on the literal name "layers.*.mlp.experts": true for a pattern that keeps every layer's experts
     experts = num_experts > 0 and not any(fnmatch.fnmatch("layers.*.mlp.experts", p) for p in c.keep_bf16)
-    if experts and c.recipe == "delayed" and parallel.recompute == "selective":
-        raise ConfigError("train.fp8.recipe=delayed with parallel.recompute=selective is not yet supported for the "
-                          "routed experts (selective recompute re-runs their GEMMs with scales the first forward "
+    if experts and c.recipe == "delayed" and parallel.recompute != "none":
+        raise ConfigError(f"train.fp8.recipe=delayed with parallel.recompute={parallel.recompute} is not yet supported "
+                          "for the routed experts (a recompute re-runs their GEMMs with scales the first forward "
                           "already moved); valid: parallel.recompute=none, train.fp8.recipe=tensorwise|rowwise, or "
                           "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
     if experts and etp > 1:
@@ -101,10 +101,6 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
     if parallel.zero == 3:
         raise ConfigError("train.precision=fp8 with parallel.zero=3 is not yet supported (ZeRO-3's gathered weights "
                           "and gradient sinks have no float8 path); valid: parallel.zero=0|1|2")
-    if c.recipe == "delayed" and parallel.recompute == "full":
-        raise ConfigError("train.fp8.recipe=delayed with parallel.recompute=full is not yet supported (the "
-                          "recomputed forward would cast with scales the first forward already moved); valid: "
-                          "parallel.recompute=none|selective, or train.fp8.recipe=tensorwise|rowwise")
     if compile_layers:
         raise ConfigError("train.compile=true with train.precision=fp8 is not yet supported (the float8 linear's "
                           "delayed-scaling state is updated in Python); valid: train.compile=false")

@@ -32,6 +32,7 @@ forward and e5m2's range in backward; ``e4m3`` gives TE's E4M3 format).
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,10 @@ class DelayedScalingState:
         self.recipe = recipe
         self.amax_history = torch.zeros(len(ROLES), recipe.history_len, dtype=torch.float32, device=device)
         self.scales = torch.ones(len(ROLES), dtype=torch.float32, device=device)
+        # full recompute (layers/fp8_layer.py): the first forward appends the scales it cast with to
+        # ``stash``; the recompute takes them from ``replay`` in the same order and records nothing
+        self.stash: collections.deque[torch.Tensor] | None = None
+        self.replay: collections.deque[torch.Tensor] | None = None
 
     def scale(self, role: str) -> torch.Tensor:
         """The 0-d scale the next cast of ``role`` uses (a copy: a later record does not change it)."""

@@ -5,9 +5,20 @@ buffers and the same forward into layers/fp8_linear.py.
 
 A layer is switched on by models/fp8.py (``enable_fp8``), which also tells it which groups split its
 operands (``Fp8Shards``: context parallelism's tokens, the layer's own tp split, sequence parallelism).
+
+Delayed scaling under full recompute: a recomputed forward must cast x and W exactly as the first
+forward did (else the tensors saved for backward no longer match the ones used), but the first forward
+has already moved the scales by recording its amaxes. As Transformer Engine does, the first forward
+stashes the scales it used and the recompute replays them, recording nothing (``recompute_contexts``:
+a checkpoint ``context_fn`` for one block). Micro-batches recompute in the order they ran forward on a
+chunk in every schedule, so each layer's stash is a FIFO queue.
 """
 
 from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,6 +39,7 @@ class Float8Layer(nn.Module):
     store: WeightGradStore | None
     fp8: Float8Recipe | None = None
     fp8_shards: Fp8Shards = ONE
+    fp8_mode: str | None = None  # delayed scaling inside a recomputed block: "stash" (first forward) | "replay"
 
     def fp8_split(self, tokens: tuple[Comm, ...]) -> Fp8Shards:
         """How this layer's operands are split, given the groups splitting the tokens (context
@@ -44,6 +56,7 @@ class Float8Layer(nn.Module):
             state = DelayedScalingState(recipe, device=self.weight.device)
             self.register_buffer("fp8_amax_history", state.amax_history)
             self.register_buffer("fp8_scale", state.scales)
+            self.fp8_stash: collections.deque[torch.Tensor] = collections.deque()
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Delayed scaling's state re-created on ``device`` (models/init.py materialise_buffers): no amax
@@ -59,6 +72,8 @@ class Float8Layer(nn.Module):
             return None
         state = DelayedScalingState.__new__(DelayedScalingState)
         state.recipe, state.amax_history, state.scales = self.fp8, self.fp8_amax_history, self.fp8_scale
+        state.stash = self.fp8_stash if self.fp8_mode == "stash" else None
+        state.replay = self.fp8_stash if self.fp8_mode == "replay" else None
         return state
 
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -69,3 +84,24 @@ class Float8Layer(nn.Module):
         with no_autocast(x):  # the casts and scales are the recipe's, not autocast's
             return fp8_linear(x, self.weight, self.fp8, self.fp8_state(), bias, out, self.store,
                               self.fp8_shards, sink)
+
+
+def recompute_contexts(block: nn.Module) -> Callable[[], tuple[contextlib.AbstractContextManager, ...]] | None:
+    """A torch.utils.checkpoint ``context_fn`` for ``block``'s delayed-scaling float8 layers (the module
+    docstring): its first forward stashes their scales, its recompute replays them. None when it has none."""
+    layers = [m for m in block.modules() if isinstance(m, Float8Layer) and m.fp8 is not None
+              and m.fp8.name == "delayed"]
+    if not layers:
+        return None
+
+    @contextlib.contextmanager
+    def mode(name: str) -> Iterator[None]:
+        for m in layers:
+            m.fp8_mode = name
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.fp8_mode = None
+
+    return lambda: (mode("stash"), mode("replay"))

@@ -114,6 +114,10 @@ def cast(t: torch.Tensor, role: str, recipe: Float8Recipe, state: DelayedScaling
     """One scale for all of ``t`` (tensorwise, or delayed: the state's scale, then this amax recorded),
     its amax taken over ``comms`` too."""
     dtype = recipe.dtype(role)
+    forward = role != "grad_output"
+    if recipe.name == "delayed" and forward and state is not None and state.replay is not None:  # recomputed
+        scale = state.replay.popleft()  # the first forward's, nothing recorded (every shard replays alike)
+        return cast_to_fp8(t, scale, dtype), scale
     a = amax(t, comms)
     if recipe.name == "delayed":
         assert state is not None, "delayed scaling needs the layer's DelayedScalingState"
@@ -121,6 +125,8 @@ def cast(t: torch.Tensor, role: str, recipe: Float8Recipe, state: DelayedScaling
         t8 = cast_to_fp8(t, scale, dtype)
         if record:
             state.record(role, a)
+            if forward and state.stash is not None:
+                state.stash.append(scale)
         return t8, scale
     scale = scale_from_amax(a, dtype, recipe.margin)
     return cast_to_fp8(t, scale, dtype), scale

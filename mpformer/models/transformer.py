@@ -38,6 +38,7 @@ from mpformer.core.shards import Shard
 from mpformer.layers.attention import RotaryEmbedding
 from mpformer.layers.cross_entropy import vocab_parallel_cross_entropy
 from mpformer.layers.dropout import Dropout
+from mpformer.layers.fp8_layer import recompute_contexts as fp8_recompute_contexts
 from mpformer.layers.fused_cross_entropy import fused_linear_cross_entropy
 from mpformer.layers.linear import WeightGradStore, linear
 from mpformer.layers.norm import build_norm
@@ -45,7 +46,7 @@ from mpformer.layers.parallel import VocabParallelEmbedding, VocabParallelHead, 
 from mpformer.models.fp8 import apply_expert_fp8, apply_fp8, fp8_buffers
 from mpformer.models.init import ModelInit, init_weights
 from mpformer.parallel.comm import gather_from_region
-from mpformer.parallel.device import DeviceLike, recompute_contexts
+from mpformer.parallel.device import DeviceLike, compose_contexts, recompute_contexts
 from mpformer.parallel.expert_parallel import EPContext
 from mpformer.parallel.tensor_parallel import TPContext
 
@@ -234,7 +235,8 @@ class Transformer(nn.Module):
             layer = self.layers[i]
             mode = self.recompute_mode(n)
             if mode == "full":
-                inner = self.tp.checkpoint_context_fn() if self.tp is not None else None
+                inner = compose_contexts(self.tp.checkpoint_context_fn() if self.tp is not None else None,
+                                         fp8_recompute_contexts(layer))  # delayed scaling replays its scales
                 x_sbh = checkpoint(layer, x_sbh, seq, use_reentrant=False, context_fn=recompute_contexts(x_sbh, inner))
             else:
                 x_sbh = layer(x_sbh, seq, mode == "selective")

@@ -87,6 +87,27 @@ def no_autocast(t: torch.Tensor) -> Iterator[None]:
             mode.enabled = was
 
 
+def compose_contexts(*fns: Callable | None) -> Callable | None:
+    """Checkpoint ``context_fn``s run together (None ones left out): their forward contexts around the
+    forward, their recompute contexts around the recompute, in the order given."""
+    live = [f for f in fns if f is not None]
+    if len(live) <= 1:
+        return live[0] if live else None
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        pairs = [f() for f in live]
+
+        @contextlib.contextmanager
+        def stacked(which: int) -> Iterator[None]:
+            with contextlib.ExitStack() as stack:
+                for p in pairs:
+                    stack.enter_context(p[which])
+                yield
+
+        return stacked(0), stacked(1)
+    return contexts
+
+
 def recompute_contexts(t: torch.Tensor, inner: Callable | None = None) -> Callable:
     """A ``context_fn`` for torch.utils.checkpoint on ``t``'s device that also runs the recompute under the
     autocast the forward ran under: torch's checkpoint restores CUDA's and the CPU's autocast itself, not

@@ -18,7 +18,6 @@ that built it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ from mpformer.parallel.kernel_choice import KernelChoice, choose, install
 from mpformer.parallel.random import DropoutStreams
 from mpformer.pipeline.build import GradHooks, build_pipeline
 from mpformer.pipeline.engine import PipelineEngine
+from mpformer.training.fp8_steps import DelayedSteps
 from mpformer.training.guard import Preemption
 from mpformer.training.metrics import MetricsLogger
 from mpformer.training.overlap import OverlappedSteps, StepCheck, check_comm
@@ -155,10 +155,10 @@ def router_report(spec: RunSpec, groups: ProcessGroups, rank: RankModel) -> Rout
     return RouterReport(rank.model, m.num_layers, m.num_experts, m.router_bias_update_rate, world, counts)
 
 
-def amax_sync(groups: ProcessGroups, rank: RankModel) -> Callable[[], None] | None:
-    """fp8 delayed scaling under data parallelism: the step's amax histories all-reduced (max) over the
-    data group, as Transformer Engine does (models/fp8.py says why), the routed experts' over the
-    expert-data group; None where there is nothing to agree."""
+def delayed_steps(groups: ProcessGroups, rank: RankModel) -> DelayedSteps | None:
+    """fp8 delayed scaling's per-step work (training/fp8_steps.py): under data parallelism the step's amax
+    histories all-reduced (max) over the data group, as Transformer Engine does (models/fp8.py says why),
+    the routed experts' over the expert-data group; None without delayed scaling."""
     layers, comm = delayed_layers(rank.model), groups.data_comm()
     # routed experts: over the ranks that hold the same experts (their expert-data-parallel replicas)
     experts, ecomm = delayed_experts(rank.model), groups.view("expert_data")
@@ -173,7 +173,9 @@ def amax_sync(groups: ProcessGroups, rank: RankModel) -> Callable[[], None] | No
         for s in syncs:
             s()
 
-    return sync if syncs else None
+    if not layers and not experts:
+        return None
+    return DelayedSteps(rank.model, sync if syncs else None)
 
 
 def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
@@ -224,7 +226,7 @@ def build_run(spec: RunSpec, groups: ProcessGroups) -> RunParts:
     preemption = Preemption()
     stepper = Stepper(rank.model, engine, pipeline, precision, loader, progress, check, schedule, preemption,
                       Rollback(checkpoint, engine, progress, metrics.message), t, o, micro_steps,
-                      router_report(spec, groups, rank), amax_sync(groups, rank))
+                      router_report(spec, groups, rank), delayed_steps(groups, rank))
     overlap = (OverlappedSteps(stepper, engine, rng, progress, t.global_batch_size) if t.overlap_validation
                else None)
     return RunParts(spec, groups, precision, kernels, rank, engine, pipeline, progress, checkpoint, metrics,

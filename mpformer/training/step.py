@@ -31,6 +31,7 @@ from mpformer.optim.lr import LRSchedule
 from mpformer.optim.speculate import Speculation
 from mpformer.parallel.device import Device
 from mpformer.pipeline.engine import PipelineEngine
+from mpformer.training.fp8_steps import DelayedSteps
 from mpformer.training.guard import MAX_ROLLBACKS, SPIKE_WINDOW, Preemption, bad_step, finite, halt_message
 from mpformer.training.overlap import Check, StepCheck
 from mpformer.training.progress import Progress
@@ -88,13 +89,13 @@ class Stepper:
                  loader: StepLoader, progress: Progress, check: StepCheck, schedule: LRSchedule,
                  preemption: Preemption, rollback: Rollback, train: TrainConfig, optim: OptimConfig,
                  micro_steps: int, router: RouterReport | None = None,
-                 amax_sync: Callable[[], None] | None = None) -> None:
+                 fp8: DelayedSteps | None = None) -> None:
         self.model, self.engine, self.pipeline, self.precision = model, engine, pipeline, precision
         self.loader, self.progress, self.check, self.schedule = loader, progress, check, schedule
         self.preemption, self.rollback, self.train, self.optim = preemption, rollback, train, optim
         self.micro_steps = micro_steps
         self.router = router  # an MoE model's routers (router_report.py)
-        self.amax_sync = amax_sync  # fp8 delayed scaling under dp > 1: one amax history for all ranks (models/fp8.py)
+        self.fp8 = fp8  # fp8 delayed scaling: histories agreed over dp, a step's records undone (fp8_steps.py)
         self.stop_agreed = False
 
     def micro_batches(self) -> list[tuple]:
@@ -135,10 +136,12 @@ class Stepper:
         self.engine.zero_grad()
         if self.router is not None:
             self.router.begin(self.progress.step + 1)
+        if self.fp8 is not None:
+            self.fp8.begin(self.progress.step + 1)
         loss_sum = self.forward_backward(batches)
         self.engine.finish()
-        if self.amax_sync is not None:  # after the step's last cast: the next step's scales agree on every rank
-            self.amax_sync()
+        if self.fp8 is not None:
+            self.fp8.sync()
         if self.router is not None:
             self.router.gather(self.progress.step + 1)
         return loss_sum
@@ -193,6 +196,8 @@ class Stepper:
             self.rollback(step, start, start + t.global_batch_size, loss, grad_norm, why)
             if self.router is not None:
                 self.router.forget()
+            if self.fp8 is not None:
+                self.fp8.forget()
             return True, True
         if not bad and not self.engine.skipped and finite(loss, grad_norm):
             p.recent_grad_norms = [*p.recent_grad_norms, grad_norm][-SPIKE_WINDOW:]
@@ -200,6 +205,8 @@ class Stepper:
             p.skipped_steps += 1
             if self.router is not None:  # a skipped step's bias moves are undone with its update
                 self.router.undo(step)
+            if self.fp8 is not None:  # and its amax records
+                self.fp8.undo(step)
         return bad, False
 
     def metrics(self, start: int, loss: float, grad_norm: float, lr: float, bad: bool,

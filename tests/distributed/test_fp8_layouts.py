@@ -1,8 +1,9 @@
 """train.precision=fp8 at parallel layouts, through the real entry point (issue 35).
 
 Oracle: the one-process fp8 run of the same recipe (same global batch, same initialisation). At tp=2 with
-sequence parallelism, cp=2, and pp=2 under 1F1B and ZB-V (the zero-bubble store defers the float8
-weight-gradient GEMMs), 10 steps of losses track it within 2e-2 relative: the tolerance the suite uses
+sequence parallelism, cp=2, pp=2 under 1F1B and ZB-V (the zero-bubble store defers the float8
+weight-gradient GEMMs) and dp=2 under ZeRO-1 and 2 (each rank casts its own micro-batch, as one process
+casts each of its micro-batches; delayed scaling's histories meet once a step), 10 steps of losses track it within 2e-2 relative: the tolerance the suite uses
 for bf16 layouts (the float8 operands themselves are equal bit for bit, tests/distributed/
 test_fp8_operands.py; what differs is the order of the sums over the shards, whose bf16 roundings then
 move the next cast's inputs; under a pipeline, the loss's and the gradients' sums). Delayed scaling's
@@ -37,6 +38,8 @@ RUNS = {  # name -> (world, recipe, overrides); runs of a world in order (a resu
     "cp2_delayed": (2, "delayed", {"parallel.cp": 2}),
     "pp2_1f1b_tensorwise": (2, "tensorwise", {"parallel.pp": 2, "parallel.schedule": "1f1b"}),
     "pp2_zbv_delayed": (2, "delayed", {"parallel.pp": 2, "parallel.schedule": "zb-v", "parallel.vpp": 2}),
+    "dp2_zero2_tensorwise": (2, "tensorwise", {"parallel.dp": 2, "parallel.zero": 2}),
+    "dp2_zero1_delayed": (2, "delayed", {"parallel.dp": 2, "parallel.zero": 1}),
     "tp2sp_delayed_stop5": (2, "delayed", {**TP2, "train.stop_at": 5}),
     "tp2sp_delayed_resumed": (2, "delayed", {**TP2, "checkpoint.load": "{root}/tp2sp_delayed_stop5/checkpoints"}),
     "pp2_delayed_resumed": (2, "delayed", {"parallel.pp": 2, "parallel.schedule": "1f1b",

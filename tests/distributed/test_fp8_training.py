@@ -4,7 +4,8 @@ Oracle: the same run at train.precision=bf16 (fp8 is bf16 with its linears' GEMM
 losses of 5 steps track bf16's within 2e-2 relative (float8's e4m3 carries 3 mantissa bits: about 6%
 per element, averaged away over the GEMMs' sums) and differ from them (float8 ran: _scaled_mm is
 counted too). Delayed scaling's amax histories are checkpointed: stop at 3 and resume to 5 equals the
-uninterrupted run bit for bit. An fp8 checkpoint loads into a bf16 run (its float8 state is ignored).
+uninterrupted run bit for bit; full recompute and overlapped post-validation (a step run twice) give the
+plain run's losses bit for bit. An fp8 checkpoint loads into a bf16 run (its float8 state is ignored).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def _worker(data: str, root: str) -> dict:
             out[r] = train(overrides(base, Path(root) / r, **{"train.precision": "fp8", "train.fp8.recipe": r}))
             out[f"{r}_calls"] = calls[0]
         fp8 = {"train.precision": "fp8", "train.fp8.recipe": "delayed"}
+        out["recompute"] = train(overrides(base, Path(root) / "recompute", **fp8, **{"parallel.recompute": "full"}))
+        clip = {**fp8, "optim.clip_grad": 0.05}  # every step clipped: an overlapped step runs twice
+        out["clipped"] = train(overrides(base, Path(root) / "clipped", **clip))
+        out["overlapped"] = train(overrides(base, Path(root) / "overlapped", **clip, **{
+            "train.post_validation": True, "train.overlap_validation": True}))
         half = Path(root) / "delayed_half"
         train(overrides(base, half, **fp8, **{"train.stop_at": 3}))
         load = {"checkpoint.load": str(half / "checkpoints")}
@@ -83,6 +89,15 @@ def test_fp8_tracks_bf16(results, recipe):
 def test_delayed_resume_is_exact(results):
     assert results["resumed"]["steps"] == [4, 5]
     assert results["resumed"]["losses"] == results["delayed"]["losses"][3:]
+
+
+def test_delayed_scaling_under_recompute_and_overlapped_validation(results):
+    """Full recompute replays the first forward's scales (recording nothing), and a step that
+    train.overlap_validation runs again first takes back its first run's records: both give the plain
+    run's losses bit for bit."""
+    assert results["recompute"]["losses"] == results["delayed"]["losses"]
+    assert results["overlapped"]["losses"] == results["clipped"]["losses"]
+    assert results["clipped"]["losses"] != results["delayed"]["losses"]
 
 
 def test_fp8_checkpoint_loads_into_bf16(results):

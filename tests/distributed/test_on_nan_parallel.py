@@ -1,5 +1,6 @@
-"""train.on_nan=skip and rollback under a pipeline (pp=2 x dp=2, ZeRO-1), under ZeRO-3 (dp=4) and with
-experts over ep=2 whose selection biases move each step (DeepSeek-V3).
+"""train.on_nan=skip and rollback under a pipeline (pp=2 x dp=2, ZeRO-1), under ZeRO-3 (dp=4), with
+experts over ep=2 whose selection biases move each step (DeepSeek-V3), and in fp8 with delayed scaling
+(tp=2 x dp=2), whose amax histories move each step.
 
 The single-rank behaviour and its oracle are in tests/integration/test_on_nan.py; here the same
 oracle (a run that never reads the poisoned step's samples, data.skip_ranges) is checked where the
@@ -32,7 +33,10 @@ LAYOUTS = {"pp2_dp2_z1": {"parallel.pp": 2, "parallel.zero": 1}, "dp4_z3": {"par
            "moe_ep2_bias": {"model.arch": "mixtral", "model.mlp_kind": "moe", "model.num_experts": 4,
                             "model.num_experts_per_tok": 2, "model.moe_ffn_hidden_size": 32,
                             "model.router_score": "sigmoid", "model.router_bias": True,
-                            "model.router_bias_update_rate": 0.01, "parallel.ep": 2}}
+                            "model.router_bias_update_rate": 0.01, "parallel.ep": 2},
+           # fp8 delayed scaling at tp=2+SP x dp=2: a skipped or rolled-back step's amax records are undone
+           "fp8_delayed_tp2_dp2": {"train.precision": "fp8", "train.fp8.recipe": "delayed", "parallel.tp": 2,
+                                   "parallel.sequence_parallel": True, "model.ffn_hidden_size": 128}}
 
 
 def _poison_leaf_outputs() -> None:

@@ -90,13 +90,18 @@ def test_unaligned_layer_names_itself_and_keep_bf16():
         Transformer(_model(ffn_hidden_size=180), ModelOptions(fp8=Fp8Options()), device="meta", seed=None)
 
 
-def test_delayed_scaling_refuses_what_would_record_a_step_twice():
-    msg = _fails("train.precision=fp8", "train.fp8.recipe=delayed", "parallel.recompute=full")
-    assert "parallel.recompute=full" in msg and "recipe=tensorwise|rowwise" in msg
-    msg = _fails("train.precision=fp8", "train.fp8.recipe=delayed", "train.post_validation=true",
-                 "train.overlap_validation=true")
-    assert "train.overlap_validation=true" in msg
-    check_training_config(_cfg("train.precision=fp8", "train.fp8.recipe=tensorwise", "parallel.recompute=full"))
+def test_tokens_per_micro_batch_must_align():
+    msg = _fails("train.precision=fp8", "train.micro_batch_size=1", "train.seq_length=40")
+    assert "40 tokens per micro-batch" in msg and "multiple of 16" in msg and "\n" not in msg
+    check_training_config(_cfg("train.precision=fp8", "train.micro_batch_size=2", "train.seq_length=40"))
+
+
+def test_delayed_scaling_composes_with_recompute_and_overlapped_validation():
+    """Once refused (a step's amaxes recorded twice): the recompute replays its scales and a step run again
+    takes back its records (tests/distributed/test_fp8_training.py runs both)."""
+    check_training_config(_cfg("train.precision=fp8", "train.fp8.recipe=delayed", "parallel.recompute=full"))
+    check_training_config(_cfg("train.precision=fp8", "train.fp8.recipe=delayed", "train.post_validation=true",
+                               "train.overlap_validation=true"))
 
 
 def test_float8_needs_compute_capability_8_9(monkeypatch):
