@@ -79,9 +79,6 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
         raise ConfigError(f"train.fp8.amax_history_len={c.amax_history_len} must be >= 1")
     if c.margin < 0:
         raise ConfigError(f"train.fp8.margin={c.margin} must be >= 0 (powers of two of headroom)")
-    if parallel.zero == 3:
-        raise ConfigError("train.precision=fp8 with parallel.zero=3 is not yet supported (ZeRO-3's gathered weights "
-                          "and gradient sinks have no float8 path); valid: parallel.zero=0|1|2")
     if c.recipe == "delayed" and parallel.recompute == "full":
         raise ConfigError("train.fp8.recipe=delayed with parallel.recompute=full is not yet supported (the "
                           "recomputed forward would cast with scales the first forward already moved); valid: "
