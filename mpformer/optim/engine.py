@@ -178,7 +178,9 @@ class GradEngine:
             units, cap = [(None, self.params)], max(1, int(bucket_mb * 2**20 / 4))  # fp32 gradient elements
         out, of_unit = [], []
         # A unit is a bucket per (view, gather dtype): float8-gathered weights apart (fp8_gather.py)
-        kind = lambda p: (self.param_views[index[id(p)]], id(p) in self._fp8)  # noqa: E731
+        def kind(p: nn.Parameter) -> tuple[str, bool]:
+            return self.param_views[index[id(p)]], id(p) in self._fp8
+
         for module, ps in units:
             of_unit.append([])
             for view, fp8 in dict.fromkeys(kind(p) for p in ps):

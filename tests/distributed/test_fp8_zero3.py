@@ -90,15 +90,18 @@ def _dp2(data: str, root: str) -> dict:
         if name == "delayed_resume":
             kw = {**kw, "checkpoint.load": str(Path(root) / "delayed_stop" / "checkpoints")}
         seen.clear()
-        calls, real = _capture(3 * LINEARS)  # one micro-batch a rank: forward, then dgrad + wgrad per linear
+        # one micro-batch a rank: forward, then per linear in reverse dgrad (b = W [N, K]) before wgrad, and
+        # under full recompute each layer's forward again (a: x in e4m3, where dgrad's and wgrad's is dY)
+        calls, real = _capture((4 if "recompute" in name else 3) * LINEARS)
         try:
             out[name] = train(overrides(base, Path(root) / name, **{"parallel.dp": 2, "parallel.zero": 3, **kw}))
         finally:
             torch._scaled_mm = real
         out[name]["weights"] = _weights(calls)
-        # backward runs the linears in reverse, dgrad (b = W [N, K]) before wgrad
-        out[name]["dgrad_weights"] = [calls[LINEARS + 2 * j][1].contiguous().view(torch.uint8)
-                                      for j in range(LINEARS)][::-1]
+        back = [c for c in calls[LINEARS:] if c[0].dtype != torch.float8_e4m3fn]
+        out[name]["dgrad_weights"] = [back[2 * j][1].contiguous().view(torch.uint8) for j in range(LINEARS)][::-1]
+        again = _weights([c for c in calls[LINEARS:] if c[0].dtype == torch.float8_e4m3fn])  # layers in reverse
+        out[name]["recomputed_weights"] = [w for i in reversed(range(LINEARS // 4)) for w in again[4 * i:4 * i + 4]]
         out[name]["units"] = list(seen)
     return out
 
@@ -160,10 +163,15 @@ def test_first_step_float8_weights_are_one_process_casts(results, run):
 
 
 def test_recompute_regathers_the_same_bytes(results):
-    """Full recompute's forward inside backward gathers the units again with the forward's scales: the
-    same losses bit for bit."""
-    r = results["ranks"][0]
-    assert r["tensorwise_recompute"]["losses"] == r["tensorwise"]["losses"]
+    """Full recompute's forward inside backward gathers the units again with the forward's scales: its
+    GEMMs read the forward's float8 weights and scales, and the losses are the run's without recompute
+    bit for bit."""
+    for res in results["ranks"]:
+        r = res["tensorwise_recompute"]
+        assert len(r["recomputed_weights"]) == LINEARS
+        for (a8, a), (b8, b) in zip(r["recomputed_weights"], r["weights"], strict=True):
+            assert torch.equal(a8, b8) and torch.equal(a, b)
+        assert r["losses"] == res["tensorwise"]["losses"]
 
 
 @pytest.mark.parametrize("run", ["tensorwise", "delayed", "tensorwise_split"])
@@ -189,7 +197,7 @@ def test_float8_units_hold_one_byte_an_element(results):
     for run in ("tensorwise", "delayed", "tensorwise_split", "tensorwise_recompute"):
         units = results["ranks"][0][run]["units"]
         assert units, run
-        for fp8_bytes, bf16_bytes, numel, n in units:
+        for fp8_bytes, bf16_bytes, numel, _ in units:
             assert (fp8_bytes, bf16_bytes) == (numel, 0), (run, fp8_bytes, bf16_bytes, numel)
         assert units[0][3] == (4 if run != "tensorwise_split" else LINEARS)  # layers, or a unit per projection
 
