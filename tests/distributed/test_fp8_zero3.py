@@ -130,12 +130,59 @@ def _one(data: str, root: str) -> dict:
     return out
 
 
+def _tp2_dp2(data: str, root: str) -> dict:
+    """tp=2 (sequence parallel) x dp=2 ZeRO-3, tensorwise: the first step's forward weights and 3 losses."""
+    import torch.distributed as dist
+
+    calls, real = _capture(LINEARS)
+    try:
+        out = train(overrides({**BASE, "data.paths": f"[{data}]", "train.steps": TP_STEPS}, Path(root) / "tp2", **{
+            "parallel.dp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.zero": 3}))
+    finally:
+        torch._scaled_mm = real
+    return {"losses": out["losses"], "weights": _weights(calls), "rank": dist.get_rank()}
+
+
+TP_STEPS = 3
+# this model's float8 linears per layer: (name, tp split, the fused parts' rows): q 64, k and v 32 each
+TP_LAYERS = (("qkv", "rows", (64, 32, 32)), ("o", "cols", None), ("up", "rows", (128, 128)), ("down", "cols", None))
+
+
+def _tp_block(w8: torch.Tensor, split: str, parts: tuple[int, ...] | None, t: int) -> torch.Tensor:
+    """Tensor-parallel rank ``t``'s block of one process's float8 weight [N, K] (a column-parallel fused
+    projection holds its rows of each part, back to back)."""
+    if split == "cols":
+        k = w8.shape[1] // 2
+        return w8[:, t * k:(t + 1) * k]
+    blocks, at = [], 0
+    for n in parts:
+        blocks.append(w8[at + t * n // 2:at + (t + 1) * n // 2])
+        at += n
+    return torch.cat(blocks)
+
+
 @pytest.fixture(scope="module")
 def results(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8_zero3")
     ranks = run_distributed(_dp2, 2, args=(tiny_data, str(root)), timeout=600)
     one = run_distributed(_one, 1, args=(tiny_data, str(root)), timeout=600)[0]
-    return {"ranks": ranks, "one": one}
+    tp = run_distributed(_tp2_dp2, 4, args=(tiny_data, str(root)), timeout=600)
+    return {"ranks": ranks, "one": one, "tp": tp}
+
+
+def test_tp2_dp2_float8_weights_are_one_process_slices(results):
+    """tp=2 x dp=2 ZeRO-3: a weight's amax spans dp's shards and tp's blocks, so each rank's forward GEMM
+    reads its tensor-parallel block of one process's float8 weight bit for bit, with its scale; 3 losses
+    track one process."""
+    want = results["one"]["tensorwise"]["weights"]
+    for res in results["tp"]:
+        t = res["rank"] % 2  # tp is the inner dimension of the mesh (dp x tp)
+        for i, ((g8, gs), (w8, ws)) in enumerate(zip(res["weights"], want, strict=True)):
+            _, split, parts = TP_LAYERS[i % 4]
+            ref = _tp_block(w8.view(torch.float8_e4m3fn), split, parts, t).contiguous().view(torch.uint8)
+            assert torch.equal(gs, ws) and torch.equal(g8, ref), (res["rank"], i)
+        for g, w in zip(res["losses"], results["one"]["tensorwise"]["losses"][:TP_STEPS], strict=True):
+            assert abs(g - w) <= TOLERANCE * abs(w)
 
 
 @pytest.mark.parametrize("run", ["tensorwise", "rowwise", "delayed", "tensorwise_split", "tensorwise_recompute"])
