@@ -86,7 +86,7 @@ def _worker(recipe_name: str) -> dict:
     rank = dist.get_rank()
     x, w, dy = _tensors()
     ref, ref_state, _, _ = _run(x, w, dy, ONE, recipe_name)
-    mb, kb, nb = _blocks(rank)
+    _, kb, nb = _blocks(rank)
     sb = slice(rank * S // T, (rank + 1) * S // T)  # the sequence shard (dim 0 of [S, B, K])
     out: dict = {"mismatch": [], "ledger": {}}
     for layout in ("column", "column_sp", "row", "cp"):
