@@ -8,8 +8,9 @@ layers/fp8_linear.py itself). At dp=2 ZeRO-3 every rank gathers its units (optim
   rowwise gathers bf16 and casts as one process), and each input-gradient GEMM reads the very bytes
   its forward did (the unit freed after forward and gathered again in backward);
 - 10 steps of losses track one process within 2e-2 relative (the suite's bound for bf16 layouts),
-  with whole-layer units, a unit per part (a norm and a projection: two buckets) and full recompute
-  (tensorwise: bit for bit the run without recompute, its recomputed forward reusing the scales);
+  with whole-layer units, a unit per part (a norm and a projection: two buckets), full recompute
+  (tensorwise: bit for bit the run without recompute, its recomputed forward reusing the scales) and
+  two micro-batches a rank (delayed: a weight's amax recorded once per micro-batch's forward);
 - the ledger's bytes are the formula: float8 weights 1 byte an element, the rest bf16's 2, gathered in
   forward and again in backward but the embedding; one all-reduce of 4 bytes a float8 weight per
   forward gather; gradients reduce-scattered in bf16;
@@ -40,6 +41,7 @@ SPLIT = {"train.zero3_unit_numel": 0, "train.zero3_reduce_numel": 0}
 RUNS = {  # dp=2 ZeRO-3
     "tensorwise": {}, "rowwise": {"train.fp8.recipe": "rowwise"}, "delayed": {"train.fp8.recipe": "delayed"},
     "tensorwise_split": SPLIT,
+    "delayed_accum": {"train.fp8.recipe": "delayed", "train.micro_batch_size": 1},  # 2 micro-batches a rank
     "tensorwise_recompute": {"parallel.recompute": "full"},
     "delayed_stop": {"train.fp8.recipe": "delayed", "train.stop_at": 5},
     "delayed_resume": {"train.fp8.recipe": "delayed"},
@@ -185,7 +187,8 @@ def test_tp2_dp2_float8_weights_are_one_process_slices(results):
             assert abs(g - w) <= TOLERANCE * abs(w)
 
 
-@pytest.mark.parametrize("run", ["tensorwise", "rowwise", "delayed", "tensorwise_split", "tensorwise_recompute"])
+@pytest.mark.parametrize("run", ["tensorwise", "rowwise", "delayed", "tensorwise_split", "tensorwise_recompute",
+                                 "delayed_accum"])
 def test_losses_track_one_process(results, run):
     recipe = run.split("_")[0]
     got, want = results["ranks"][0][run]["losses"], results["one"][recipe]["losses"]
@@ -194,7 +197,8 @@ def test_losses_track_one_process(results, run):
         assert abs(g - w) <= TOLERANCE * abs(w), (run, got, want)
 
 
-@pytest.mark.parametrize("run", ["tensorwise", "rowwise", "delayed", "tensorwise_split", "tensorwise_recompute"])
+@pytest.mark.parametrize("run", ["tensorwise", "rowwise", "delayed", "tensorwise_split", "tensorwise_recompute",
+                                 "delayed_accum"])
 def test_first_step_float8_weights_are_one_process_casts(results, run):
     """Forward GEMMs' float8 weight and scale = one process's bit for bit on each rank; the dgrad GEMMs
     (not rowwise: it re-casts W along N) read the bytes the forward read."""
