@@ -98,9 +98,6 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
                           "experts (an expert's token block would be cast with the amax of this rank's part of the "
                           "sequence, not the whole micro-batch's); valid: parallel.cp=1, or "
                           "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
-    if parallel.zero == 3:
-        raise ConfigError("train.precision=fp8 with parallel.zero=3 is not yet supported (ZeRO-3's gathered weights "
-                          "and gradient sinks have no float8 path); valid: parallel.zero=0|1|2")
     if compile_layers:
         raise ConfigError("train.compile=true with train.precision=fp8 is not yet supported (the float8 linear's "
                           "delayed-scaling state is updated in Python); valid: train.compile=false")

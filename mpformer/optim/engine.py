@@ -17,7 +17,8 @@ gathers use that view's group; the norm sums each view's part over its own group
 Buckets (core/buffers.py): stages 0-2 pack the parameters, last first (roughly the order backward
 produces gradients), into buckets of ``bucket_mb``; stage 3 makes one per unit (the embedding, each
 transformer layer's submodules merged up to ``zero3.unit_numel`` elements, the head: final norm and
-LM head; units.py, gather.py). A bucket is padded to a multiple of
+LM head; units.py, gather.py; under fp8 a unit's float8-gathered weights are a bucket apart,
+fp8_gather.py). A bucket is padded to a multiple of
 dp and rank r owns 1/dp of it (stage 0: all of it). Parameters become views into its ``param_buf``;
 a model built on the meta device is filled there from the blocked initialiser (materialise.py), a
 ZeRO-3 rank allocating and drawing its shard alone.
@@ -65,6 +66,7 @@ from mpformer.core.shards import Shard
 from mpformer.layers.grad_store import set_grad_sink
 from mpformer.models.init import ModelInit
 from mpformer.optim.bucket import Bucket, GradPool, ShardParam, shard_grads
+from mpformer.optim.fp8_gather import float8_units
 from mpformer.optim.gather import Region, UnitGather
 from mpformer.optim.materialise import bucket_weights
 from mpformer.optim.memory import model_state_bytes
@@ -116,6 +118,7 @@ class GradEngine:
         self.zero3 = zero3
         self._regions: list[Region] = []  # stage 3: set with the units (_plan)
         self._sunk: list[nn.Parameter] = []
+        self._fp8: dict[int, nn.Module] = {}  # stage 3, fp8: weights gathered in float8 and their layers
         plan = self._plan(bucket_mb)
         grad_bytes = torch.finfo(param_dtype).bits // 8
         self.pool = None if self.persistent else GradPool(MAX_IN_FLIGHT) if stage == 2 else \
@@ -135,8 +138,8 @@ class GradEngine:
         tied = red.tied
         self.not_mine = {id(tied.param)} if tied is not None and not tied.owner else set()
         comms = [self.groups[b.view].comm for b in self.buckets]
-        self.gather = UnitGather(self.buckets, comms, self._regions, model, param_dtype,
-                                 zero3.prefetch_numel) if stage == 3 else None
+        self.gather = UnitGather(self.buckets, comms, self._regions, model, param_dtype, zero3.prefetch_numel,
+                                 float8_units(self.buckets, self._fp8, comms)) if stage == 3 else None
         # Stages 1-2: the step's parameter all-gather overlaps the next forward (param_gather.py).
         self.param_gather = ParamGather(self.buckets, comms, model if overlap_param_gather else None) \
             if stage in (1, 2) else None
@@ -169,15 +172,19 @@ class GradEngine:
         index = {id(p): i for i, p in enumerate(self.params)}
         if self.stage == 3:
             found = build_units(self.model, self.params, self.zero3.unit_numel)
-            self._sunk = found.sunk
+            self._sunk, self._fp8 = found.sunk, found.fp8
             units, cap = list(zip(found.modules, found.params)), 2**62
         else:
             units, cap = [(None, self.params)], max(1, int(bucket_mb * 2**20 / 4))  # fp32 gradient elements
         out, of_unit = [], []
+        # A unit is a bucket per (view, gather dtype): float8-gathered weights apart (fp8_gather.py)
+        def kind(p: nn.Parameter) -> tuple[str, bool]:
+            return self.param_views[index[id(p)]], id(p) in self._fp8
+
         for module, ps in units:
             of_unit.append([])
-            for view in dict.fromkeys(self.param_views[index[id(p)]] for p in ps):
-                mine = [p for p in ps if self.param_views[index[id(p)]] == view]
+            for view, fp8 in dict.fromkeys(kind(p) for p in ps):
+                mine = [p for p in ps if kind(p) == (view, fp8)]
                 for lay in plan_buckets([p.numel() for p in mine], self.shard_of(view)[1], cap):
                     slots = tuple(Slot(index[id(mine[s.index])], s.start, s.numel) for s in lay.slots)
                     of_unit[-1].append(len(out))

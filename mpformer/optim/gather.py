@@ -8,7 +8,9 @@ elements (a small layer is one unit). A unit's parameters are views into its ``p
 storage exists only while the unit is gathered (FSDP's storage trick: ``resize_(0)`` frees it, the
 views stay valid and see the data again once it is re-grown and all-gathered). What is gathered is
 this rank's fp32 master shard cast to the parameter dtype (or, for fp32 parameters, the shard itself):
-no 16-bit copy of the parameters is kept between uses.
+no 16-bit copy of the parameters is kept between uses. A unit of float8 layers' weights (train.precision=
+fp8) is cast to float8 instead, with scales from amaxes reduced over the shards, and gathered as bytes
+into a buffer of its own (fp8_gather.py); its bf16 buffer is never gathered.
 
 Regions are where forward reads units, in forward order, one per unit: a layer's unit entered at its
 first module's forward pre-hook and left at its last module's forward hook (a whole-layer unit: the
@@ -55,6 +57,7 @@ from mpformer.parallel.comm import Comm
 
 if TYPE_CHECKING:
     from mpformer.optim.bucket import Bucket
+    from mpformer.optim.fp8_gather import Fp8Unit
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,12 @@ class Region:
 
 class UnitGather:
     def __init__(self, units: Sequence[Bucket], comms: Sequence[Comm], regions: Sequence[Region], model: nn.Module,
-                 compute_dtype: torch.dtype, prefetch_numel: float = float("inf")) -> None:
-        """``comms``: each unit's group (its view's, engine.py)."""
+                 compute_dtype: torch.dtype, prefetch_numel: float = float("inf"),
+                 fp8: Sequence[Fp8Unit | None] | None = None) -> None:
+        """``comms``: each unit's group (its view's, engine.py); ``fp8``: per unit, its float8 gather where
+        its weights are gathered in float8 (fp8_gather.py)."""
         self.units, self.comms, self.regions, self.dtype = list(units), list(comms), list(regions), compute_dtype
+        self.fp8 = list(fp8) if fp8 is not None else [None] * len(self.units)
         self.model, self.prefetch_numel = model, prefetch_numel
         n = len(self.units)
         self.gathered = [True] * n
@@ -103,15 +109,22 @@ class UnitGather:
 
     # ---- the units ----------------------------------------------------------------------------
     def gather(self, k: int, async_op: bool = False) -> None:
+        f = self.fp8[k]
+        if f is not None and f.stale():  # cast in a backward with the scales of a forward now over
+            self.free(k)
         if self.gathered[k] or self.gathering[k] is not None:
             if not async_op:
                 self.wait(k)
             return
         u = self.units[k]
-        u.param_buf.untyped_storage().resize_(u.param_buf.numel() * u.param_buf.element_size())
-        # 16-bit parameters: the fp32 masters cast here (kept alive by the work until it is waited for)
-        src = u.param_shard if u.masters is None else u.masters.to(self.dtype)
-        self.gathering[k] = self.comms[k].all_gather_into(u.param_buf, src, async_op=True)
+        if f is not None:  # float8 bytes with their scales; the bf16 buffer stays unallocated
+            buf, src = f.buf, f.cast_shard()
+        else:
+            buf = u.param_buf
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            # 16-bit parameters: the fp32 masters cast here (kept alive by the work until it is waited for)
+            src = u.param_shard if u.masters is None else u.masters.to(self.dtype)
+        self.gathering[k] = self.comms[k].all_gather_into(buf, src, async_op=True)
         if self.gathering[k] is None:
             self.gathered[k] = True
         elif not async_op:
@@ -127,6 +140,8 @@ class UnitGather:
     def free(self, k: int) -> None:
         self.wait(k)
         self.units[k].param_buf.untyped_storage().resize_(0)
+        if self.fp8[k] is not None:
+            self.fp8[k].free()
         self.gathered[k] = False
 
     def live(self) -> list[int]:

@@ -12,12 +12,17 @@ The projections of a layer's units (the modules that compute through layers/line
 get the engine as their gradient sink: their weight gradients are formed straight in the unit's
 buffer. The embedding's and the head's parameters are not sunk: a tied weight is read twice (the
 embedding and the head), and autograd sums its two gradients before handing them on.
+
+Under train.precision=fp8 (tensorwise, delayed) the float8 layers' weights are gathered in float8
+(fp8_gather.py): ``fp8`` names them with their layers, and the engine puts them in buckets of their own
+(a unit of a norm and a projection is two buckets, gathered by the same region, each reduced on its
+own), so that one buffer has one gather dtype. Rowwise layers' weights stay bf16 (fp8_gather.py: why).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -43,10 +48,18 @@ class Units:
     modules: list[nn.Module | None]  # per unit: the layer it holds whole, else None
     regions: list[Region]
     sunk: list[nn.Parameter]  # parameters whose gradients go straight into their unit's buffer
+    fp8: dict[int, nn.Module] = field(default_factory=dict)  # id of a weight gathered in float8 -> its layer
 
 
 def _trainable(modules: Sequence[nn.Module], mine: set[int]) -> list[nn.Parameter]:
     return [p for m in modules for p in m.parameters() if id(p) in mine]
+
+
+def _float8_gathered(m: nn.Module) -> bool:
+    """A layer whose weight is cast with one scale for the whole tensor (fp8_gather.py)."""
+    from mpformer.layers.fp8_layer import Float8Layer
+
+    return isinstance(m, Float8Layer) and m.fp8 is not None and m.fp8.name in ("tensorwise", "delayed")
 
 
 def build_units(model: nn.Module, params: Sequence[nn.Parameter], unit_numel: float) -> Units:
@@ -74,6 +87,7 @@ def build_units(model: nn.Module, params: Sequence[nn.Parameter], unit_numel: fl
             name = f"layers.{i}" + ("" if whole else "." + "+".join(parts[j][0] for j in g))
             out.regions.append(Region(name, (k,), first, last, layer=i, start=start))
             out.sunk.extend(p for m in mods if isinstance(m, projections) for p in m.parameters() if id(p) in mine)
+            out.fp8.update((id(m.weight), m) for m in mods if _float8_gathered(m) and id(m.weight) in mine)
     head = len(out.params)
     out.params.append(outside["head"])
     out.modules.append(None)

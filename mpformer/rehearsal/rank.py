@@ -74,7 +74,8 @@ def _classify(probe: Probe, engine, stage: int) -> None:
     init_optimizer_state(engine.optimizer)
     buckets = engine.buckets
     if stage == 3:
-        probe.resizes([b.param_buf for b in buckets], "weights")
+        float8 = [f.buf for f in engine.gather.fp8 if f is not None]  # fp8: units gathered in float8
+        probe.resizes([b.param_buf for b in buckets] + float8, "weights")
         probe.classify([b.param_shard for b in buckets], "weights")
     else:
         probe.classify([b.param_buf for b in buckets], "weights")

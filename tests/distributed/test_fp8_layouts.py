@@ -3,10 +3,11 @@
 Oracle: the one-process fp8 run of the same recipe (same global batch, same initialisation). At tp=2 with
 sequence parallelism, cp=2, pp=2 under 1F1B and ZB-V (the zero-bubble store defers the float8
 weight-gradient GEMMs) and dp=2 under ZeRO-1 and 2 (each rank casts its own micro-batch, as one process
-casts each of its micro-batches; delayed scaling's histories meet once a step), 10 steps of losses track it within 2e-2 relative: the tolerance the suite uses
-for bf16 layouts (the float8 operands themselves are equal bit for bit, tests/distributed/
-test_fp8_operands.py; what differs is the order of the sums over the shards, whose bf16 roundings then
-move the next cast's inputs; under a pipeline, the loss's and the gradients' sums). Delayed scaling's
+casts each of its micro-batches; delayed scaling's histories meet once a step), 10 steps of losses
+track it within 2e-2 relative: the tolerance the suite uses for bf16 layouts (the float8 operands
+themselves are equal bit for bit, tests/distributed/test_fp8_operands.py; what differs is the order of
+the sums over the shards, whose bf16 roundings then move the next cast's inputs; under a pipeline, the
+loss's and the gradients' sums). Delayed scaling's
 state travels with checkpoints: stopped at step 5 at tp=2 and resumed at tp=2 it continues bit for bit;
 resumed at pp=2 it continues within the tolerance (a checkpoint loads at any layout).
 """

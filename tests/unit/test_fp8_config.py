@@ -47,7 +47,6 @@ def test_unknown_key_is_an_error():
     (("train.fp8.recipe=blockwise",), "tensorwise, rowwise, delayed"),
     (("train.fp8.grad_dtype=e3m4",), "e4m3, e5m2"),
     (("train.fp8.amax_history_len=0",), "amax_history_len=0 must be >= 1"),
-    (("parallel.zero=3",), "valid: parallel.zero=0|1|2"),
 ])
 def test_fp8_rules(overrides, words):
     assert words in _fails("train.precision=fp8", *overrides)
@@ -59,8 +58,8 @@ def test_fp8_keys_need_precision_fp8(precision):
     assert f"train.fp8.recipe='delayed' with train.precision={precision}" in msg and "valid: train.precision=fp8" in msg
 
 
-def test_dp_with_zero_1_2_passes():
-    for zero in (0, 1, 2):
+def test_dp_with_every_zero_stage_passes():
+    for zero in (0, 1, 2, 3):  # ZeRO-3 gathers float8 layers' weights in float8 (optim/fp8_gather.py)
         check_training_config(_cfg("train.precision=fp8", "parallel.dp=2", f"parallel.zero={zero}"))
 
 
