@@ -15,6 +15,7 @@ from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.fp8_config import Fp8Config, check_fp8_config
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
+from mpformer.core.moe_config import is_moe_layer
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: core/fp8_config.py
 CPU_ATTENTION = ("auto", "native", "fp32")  # parallel/kernels.py ATTENTION_CHOICES, plus auto
@@ -283,7 +284,8 @@ def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
-    check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile, cfg.model.num_experts)
+    moe = [i for i in range(cfg.model.num_layers) if is_moe_layer(cfg.model, i)]
+    check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile, moe)
     tokens = t.micro_batch_size * t.seq_length // max(cfg.parallel.cp, 1)  # a float8 GEMM's M: dW's K on CUDA
     if t.precision == "fp8" and tokens % 16:
         raise ConfigError(f"train.precision=fp8 with {tokens} tokens per micro-batch and rank (train.micro_batch_size="

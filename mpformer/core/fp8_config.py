@@ -15,6 +15,7 @@ loss scaler: e5m2 gradients and per-tensor scales keep the range, so fp8 with fp
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +64,10 @@ def compute_precision(precision: str) -> str:
     return COMPUTE_DTYPE if precision == "fp8" else precision
 
 
-def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool, num_experts: int = 0) -> None:
+def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool,
+                     moe_layers: Sequence[int] = ()) -> None:
     """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig);
-    ``num_experts``: the model's routed experts (0: dense)."""
+    ``moe_layers``: the global indices of the model's layers with routed experts (none: dense)."""
     if precision != "fp8":
         if c != Fp8Config():
             changed = next(k for k in Fp8Config.__dataclass_fields__ if getattr(c, k) != getattr(Fp8Config(), k))
@@ -82,8 +84,8 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
     if c.margin < 0:
         raise ConfigError(f"train.fp8.margin={c.margin} must be >= 0 (powers of two of headroom)")
     etp = parallel.etp if parallel.etp is not None else parallel.tp
-    # fnmatch on the literal name "layers.*.mlp.experts": true for a pattern that keeps every layer's experts
-    experts = num_experts > 0 and not any(fnmatch.fnmatch("layers.*.mlp.experts", p) for p in c.keep_bf16)
+    # the experts of some layer go float8: its canonical name (models/fp8.py apply_expert_fp8) matches no pattern
+    experts = any(not any(fnmatch.fnmatch(f"layers.{i}.mlp.experts", p) for p in c.keep_bf16) for i in moe_layers)
     if experts and c.recipe == "delayed" and parallel.recompute != "none":
         raise ConfigError(f"train.fp8.recipe=delayed with parallel.recompute={parallel.recompute} is not yet supported "
                           "for the routed experts (a recompute re-runs their GEMMs with scales the first forward "

@@ -335,9 +335,11 @@ def experts_forward(x_mh: torch.Tensor, counts: list[int], w_up: torch.Tensor, w
                     recipe: Float8Recipe, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """layers/moe.py Experts' float8 forward: out in autocast's dtype (bf16 under train.precision=fp8), the
     method the device runs, delayed scaling's states over the module's ``buffers`` (history, scales)."""
-    out = autocast_dtype(x_mh) or (x_mh.dtype if x_mh.dtype == torch.float32 else torch.bfloat16)
+    want = autocast_dtype(x_mh) or (x_mh.dtype if x_mh.dtype == torch.float32 else torch.bfloat16)
+    out = torch.bfloat16 if recipe.name == "rowwise" else want  # CUDA's rowwise kernels write bf16 only
     states = expert_states(recipe, *buffers) if buffers is not None else None
     # the device the GEMMs run on: a rehearsal's meta rows stand for a GPU's, and take its grouped kernel
     method = choose_fp8_method(kernel_device(x_mh), recipe, w_up.shape[-1], w_down.shape[-1], out)
     with no_autocast(x_mh):  # the casts and scales are the recipe's, not autocast's
-        return fp8_expert_mlp(x_mh, counts, w_up, w_down, recipe, states, method=method, out_dtype=out)
+        y = fp8_expert_mlp(x_mh, counts, w_up, w_down, recipe, states, method=method, out_dtype=out)
+    return y if y.dtype == want else y.to(want)

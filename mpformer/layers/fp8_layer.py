@@ -79,11 +79,18 @@ class Float8Layer(nn.Module):
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight^T (+ ``bias``) in float8; under sequence parallelism x is this rank's shard."""
         assert self.fp8 is not None
-        out = autocast_dtype(x) or (x.dtype if x.dtype == torch.float32 else torch.bfloat16)
+        want = autocast_dtype(x) or (x.dtype if x.dtype == torch.float32 else torch.bfloat16)
+        out = gemm_out_dtype(self.fp8, want)
         sink = grad_sink(self.weight)
         with no_autocast(x):  # the casts and scales are the recipe's, not autocast's
-            return fp8_linear(x, self.weight, self.fp8, self.fp8_state(), bias, out, self.store,
-                              self.fp8_shards, sink)
+            y = fp8_linear(x, self.weight, self.fp8, self.fp8_state(), bias, out, self.store, self.fp8_shards, sink)
+        return y if y.dtype == want else y.to(want)
+
+
+def gemm_out_dtype(recipe: Float8Recipe, want: torch.dtype) -> torch.dtype:
+    """What a float8 GEMM writes when ``want`` is asked for: CUDA's rowwise-scaled kernel writes bf16 only
+    (an fp32 caller outside autocast gets it cast up), the tensorwise one bf16 or fp32."""
+    return torch.bfloat16 if recipe.name == "rowwise" else want
 
 
 def recompute_contexts(block: nn.Module) -> Callable[[], tuple[contextlib.AbstractContextManager, ...]] | None:

@@ -239,11 +239,11 @@ class _Fp8Linear(torch.autograd.Function):
                 dx = scaled_mm(dy8, w8, sdy, sw, out_dtype)
         scattering = None
         if dx is not None:
-            dx = dx.to(ctx.x_dtype)
-            if seq is not None:  # dX's sequence shards summed over tp, under the weight-gradient GEMM
+            if seq is not None:  # dX's sequence shards summed over tp (in the GEMM's dtype), under the wgrad GEMM
                 full, dx = dx, torch.empty((dx.shape[0] // seq.size, dx.shape[1]), dtype=dx.dtype, device=dx.device)
                 scattering = seq.reduce_scatter_into(dx, full, async_op=True)
-            dx = dx.reshape(ctx.x_shape)
+            else:
+                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if gathering is not None:
             gathering.wait()
         x_full = xg if seq is not None else saved[0]
@@ -278,6 +278,7 @@ class _Fp8Linear(torch.autograd.Function):
             ctx.store.capturing.append(job)
         if scattering is not None:
             scattering.wait()
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         return (dx, *grads, None, None, None, None, None, None, None)
 
 
@@ -297,6 +298,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
                          "recipe needs a DelayedScalingState, the others take none")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_linear: out_dtype={out_dtype}; valid: torch.bfloat16, torch.float32")
+    if recipe.name == "rowwise" and out_dtype != torch.bfloat16:  # CUDA's rowwise kernel writes bf16 only
+        raise ValueError(f"fp8_linear: the rowwise recipe gives bf16 (CUDA's rowwise-scaled GEMM has no "
+                         f"{out_dtype} output); valid: out_dtype=torch.bfloat16")
     assert store is None or sink is None, "a deferred weight gradient has no ZeRO-3 unit buffer to go to"
     # A forward under no_grad (validation, evaluation) does not train the delayed scales: only a training
     # forward records (read here: inside the Function's forward grad mode is always off)

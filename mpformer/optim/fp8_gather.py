@@ -21,7 +21,10 @@ a delayed layer records its weight's amax there only in a training forward (grad
 micro-batch as one process does. A gather inside backward (the backward's re-gather, a recomputed
 forward) reuses the scales of the unit's last forward: the masters have not changed since, so the bytes
 are those the forward's saved float8 weight (a view of this buffer, freed in between) had, and no
-all-reduce is needed. A unit still gathered from a backward when a forward needs it is cast again.
+all-reduce is needed. "Last" is this micro-batch's own forward because ZeRO-3 runs without pipelines
+(core/layout.py refuses zero>=2 with pp): each micro-batch's backward ends before the next one's forward
+(with delayed scaling, a later forward's weight scale may differ: a schedule running F1 F2 B1 would need
+the scales kept per micro-batch). A unit still gathered from a backward when a forward needs it is cast again.
 
 The parameters of such a unit stay views into its bf16 ``param_buf``, which is never gathered (no bf16
 copy of these weights exists at any time): only the float8 path may read them (layers/fp8_linear.py

@@ -1,8 +1,9 @@
 """Float8 operands of a sharded linear = the matching slices of one process's, bit for bit (issue 35).
 
-Oracle: ``fp8_linear`` on one process with the whole x [M, K], W [N, K] and dY [M, N]. On two gloo ranks
-each rank runs the same layer on its block (column-parallel: N split; the same with sequence parallelism,
-x arriving as its sequence shard and gathered in float8; row-parallel: K split; context parallelism: the
+Oracle: the one-device float8 ``Linear`` on one process with the whole x [M, K], W [N, K] and dY [M, N].
+On two gloo ranks each rank runs the model's own layer on its block, switched to float8 as models/fp8.py
+does (``ColumnParallelLinear``: N split; the same with sequence parallelism, x arriving as its sequence
+shard and gathered in float8; ``RowParallelLinear``: K split; a ``Linear`` under context parallelism: the
 tokens M split) and every ``_scaled_mm`` call's float8 operands and scales (forward, dgrad, wgrad) are
 compared with the one-process call's, sliced where the rank holds a block. The tensors have one large
 element on one rank's block only, so a scale taken from a rank's own block instead of the whole tensor
@@ -54,53 +55,63 @@ def _tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, w, dy
 
 
-def _run(x, w, dy, shards, recipe_name: str) -> tuple[list, object, torch.Tensor, torch.Tensor]:
-    from mpformer.layers.fp8 import DelayedScalingState, Float8Recipe
-    from mpformer.layers.fp8_linear import fp8_linear
+def _layer(kind: str, comm, recipe_name: str, w: torch.Tensor):
+    """The model's own layer for ``kind``, switched to float8 as models/fp8.py does (its ``fp8_split``)."""
+    from mpformer.layers.fp8 import Float8Recipe
+    from mpformer.layers.linear import Linear
+    from mpformer.layers.parallel import ColumnParallelLinear, RowParallelLinear
+    from mpformer.parallel.tensor_parallel import Part, TPContext
 
+    tokens = ()
+    if kind in ("column", "column_sp"):
+        m = ColumnParallelLinear(K, [Part("w", N)], TPContext(comm, sequence_parallel=kind == "column_sp"), bias=False)
+    elif kind == "row":
+        m = RowParallelLinear(K, N, TPContext(comm), bias=False)
+    else:  # one device, or context parallelism: the tokens split over ``comm``
+        m = Linear(K, N, bias=False)
+        tokens = (comm,) if kind == "cp" else ()
+    with torch.no_grad():
+        m.weight.copy_(w)
+    m.enable_fp8(Float8Recipe(recipe_name), tokens)
+    return m
+
+
+def _run(m, x: torch.Tensor, dy: torch.Tensor) -> list:
+    """Every _scaled_mm call (forward, dgrad, wgrad) of ``m``'s forward and backward, its operands cloned."""
     calls, real = [], torch._scaled_mm
 
     def capture(a, b, scale_a, scale_b, out_dtype):
         calls.append(tuple(t.clone() for t in (a, b, scale_a, scale_b)))
         return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
-    recipe = Float8Recipe(recipe_name)
-    state = DelayedScalingState(recipe) if recipe_name == "delayed" else None
-    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     torch._scaled_mm = capture
     try:
-        y = fp8_linear(x, w, recipe, state, out_dtype=torch.float32, shards=shards)
-        y.backward(dy)
+        m(x.clone().requires_grad_()).backward(dy)
     finally:
         torch._scaled_mm = real
     assert len(calls) == 3
-    return calls, state, x.grad, w.grad
+    return calls
 
 
 def _worker(recipe_name: str) -> dict:
     import torch.distributed as dist
 
-    from mpformer.layers.fp8_linear import ONE, Fp8Shards
     from mpformer.parallel.comm import Comm, CommLedger
 
     rank = dist.get_rank()
     x, w, dy = _tensors()
-    ref, ref_state, _, _ = _run(x, w, dy, ONE, recipe_name)
+    one = _layer("one", None, recipe_name, w)
+    ref = _run(one, x, dy)
     _, kb, nb = _blocks(rank)
     sb = slice(rank * S // T, (rank + 1) * S // T)  # the sequence shard (dim 0 of [S, B, K])
     out: dict = {"mismatch": [], "ledger": {}}
     for layout in ("column", "column_sp", "row", "cp"):
         ledger = CommLedger()
         comm = Comm(dist.group.WORLD, ledger)
-        if layout == "column":
-            args = (x, w[nb], dy[..., nb], Fp8Shards(n=comm))
-        elif layout == "column_sp":
-            args = (x[sb], w[nb], dy[..., nb], Fp8Shards(n=comm, seq=comm))
-        elif layout == "row":
-            args = (x[..., kb], w[:, kb], dy, Fp8Shards(k=comm))
-        else:
-            args = (x[sb], w, dy[sb], Fp8Shards(tokens=(comm,)))
-        got, state, _, _ = _run(*args, recipe_name)
+        wx, xx, dyx = {"column": (w[nb], x, dy[..., nb]), "column_sp": (w[nb], x[sb], dy[..., nb]),
+                       "row": (w[:, kb], x[..., kb], dy), "cp": (w, x[sb], dy[sb])}[layout]
+        m = _layer(layout, comm, recipe_name, wx)
+        got = _run(m, xx, dyx)
         out["ledger"][layout] = ledger.take()
         for gemm, (mine, theirs, (sa, sb_)) in enumerate(zip(got, ref, _slices(layout, rank), strict=True)):
             a8, b8, scale_a, scale_b = mine
@@ -112,7 +123,7 @@ def _worker(recipe_name: str) -> dict:
                                                           if r.element_size() == 1 else r)
                 if not same:
                     out["mismatch"].append(f"{layout} gemm {gemm} {name}")
-        if state is not None and not torch.equal(state.amax_history, ref_state.amax_history):
+        if recipe_name == "delayed" and not torch.equal(m.fp8_amax_history, one.fp8_amax_history):
             out["mismatch"].append(f"{layout} amax history")
     return out
 
@@ -145,4 +156,5 @@ def test_float8_gather_bytes_are_the_formula(results, recipe):
         reduces = 3 * 2 * f * 4
     assert ledger.get("all_gather", 0) == gathers, ledger
     assert ledger.get("all_reduce", 0) == reduces, ledger
-    assert ledger.get("reduce_scatter", 0) == m * K * 4 * f, ledger  # dX (fp32 here) back to the shards
+    out = 2 if recipe == "rowwise" else 4  # dX in the GEMM's output dtype: rowwise bf16, else x's fp32 here
+    assert ledger.get("reduce_scatter", 0) == m * K * out * f, ledger  # dX back to the sequence shards

@@ -55,12 +55,19 @@ def _parallel(**over):
 def test_experts_split_over_tensor_parallel_are_refused_in_one_line():
     c = Fp8Config()
     with pytest.raises(ConfigError, match=r"parallel.etp=2>1 is not yet supported.*valid: parallel.etp=1") as e:
-        check_fp8_config("fp8", c, _parallel(etp=2), False, num_experts=8)
+        check_fp8_config("fp8", c, _parallel(etp=2), False, moe_layers=range(12))
     assert "\n" not in str(e.value)
-    check_fp8_config("fp8", c, _parallel(etp=2), False, num_experts=0)  # a dense model has no experts
-    check_fp8_config("fp8", c, _parallel(etp=1), False, num_experts=8)
+    check_fp8_config("fp8", c, _parallel(etp=2), False, moe_layers=())  # a dense model has no experts
+    check_fp8_config("fp8", c, _parallel(etp=1), False, moe_layers=range(12))
     kept = Fp8Config(keep_bf16=[*DEFAULT_KEEP_BF16, "layers.*.mlp.experts"])
-    check_fp8_config("fp8", kept, _parallel(etp=2), False, num_experts=8)  # experts kept bf16: nothing to split
+    check_fp8_config("fp8", kept, _parallel(etp=2), False, moe_layers=range(12))  # experts kept bf16: nothing to split
+    # a pattern is read against each layer's name: "?" keeps layers 0-9 only, layers 10 and 11 go float8
+    with pytest.raises(ConfigError, match=r"parallel.etp=2>1"):
+        check_fp8_config("fp8", Fp8Config(keep_bf16=["layers.?.mlp.experts"]), _parallel(etp=2), False,
+                         moe_layers=range(12))
+    check_fp8_config("fp8", Fp8Config(keep_bf16=["layers.[0-9]*.mlp.experts"]), _parallel(etp=2), False,
+                     moe_layers=range(12))
+    check_fp8_config("fp8", Fp8Config(keep_bf16=["layers.1.mlp.experts"]), _parallel(etp=2), False, moe_layers=[1])
 
 
 def test_delayed_experts_refuse_selective_recompute():
@@ -68,6 +75,6 @@ def test_delayed_experts_refuse_selective_recompute():
     the scales the first forward moved (and record twice)."""
     delayed = Fp8Config(recipe="delayed")
     with pytest.raises(ConfigError, match=r"recipe=delayed with parallel.recompute=selective .* routed experts"):
-        check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, num_experts=8)
-    check_fp8_config("fp8", Fp8Config(), _parallel(recompute="selective"), False, num_experts=8)  # tensorwise
-    check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, num_experts=0)
+        check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, moe_layers=range(12))
+    check_fp8_config("fp8", Fp8Config(), _parallel(recompute="selective"), False, moe_layers=range(12))  # tensorwise
+    check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, moe_layers=())

@@ -74,9 +74,9 @@ def data(seed=0):
 
 # --- each recipe against the oracle -------------------------------------------------------------------
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("name", "out_dtype"), [("tensorwise", torch.bfloat16), ("tensorwise", torch.float32),
+                                                  ("rowwise", torch.bfloat16)])  # rowwise: bf16 only (CUDA's)
 @pytest.mark.parametrize("grad", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
 def test_dynamic_recipes_match_reference(name, grad, out_dtype):
     x, w, dy = data()
     recipe, gd, rw = Float8Recipe(name=name, grad=grad), GRAD[grad], name == "rowwise"
@@ -86,6 +86,21 @@ def test_dynamic_recipes_match_reference(name, grad, out_dtype):
     # backward outputs come back in the parameters' / input's dtype (fp32 here) from an out_dtype GEMM
     assert_matches(dx.to(out_dtype), ref_gemm(dy, w, gd, E4, rw))
     assert_matches(dw.to(out_dtype), ref_gemm(dy.t(), x, gd, E4, rw))
+
+
+def test_rowwise_refuses_fp32_output_and_the_layer_casts_it_up():
+    """CUDA's rowwise-scaled GEMM writes bf16 only: fp8_linear refuses fp32 in one line; a layer asked for
+    fp32 outside autocast computes in bf16 and casts up (what the GPU can run)."""
+    x, w, _ = data()
+    with pytest.raises(ValueError, match=r"rowwise recipe gives bf16.*valid: out_dtype=torch\.bfloat16"):
+        fp8_linear(x, w, Float8Recipe(name="rowwise"), out_dtype=torch.float32)
+    from mpformer.layers.linear import Linear
+
+    layer = Linear(K, N, bias=False)
+    layer.enable_fp8(Float8Recipe(name="rowwise"))
+    y = layer(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, fp8_linear(x, layer.weight, Float8Recipe(name="rowwise")).float(), rtol=0, atol=0)
 
 
 def test_bias_and_leading_dims():
@@ -211,9 +226,10 @@ def test_denormals():
     for name in ("rowwise", "tensorwise"):  # a row of denormals beside normal rows
         xr = torch.randn(M, K)
         xr[1] = 2.0**-12
-        y, _dx, dw = run(xr, w, dy, Float8Recipe(name=name), out_dtype=torch.float32)
+        out = torch.bfloat16 if name == "rowwise" else torch.float32
+        y, _dx, dw = run(xr, w, dy.to(out).float(), Float8Recipe(name=name), out_dtype=out)
         assert_matches(y, ref_gemm(xr, w.t(), E4, E4, name == "rowwise"))
-        assert_matches(dw, ref_gemm(dy.t(), xr, E5, E4, name == "rowwise"))
+        assert_matches(dw.to(out), ref_gemm(dy.to(out).float().t(), xr, E5, E4, name == "rowwise"))
 
 
 # --- the split backward and the checks ----------------------------------------------------------------
