@@ -46,6 +46,7 @@ from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
 from mpformer.autoconfig.expert_cost import dp_share, stage_exchanges
 from mpformer.autoconfig.expert_memory import stage_expert_params
+from mpformer.autoconfig.fp8_terms import amax_reductions, fp8_projections
 from mpformer.autoconfig.kernel_times import (  # noqa: F401  (fused_attention: re-exported)
     _PARTS,
     embedding_times,
@@ -122,6 +123,10 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     # 2 in forward, 2 in backward, 2 more to recompute; the backward's two all-gathers of the kept input
     # shards (layers/linear.py) run under the input-gradient GEMMs and are not charged, as in Megatron
     tp_comm = (6 if L.recompute == "full" else 4) * per
+    if w.precision == "fp8" and t * L.cp > 1:  # each cast's amax all-reduced over the shards: latency-bound
+        amaxes = sum(amax_reductions(p, w.runtime.fp8) for p in fp8_projections(m, t, w.runtime.fp8, kind))
+        tp_comm += (amaxes + (amaxes * 2 // 3 if L.recompute == "full" else 0)) * _collective(
+            c, "all_reduce", 4.0, t * L.cp, t * L.cp > c.devices_per_node)
     return f, bi, bw_, tp_comm, lt.attn_f
 
 
