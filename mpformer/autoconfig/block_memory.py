@@ -84,7 +84,7 @@ def layer_live(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Ru
     tokens = x.s_n * x.b
     if w.flash_attention and rt.block == "mpformer":  # mpformer's own block (and torchtitan's)
         args = (w.seq_length, w.micro_batch_size, w.precision)
-        lb = layer_bytes(m, Lm, *args, sunk=sunk, kind=kind, fp8=rt.fp8)
+        lb = layer_bytes(m, Lm, *args, sunk=sunk, kind=kind, fp8=rt.fp8, fused_casts=rt.kernels == "fused")
         if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
             saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
             again = layer_bytes(m, Lm, *args, recompute="none", fp8=rt.fp8).saved - saved

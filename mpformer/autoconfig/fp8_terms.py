@@ -28,9 +28,10 @@ whose input is the sequence-parallel shard, s_n b for o and down):
                    (model state), 4 (3 H + 3) bytes
 
 Cost (cost.py, compute.py): the three GEMMs of a float8 projection at the device's FP8 rate with 1-byte
-operands; per cast the amax (read 2 E), the scale (a few scalar kernels) and the cast (eager: float,
-divide, clamp, to: 2 + 4 + 4 + 4 + 4 + 4 + 4 + 1 = 27 bytes an element over 4 kernels; fused runtimes,
-Transformer Engine's cast-transpose: read 2, write 1); the layout copies of W8^T, dY8^T, x8^T (read and
+operands; per cast of a bf16 tensor (layers/fp8.py, eager): abs (read 2, write 2), amax (read 2), the
+scale (scalar kernels), float (2 + 4), divide (4 + 4), clamp (4 + 4), to float8 (4 + 1): 33 bytes an
+element over 10 kernels; fused runtimes (Transformer Engine's cast-transpose, torch.compile): read 2,
+write 1); the layout copies of W8^T, dY8^T, x8^T (read and
 write 1 byte each); under tp or cp each cast's amax is all-reduced (one latency-bound collective).
 """
 
@@ -49,7 +50,7 @@ from mpformer.core.model_config import ModelConfig
 _SUBLAYER = {"qkv": "attn", "o": "attn", "up": "mlp", "down": "mlp", "shared_up": "mlp", "shared_down": "mlp"}
 _PARTS = {"qkv": ("q", "k", "v"), "up": ("gate", "up")}  # a fused projection matches its parts' names too
 INPUT_ROWS_SHARDED = ("qkv", "up", "shared_up")  # column-parallel: their input is the sequence-parallel shard
-CAST_BYTES_EAGER = 27.0  # bytes read + written per element of one eager cast (abs+amax, float, div, clamp, to)
+CAST_BYTES_EAGER = 33.0  # bytes read + written per element of one eager cast (abs, amax, float, div, clamp, to)
 CAST_KERNELS_EAGER = 10  # abs, amax, the scale's clamp/where, float, div, clamp, to
 CAST_BYTES_FUSED = 3.0  # a fused amax-and-cast kernel: read 2, write 1
 PEAK_PER_CAST = 8.0  # bytes an element at the height of one eager cast of a bf16 tensor
@@ -103,8 +104,12 @@ class Fp8LayerBytes:
     state: float  # delayed scaling's persistent buffers (model state)
 
 
-def fp8_layer_bytes(projs: tuple[Fp8Proj, ...], o: Fp8Options, s_n: float, s_r: float, b: int) -> Fp8LayerBytes:
-    """The module docstring's terms for one layer's float8 projections ``projs``."""
+def fp8_layer_bytes(projs: tuple[Fp8Proj, ...], o: Fp8Options, s_n: float, s_r: float, b: int,
+                    fused: bool = False) -> Fp8LayerBytes:
+    """The module docstring's terms for one layer's float8 projections ``projs``; ``fused``: a runtime whose
+    casts are one kernel (torch.compile, Transformer Engine), holding only the float8 result (1 byte an
+    element at a cast's height, not eager's 8)."""
+    per_cast = 1.0 if fused else PEAK_PER_CAST
     save8 = saves_fp8(o)
     saving = sum(rows(p, s_n, s_r, b) * p.k for p in projs) if save8 else 0.0  # 2 -> 1 byte an element
     copies = sum(p.n * p.k + 8 for p in projs) if save8 else 0.0
@@ -112,11 +117,11 @@ def fp8_layer_bytes(projs: tuple[Fp8Proj, ...], o: Fp8Options, s_n: float, s_r: 
     for p in projs:
         mr, n, k = s_n * b, p.n, p.k  # dY and dX are whole-sequence (the gathered rows under sp)
         if save8:  # dY cast; dgrad (dY8, W8^T, dX); wgrad (dY8, dY8^T, x8^T, dX kept, dW); forward W cast
-            here = max(PEAK_PER_CAST * mr * n, 2 * mr * n + n * k + mr * k, PEAK_PER_CAST * n * k)
+            here = max(per_cast * mr * n, 2 * mr * n + n * k + mr * k, per_cast * n * k)
         else:  # rowwise: each GEMM re-casts both operands; by dY's cast the projection after it (down for up)
             # has freed its bf16 input, not a float8 one: one M n less at the height (measured 5.9-6.8 M n above
             # the bf16 count, against 7.3-8.0 for tensorwise: tests/unit/test_fp8_memory.py)
-            here = max((PEAK_PER_CAST - 1) * mr * n, PEAK_PER_CAST * n * k + mr * n, PEAK_PER_CAST * mr * k + mr * n)
+            here = max(max(per_cast - 1, 1) * mr * n, per_cast * n * k + mr * n, per_cast * mr * k + mr * n)
         peak = max(peak, here)
     return Fp8LayerBytes(saving, copies, peak, delayed_state_bytes(projs, o))
 

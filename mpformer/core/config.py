@@ -243,6 +243,9 @@ class AutoconfigConfig:
     # plan) and drop a plan whose rehearsed peak exceeds the device's usable memory. None: on for a GPU
     # cluster whose GPU the rehearsal knows (rehearsal/devices.py), off for a CPU host.
     rehearse: bool | None = None
+    # train.precision values the search may choose among (autoconfig/precision.py: each searched, the fastest
+    # plan's wins; one the cluster's device has no rate for is left out, fp8 on an A100). Empty: train.precision.
+    precisions: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -283,6 +286,8 @@ def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
+    for p in cfg.autoconfig.precisions:
+        _choice("autoconfig.precisions", p, PRECISIONS)
     check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile)
     if t.precision == "fp8" and t.fp8.recipe == "delayed" and t.overlap_validation:
         raise ConfigError("train.fp8.recipe=delayed with train.overlap_validation=true is not yet supported (a step "

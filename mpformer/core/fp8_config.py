@@ -68,6 +68,12 @@ _UNSUPPORTED = (("tp", "tensor-parallel linears (and their sequence-parallel gat
                 ("pp", "pipeline stages (the zero-bubble store, keep_bf16 across stages) are not wired yet"))
 
 
+def fp8_layout_limits() -> dict[str, Any]:
+    """What a layout must keep to train in fp8 today (the rules below, for the auto-configurator's search):
+    ``ones``: the fields that must be 1; ``max_zero``: the highest ZeRO stage."""
+    return {"ones": tuple(key for key, _ in _UNSUPPORTED), "max_zero": 2}
+
+
 def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool) -> None:
     """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig)."""
     if precision != "fp8":
