@@ -32,7 +32,9 @@ operands; per cast of a bf16 tensor (layers/fp8.py, eager): abs (read 2, write 2
 scale (scalar kernels), float (2 + 4), divide (4 + 4), clamp (4 + 4), to float8 (4 + 1): 33 bytes an
 element over 10 kernels; fused runtimes (Transformer Engine's cast-transpose, torch.compile): read 2,
 write 1); the layout copies of W8^T, dY8^T, x8^T (read and
-write 1 byte each); under tp or cp each cast's amax is all-reduced (one latency-bound collective).
+write 1 byte each); under tp or cp each cast's amax is all-reduced (one latency-bound collective); under
+sequence parallelism (tensorwise, delayed) the all-gathers of the column-parallel projections' inputs move
+the float8 shard (1 byte an element), their reduce-scatters stay bf16.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mpformer.core.fp8_config import Fp8Options
-from mpformer.core.layer_spec import Projection, attention_kind, mlp_kind
+from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.model_config import ModelConfig
 
 # Projections that are ``layers.linear.Linear`` (models/fp8.py turns them float8); the routed experts'
@@ -170,17 +172,8 @@ def copies_per_pass(p: Fp8Proj, o: Fp8Options, tokens: float) -> tuple[float, fl
     return 2 * w, 2 * (dy + x)
 
 
-def amax_reductions(p: Fp8Proj, o: Fp8Options) -> int:
-    """Amax all-reduces a float8 projection issues per micro-batch under tp or cp (one per cast whose
-    tensor is sharded: every cast, so that all ranks cast each element as one process would)."""
+def amax_reductions(p: Fp8Proj, o: Fp8Options) -> tuple[int, int]:
+    """Amax all-reduces a float8 projection issues per micro-batch under tp or cp, (forward, backward): one
+    per cast whose tensor is sharded (every cast, so that all ranks cast each element as one process would)."""
     f, bi, bw = casts_per_pass(p, o, 1.0)
-    return len(f) + len(bi) + len(bw)
-
-
-def projection_gemm_dtypes(m: ModelConfig, tp: int, o: Fp8Options | None, kind: str | None = None) -> dict[str, bool]:
-    """Projection name -> whether it runs float8 (all False without fp8)."""
-    fp8 = {p.name for p in fp8_projections(m, tp, o, kind)} if o is not None else set()
-    kind = m.mlp_kind if kind is None else kind
-    names: list[Projection] = list(attention_kind(m.attention_kind).projections(m, tp)) + list(
-        mlp_kind(kind).projections(m, tp))
-    return {p.name: p.name in fp8 for p in names}
+    return len(f), len(bi) + len(bw)

@@ -181,15 +181,30 @@ def test_float8_gemms_run_at_the_fp8_rate_and_casts_cost_their_bytes():
 
 
 def test_amax_reductions_are_priced_at_latency_under_tp():
+    from dataclasses import replace
+
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.cost import layer_times_parts
     from mpformer.autoconfig.links import _collective
+    from mpformer.autoconfig.runtimes import MPFORMER
     from mpformer.autoconfig.workload import Workload
 
-    c, L = load_cluster("dgx-h100", 1), ParallelLayout(tp=2, sequence_parallel=True)
-    w = Workload(2, 2, S, "fp8")
-    tp8, tpb = layer_times_parts(LLAMA, L, w, c)[3], layer_times_parts(LLAMA, L, Workload(2, 2, S, "bf16"), c)[3]
-    assert tp8 - tpb == pytest.approx(4 * 3 * _collective(c, "all_reduce", 4.0, 2, False), rel=1e-9)
+    c = load_cluster("dgx-h100", 1)
+
+    def tp_comm(L: ParallelLayout, precision: str, recipe: str = "tensorwise") -> float:
+        rt = replace(MPFORMER, fp8=Fp8Options(recipe=recipe))
+        return layer_times_parts(LLAMA, L, Workload(2, 2, S, precision, runtime=rt), c)[3]
+
+    amax = _collective(c, "all_reduce", 4.0, 2, False)
+    tp2 = ParallelLayout(tp=2)  # all-reduces of the activations: bf16 either way; 3 casts per projection
+    assert tp_comm(tp2, "fp8") - tp_comm(tp2, "bf16") == pytest.approx(4 * 3 * amax, rel=1e-9)
+    assert tp_comm(tp2, "fp8", "rowwise") - tp_comm(tp2, "bf16") == pytest.approx(4 * 6 * amax, rel=1e-9)
+    full = ParallelLayout(tp=2, recompute="full")  # the recomputed forward casts x and W again
+    assert tp_comm(full, "fp8") - tp_comm(full, "bf16") == pytest.approx(4 * 5 * amax, rel=1e-9)
+    # sequence parallelism: the input shards all-gathered in float8 (2 in forward, 2 in backward), 1 byte each
+    sp, act = ParallelLayout(tp=2, sequence_parallel=True), S * 2 * 128 * 2
+    gathers = 4 * (_collective(c, "all_gather", act / 2, 2, False) - _collective(c, "all_gather", act, 2, False))
+    assert tp_comm(sp, "fp8") - tp_comm(sp, "bf16") == pytest.approx(4 * 3 * amax + gathers, rel=1e-9)
 
 
 def test_fp8_on_an_a100_is_refused_in_one_line():
