@@ -60,7 +60,7 @@ def allowed(c: Cluster, requested: Sequence[str], own: str) -> list[str]:
 def search_precisions(model: ModelConfig, cluster: Cluster, w: Workload, precisions: Sequence[str], *,
                       fixed: dict[str, Any], top_k: int, device: str) -> tuple[SearchResult, Workload]:
     """The search in each allowed precision; the result whose best plan is fastest, with its workload
-    (its top plans carry their precision when more than one was searched)."""
+    (its top plans carry their precision)."""
     from mpformer.autoconfig.search import search
 
     runs: list[tuple[SearchResult, Workload]] = []
@@ -82,10 +82,9 @@ def search_precisions(model: ModelConfig, cluster: Cluster, w: Workload, precisi
         parts = [search(model, cluster, wp, fixed={**fixed, **pins, "zero": z}, top_k=top_k, device=device)
                  for z in zeros]
         runs.append((_merge(parts, top_k), wp))
-    if len(runs) > 1:
-        for res, wp in runs:
-            for c in res.top:
-                c.precision = wp.precision
+    for res, wp in runs:  # the plan runs in the precision it was priced in (parallel=auto sets it)
+        for c in res.top:
+            c.precision = wp.precision
     with_plan = [r for r in runs if r[0].top]
     if not with_plan:
         return runs[0]
