@@ -35,8 +35,9 @@ operands; per cast of a bf16 tensor (layers/fp8.py, eager): abs (read 2, write 2
 scale (scalar kernels), float (2 + 4), divide (4 + 4), clamp (4 + 4), to float8 (4 + 1): 33 bytes an
 element over 10 kernels (fused runtimes, Transformer Engine's cast-transpose or torch.compile: read 2,
 write 1); the layout copies of W8^T, dY8^T, x8^T (read and write 1 byte each); under tp or cp each
-cast's amax is all-reduced (one latency-bound collective); under sequence parallelism (tensorwise, delayed) the all-gathers of the column-parallel projections' inputs move
-the float8 shard (1 byte an element), their reduce-scatters stay bf16.
+cast's amax is all-reduced (one latency-bound collective); under sequence parallelism (tensorwise,
+delayed) the all-gathers of the column-parallel projections' inputs move the float8 shard (1 byte an
+element), their reduce-scatters stay bf16.
 """
 
 from __future__ import annotations
