@@ -43,6 +43,7 @@ GPT2 = {"model": "tiny-gpt2", "model.num_layers": 4, "model.hidden_size": 256, "
         "model.num_kv_heads": 8, "model.ffn_hidden_size": 1024, "model.vocab_size": 2048,
         "model.max_position_embeddings": 256}
 SPLIT = {"train.zero3_unit_numel": 0}
+FP8 = {"train.precision": "fp8", "model.vocab_size": 1024, "train.micro_batch_size": 4}
 CONFIGS = {  # name: (ranks, overrides)
     "zero0 fp32": (2, {"parallel.zero": 0}),
     "zero1 bf16": (2, {"parallel.zero": 1, "train.precision": "bf16"}),
@@ -86,6 +87,15 @@ CONFIGS = {  # name: (ranks, overrides)
                                              "train.zero3_reduce_numel": 0}),
     "zero3 bf16 gpt2 tied split full": (2, {**GPT2, "parallel.zero": 3, "train.precision": "bf16",
                                             "parallel.recompute": "full", **SPLIT}),
+    # train.precision=fp8 (issue 35; tp = pp = cp = 1): float8 inputs and weight copies per micro-batch, the
+    # casts' fp32 buffers in a layer's backward (a 1k vocabulary and 4 sequences put the peak there), delayed
+    # scaling's buffers in the state (autoconfig/fp8_terms.py); beside it bf16 at the same sizes
+    "zero1 bf16 vocab 1k mbs4": (2, {**FP8, "train.precision": "bf16", "parallel.zero": 1}),
+    "fp8 dp1 tensorwise": (1, {**FP8}),
+    "fp8 dp1 rowwise": (1, {**FP8, "train.fp8.recipe": "rowwise"}),
+    "fp8 zero0 tensorwise": (2, {**FP8, "parallel.zero": 0}),
+    "fp8 zero1 delayed": (2, {**FP8, "parallel.zero": 1, "train.fp8.recipe": "delayed"}),
+    "fp8 zero2 rowwise": (2, {**FP8, "parallel.zero": 2, "train.fp8.recipe": "rowwise"}),
 }
 BATCHES = {name: 1 for name in CONFIGS} | {"zero2 bf16 accum": 2, "pp2 1f1b fp32": 4, "pp2 zb-v fp32": 4,
                                             "pp2 dualpipev fp32": 4, "pp2 1f1b fp32 4 token slices": 4,

@@ -5,6 +5,9 @@
     train     the 1B run's step rehearsed (mpformer-rehearse, rank 0: its FLOPs and its model-state
               bytes, read and written about four times a step by the optimizer and the casts), times
               the steps, plus the bf16 peak GEMM measurement and the sustained-GEMM seconds
+    fp8       the same run in train.precision=fp8 rehearsed the same way, its FLOPs at the bf16 rate (no
+              float8 speed-up assumed: the cost model prices the 1B's eager casts above what its float8
+              GEMMs save, autoconfig/fp8_terms.py), no GEMM measurement, no sustained GEMMs
     kernels   gpu_kernels.py run on meta tensors under the rehearsal's probe: every attention and GEMM
               FLOP of its cases at their repetitions
     offload   bench_offload.py's rank 0 rehearsed as pretraining builds it (OFFLOAD_RANK): its step's
@@ -36,6 +39,7 @@ OUT = ROOT / "benchmarks" / "gpu_budget.json"
 EFFICIENCY, MARGIN, START = 0.25, 2.0, 40.0
 TRAIN = ["model=llama-1b", "train.precision=bf16", "train.seq_length=2048", "train.micro_batch_size=4",
          "train.global_batch_size=8", "parallel.dp=1"]  # gpu_check.py's defaults
+FP8_TRAIN = [*[o for o in TRAIN if not o.startswith("train.precision=")], "train.precision=fp8"]  # gpu_check.sh's fp8
 TRAIN_STEPS, SUSTAIN_S, GEMM_CHECK_FLOPS = 30, 20.0, 13 * 2 * 8192**3  # 3 warm-up + 10 timed 8192^3 GEMMs
 OFFLOAD = {"pp": 4, "microbatches": 8, "steps": 3, "layers": 16, "hidden": 1024, "vocab": 32000, "seq": 2048,
            "batch": 2}  # bench_offload.py's defaults
@@ -104,9 +108,12 @@ def budgets() -> dict:
 
     preset = yaml.safe_load((ROOT / "configs" / "cluster" / "dgx-h100.yaml").read_text())
     rates = {"flops": float(preset["peak_flops"]["bf16"]), "bandwidth": float(preset["memory_bandwidth"])}
-    train, offload = rehearse_many([(TRAIN, 1, 0, None), (OFFLOAD_RANK, OFFLOAD["pp"], 0, None)])
+    train, offload, fp8 = rehearse_many([(TRAIN, 1, 0, None), (OFFLOAD_RANK, OFFLOAD["pp"], 0, None),
+                                         (FP8_TRAIN, 1, 0, None)])
     state = sum(train["peak_by_kind"][k] for k in ("weights", "grads", "master", "optimizer"))
     train_s = _seconds(train["flops"] * TRAIN_STEPS + GEMM_CHECK_FLOPS, 4 * state * TRAIN_STEPS, rates) + SUSTAIN_S
+    fp8_state = sum(fp8["peak_by_kind"][k] for k in ("weights", "grads", "master", "optimizer"))
+    fp8_s = _seconds(fp8["flops"] * TRAIN_STEPS, 4 * fp8_state * TRAIN_STEPS, rates)
     kernels_flops = _kernels_flops()
     offload_flops = offload["flops"] * (OFFLOAD["steps"] + 2) * 3  # steps + 1 and the metered one, 3 modes
     moe_flops, moe_bytes = _moe_work()
@@ -115,6 +122,8 @@ def budgets() -> dict:
                 "tests": {"seconds": 150, "derived": False},
                 "train": {"seconds": int(train_s), "flops_per_step": train["flops"], "state_bytes": state,
                           "steps": TRAIN_STEPS, "sustain_s": SUSTAIN_S},
+                "fp8": {"seconds": int(fp8_s), "flops_per_step": fp8["flops"], "state_bytes": fp8_state,
+                        "steps": TRAIN_STEPS},
                 "kernels": {"seconds": int(_seconds(kernels_flops, 0, rates)), "flops": kernels_flops},
                 "offload": {"seconds": int(_seconds(offload_flops, 0, rates)), "flops": offload_flops},
                 "moe": {"seconds": int(_seconds(moe_flops, moe_bytes, rates)), "flops": moe_flops,

@@ -1,4 +1,5 @@
-"""The GPU training check of gpu_check.sh: a 1B Llama in bf16 on one GPU, MFU and peak memory (no checkpoint).
+"""The GPU training check of gpu_check.sh: a 1B Llama on one GPU, MFU and peak memory (no checkpoint), in bf16
+or in fp8 (``--precision fp8``: train.precision=fp8, issue 35) against the bf16 run's JSON (``--compare``).
 
 Runs the pretrain CLI (torchrun, one process) on random tokens for ``--steps`` steps, then reads its
 metrics.jsonl and prints, as a table and with ``--json``:
@@ -17,8 +18,14 @@ metrics.jsonl and prints, as a table and with ``--json``:
                         (ml-engineering's MAMF); a device that clocks down under sustained load runs
                         training slower than that (benchmarks/README.md, bench_published: the H100
                         rows are predicted 10-16% too fast)
+    fp8 against bf16    ``--precision fp8 --compare bf16.json``: the same run (same data, same initialisation)
+                        with the linear layers' GEMMs in float8 (``--recipe``): its MFU against the bf16 run's
+                        (both over the dense bf16 peak, so the ratio is the speed-up), the share of the FP8
+                        peak its model FLOPs reach, and the loss after the last step against bf16's (a
+                        relative gap above ``--loss-tol`` fails the part)
 
     python benchmarks/gpu_check.py [--steps 30] [--seq 2048] [--micro-batch 4] [--json out.json]
+    python benchmarks/gpu_check.py --precision fp8 --sustain 0 --compare out.json [--json fp8.json]
 """
 
 from __future__ import annotations
@@ -40,17 +47,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, write_json  # noqa: E402
 
-# Dense bf16 peaks per device (vendor data sheets), as the cluster presets hold them.
+# Dense bf16 (and fp8) peaks per device (vendor data sheets), as the cluster presets hold them.
 PRESETS = {"H200": "h200-node", "H100": "dgx-h100", "A100": "dgx-a100-80gb"}
 
 
-def dense_peak(name: str) -> tuple[float | None, str]:
+def dense_peak(name: str, dtype: str = "bf16") -> tuple[float | None, str]:
     import yaml
 
     for key, preset in PRESETS.items():
         if key in name:
             data = yaml.safe_load((ROOT / "configs" / "cluster" / f"{preset}.yaml").read_text())
-            return float(data["peak_flops"]["bf16"]), f"configs/cluster/{preset}.yaml"
+            peak = data["peak_flops"].get(dtype)
+            return (float(peak) if peak else None), f"configs/cluster/{preset}.yaml"
     return None, "no preset for this device"
 
 
@@ -114,6 +122,11 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--json", default=None)
     p.add_argument("--sustain", type=float, default=20.0, help="seconds of back-to-back GEMMs (0: skip)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
+    p.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise", "delayed"],
+                   help="train.fp8.recipe under --precision fp8")
+    p.add_argument("--compare", default=None, help="the bf16 run's --json: MFU and final loss against it")
+    p.add_argument("--loss-tol", type=float, default=0.015, help="largest relative gap of the final loss to bf16's")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a dry run of this script's plumbing (use a tiny --model), no MFU or memory")
     args = p.parse_args()
@@ -121,10 +134,12 @@ def main() -> int:
         print("gpu_check.py: no CUDA device visible; nothing measured (--device cpu runs the dry run)", file=sys.stderr)
         return 2
     from mpformer.autoconfig.memory import Workload, plan_memory
+    from mpformer.autoconfig.runtimes import mpformer_runtime
     from mpformer.cli.compose import compose_config
     from mpformer.core.model_config import model_flops_per_step
 
-    overrides = [f"model={args.model}", "train.precision=bf16", f"train.seq_length={args.seq}",
+    recipe = [f"train.fp8.recipe={args.recipe}"] if args.precision == "fp8" else []
+    overrides = [f"model={args.model}", f"train.precision={args.precision}", *recipe, f"train.seq_length={args.seq}",
                  f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
                  f"train.steps={args.steps}", f"train.device={args.device}", "logging.progress=false",
                  "optim.warmup_steps=2"]
@@ -155,10 +170,10 @@ def main() -> int:
     from mpformer.autoconfig.search import evaluate_plan
     from mpformer.core.layout import ParallelLayout
 
-    work = Workload(args.global_batch, args.micro_batch, args.seq, "bf16")
-    predicted = plan_memory(cfg.model, ParallelLayout(), work, device="cuda")[0]
+    work = Workload(args.global_batch, args.micro_batch, args.seq, args.precision, runtime=mpformer_runtime(cfg.train))
+    predicted = plan_memory(cfg.model, ParallelLayout(dp=1), work, device="cuda")[0]  # dp=1: one GPU (not -1)
     preset = next((v for k, v in PRESETS.items() if k in name), "dgx-h100")  # the CPU dry run: any preset
-    plan = evaluate_plan(cfg.model, ParallelLayout(), work, load_cluster(preset, nodes=1))
+    plan = evaluate_plan(cfg.model, ParallelLayout(dp=1), work, load_cluster(preset, nodes=1))
     sustained = sustained_gemm(args.sustain) if cuda and args.sustain > 0 else {}
     result = {"device": name, "torch": torch.__version__, "model": args.model, "params": cfg.model.num_params(),
               "steps": len(rows), "wall_s": wall, "step_time_s": step_s,
@@ -169,10 +184,25 @@ def main() -> int:
               "predicted_gib": predicted.total / 2**30, "predicted_to_measured": predicted.total / mem,
               "predicted_step_s": plan.time.iteration_s, "predicted_step_over_measured": plan.time.iteration_s / step_s,
               "cost_preset": preset, **{f"gemm_{k}": v for k, v in sustained.items()},
-              "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]]}
+              "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]], "precision": args.precision}
+    if args.precision == "fp8":
+        fp8_peak, _ = dense_peak(name, "fp8")
+        result |= {"recipe": args.recipe, "fraction_of_fp8_peak": flops / step_s / fp8_peak if fp8_peak else None}
+    failed = False
+    if args.compare:  # the bf16 run of the same model, data and initialisation
+        base = json.loads(Path(args.compare).read_text())["result"]
+        gap = rows[-1]["loss"] / base["loss_first_last"][1] - 1
+        failed = not abs(gap) <= args.loss_tol
+        result |= {"bf16_mfu": base["mfu"], "mfu_over_bf16": result["mfu"] / base["mfu"] if base["mfu"] else None,
+                   "speedup_over_bf16": base["step_time_s"] / step_s, "bf16_final_loss": base["loss_first_last"][1],
+                   "final_loss_gap": gap, "loss_tol": args.loss_tol}
     print(format_table(["what", "value"], [(k, v) for k, v in result.items()]))
     if args.json:
         write_json(args.json, {"result": result, "args": vars(args)})
+    if failed:
+        print(f"gpu_check.py: the final loss is {result['final_loss_gap']:+.2%} from bf16's (tolerance "
+              f"{args.loss_tol:.1%})", file=sys.stderr)
+        return 1
     return 0
 
 

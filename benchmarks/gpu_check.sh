@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The prepared GPU check: five parts, each with its own timeout (benchmarks/gpu_budget.json, derived from
-# each part's rehearsed FLOPs and bytes: 392 s together, under 8 minutes with the start), each writing
+# The prepared GPU check: six parts, each with its own timeout (benchmarks/gpu_budget.json, derived from
+# each part's rehearsed FLOPs and bytes: 472 s together, under 9 minutes with the start), each writing
 # its log under OUT as it ends, and OUT/summary.json over all of them with each part's JSON result (the
-# results are written outside OUT first: a device run brings back at most 8 files, and five logs, five
-# JSONs and the summary would be 11):
+# results are written outside OUT first: a device run brings back at most 8 files, and six logs, six
+# JSONs and the summary would be 13):
 #
 #   tests     the tests marked gpu: HF parity on cuda, cuda against cpu, flash attention, bf16 training,
 #             deterministic resume, pinned loading, offload's copies (tests/gpu/test_cuda.py), the
 #             block kernels on CUDA's fused ops, the merged log-sum-exp, no host sync in the fused cross
 #             entropy, RMSNorm's saved bytes (tests/gpu/test_cuda_kernels.py), and the experts' grouped
 #             GEMM against the loop in bf16, an MoE layer cuda = cpu, one host read per dispatch
-#             (tests/gpu/test_cuda_moe.py)
+#             (tests/gpu/test_cuda_moe.py), each fp8 recipe's float8 GEMMs against the CPU kernel's and an fp8
+#             block's saved bytes against the memory model (tests/gpu/test_cuda_fp8.py)
 #   train     a 1B Llama, bf16, 30 steps, no checkpoint: MFU, peak memory, each beside the cost and
 #             memory models' prediction (benchmarks/gpu_check.py)
+#   fp8       the same run with train.precision=fp8 (tensorwise; issue 35): MFU against the bf16 run's (over
+#             the same bf16 peak: the speed-up), the share of the FP8 peak, peak memory and step time beside
+#             the models' fp8 predictions, the loss after 30 steps against bf16's (fails beyond 1.5%)
 #   kernels   one cp=2 ring rank's attention blocks and a document-masked layer at 16k tokens against
 #             SDPA: time, parity, the cost model's time (benchmarks/gpu_kernels.py)
 #   offload   activation offload's peak and step time on one pipeline rank (bench_offload.py)
@@ -26,7 +30,7 @@
 # It finds a Python whose torch sees a GPU ($PYTHON, python3, python, .venv/bin/python, in that order)
 # or fails in one line saying how to provide one. The project's pure-Python dependencies that the
 # machine lacks (hydra-core, omegaconf, antlr4 on an offline GPU image) come from .whl/: `make
-# gpu-wheels` here fills it (git-ignored: carry it). --dry-run runs the same five parts on this CPU with
+# gpu-wheels` here fills it (git-ignored: carry it). --dry-run runs the same six parts on this CPU with
 # tiny sizes (make test does, tests/integration/test_gpu_check.py), so a typo costs no GPU minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -132,6 +136,8 @@ part() {  # name, seconds, command...: its log under OUT, its rc and time for th
 budget() { "$PY" -c "import json, sys; print(json.load(open('benchmarks/gpu_budget.json'))['parts'][sys.argv[1]]['seconds'])" "$1"; }
 part tests "$(budget tests)" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 part train "$(budget train)" "$PY" benchmarks/gpu_check.py "${TRAIN[@]}" --json "$RES/train.json"
+part fp8 "$(budget fp8)" "$PY" benchmarks/gpu_check.py "${TRAIN[@]}" --precision fp8 --sustain 0 \
+  --compare "$RES/train.json" --json "$RES/fp8.json"
 part kernels "$(budget kernels)" "$PY" benchmarks/gpu_kernels.py "${KERNELS[@]}" --json "$RES/kernels.json"
 part offload "$(budget offload)" "$PY" benchmarks/bench_offload.py "${OFFLOAD[@]}" --json "$RES/offload.json"
 part moe "$(budget moe)" "$PY" benchmarks/bench_expert_gemm.py "${MOE[@]}" --json "$RES/moe.json"

@@ -84,11 +84,12 @@ def layer_live(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Ru
     tokens = x.s_n * x.b
     if w.flash_attention and rt.block == "mpformer":  # mpformer's own block (and torchtitan's)
         args = (w.seq_length, w.micro_batch_size, w.precision)
-        lb = layer_bytes(m, Lm, *args, sunk=sunk, kind=kind)
+        lb = layer_bytes(m, Lm, *args, sunk=sunk, kind=kind, fp8=rt.fp8, fused_casts=rt.kernels == "fused")
         if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
             saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
-            return LayerLive(saved + kept, layer_bytes(m, Lm, *args, recompute="none").saved - saved + lb.backward)
-        return LayerLive(lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args, kind=kind) + again)
+            again = layer_bytes(m, Lm, *args, recompute="none", fp8=rt.fp8).saved - saved
+            return LayerLive(saved + kept, again + lb.backward)
+        return LayerLive(lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args, kind=kind, fp8=rt.fp8) + again)
     # Megatron's block (layer_memory.megatron_layer_bytes; without a flash kernel, whoever runs it). A
     # recomputed layer's activations come back in its backward, which adds the gradients of the MLP's
     # wide activations (while all of them live) or, once the MLP's are freed, the gradient of the

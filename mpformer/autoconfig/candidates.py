@@ -49,6 +49,8 @@ class Candidate:
     # autoconfig.rehearse: its most loaded rank run on the cluster's GPU (cli/rehearse.py rehearse_plans):
     # {"rank", "peak_bytes", "device", "usable_bytes"}; None when not rehearsed
     rehearsed: dict[str, Any] | None = None
+    # train.precision when the search chose it among autoconfig.precisions (precision.py); None: the run's own
+    precision: str | None = None
 
     def plan(self) -> dict[str, Any]:
         out = {k: self.micro_batch_size if k == "micro_batch_size" else getattr(self.layout, k) for k in PLAN_FIELDS}
@@ -63,7 +65,8 @@ class Candidate:
                  if k != "micro_batch_size" and v is not None]
         if self.layout.pp_partition != "uniform":
             parts.append(f"parallel.pp_partition={self.layout.pp_partition}")
-        return " ".join([*parts, f"train.micro_batch_size={p['micro_batch_size']}"])
+        parts.append(f"train.micro_batch_size={p['micro_batch_size']}")
+        return " ".join([*parts, *([f"train.precision={self.precision}"] if self.precision else [])])
 
 
 @dataclass

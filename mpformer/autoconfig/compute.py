@@ -92,10 +92,13 @@ def gemm_efficiency(c: Cluster, dtype: str, m: int, n: int, k: int, batch: int =
 
 
 def gemm_time(c: Cluster, dtype: str, g: Gemm) -> float:
+    """``dtype``: the pass's GEMM rate; a float8 GEMM (``g.dtype``) runs at the device's fp8 rate with
+    1-byte operands (its efficiency from the same size terms: the presets' cuBLASLt table is FP8)."""
+    dtype = g.dtype or dtype
     flops = 2.0 * g.m * g.n * g.k * g.batch
     t = flops / (c.peak(dtype) * gemm_efficiency(c, dtype, g.m, g.n, g.k, g.batch))
     if c.sm_count:  # roofline: inputs read once, the output written (and read when it accumulates)
-        a = FP32 if dtype in ("fp32", "tf32") else 2  # TF32 reads fp32 operands
+        a = FP32 if dtype in ("fp32", "tf32") else 1 if dtype == "fp8" else 2  # TF32 reads fp32 operands
         nbytes = g.batch * ((g.m * g.k + g.k * g.n) * a + g.m * g.n * g.out_bytes * (2 if g.accumulate else 1))
         t = max(t, nbytes / stream_rate(c))
     return t

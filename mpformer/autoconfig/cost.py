@@ -46,6 +46,7 @@ from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
 from mpformer.autoconfig.expert_cost import dp_share, stage_exchanges
 from mpformer.autoconfig.expert_memory import stage_expert_params
+from mpformer.autoconfig.fp8_terms import amax_reductions, fp8_projections, saves_fp8
 from mpformer.autoconfig.kernel_times import (  # noqa: F401  (fused_attention: re-exported)
     _PARTS,
     embedding_times,
@@ -109,7 +110,9 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     t, act = L.tp, w.seq_length // L.cp * w.micro_batch_size * m.hidden_size * BYTES[w.precision]
     spans = t > c.devices_per_node
     kinds = ("all_gather", "reduce_scatter") if L.sequence_parallel else ("all_reduce", None)
-    per = sum(_collective(c, k, act, t, spans) for k in kinds if k)  # one AR, or one AG + one RS
+    # fp8 (tensorwise, delayed) under sequence parallelism: the shard is cast before the all-gather (fp8_terms.py)
+    gather = act / 2 if w.precision == "fp8" and saves_fp8(w.runtime.fp8) else act
+    per = sum(_collective(c, k, gather if k == "all_gather" else act, t, spans) for k in kinds if k)
     if w.runtime.tp_comm_overlap and t > 1:
         # Transformer Engine's overlap (Megatron-LM --tp-comm-overlap): each collective is cut into t
         # chunks exchanged while the adjacent GEMM computes the chunk before (all-gather -> QKV / FC1,
@@ -122,6 +125,11 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     # 2 in forward, 2 in backward, 2 more to recompute; the backward's two all-gathers of the kept input
     # shards (layers/linear.py) run under the input-gradient GEMMs and are not charged, as in Megatron
     tp_comm = (6 if L.recompute == "full" else 4) * per
+    if w.precision == "fp8" and t * L.cp > 1:  # each cast's amax all-reduced over the shards: latency-bound
+        counts = [amax_reductions(p, w.runtime.fp8) for p in fp8_projections(m, t, w.runtime.fp8, kind)]
+        fwd, bwd = sum(f for f, _ in counts), sum(b for _, b in counts)
+        amaxes = fwd * (2 if L.recompute == "full" else 1) + bwd  # a recomputed forward casts again
+        tp_comm += amaxes * _collective(c, "all_reduce", 4.0, t * L.cp, t * L.cp > c.devices_per_node)
     return f, bi, bw_, tp_comm, lt.attn_f
 
 

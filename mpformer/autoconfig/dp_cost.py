@@ -17,6 +17,7 @@ import itertools
 
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.compute import stream_rate
+from mpformer.autoconfig.fp8_terms import fp8_projections, gathered_bytes
 from mpformer.autoconfig.links import _collective, beside
 from mpformer.autoconfig.memory import BYTES, Workload, layer_params_per_rank, layer_part_sizes
 from mpformer.core.buffers import zero3_groups
@@ -97,22 +98,28 @@ def _zero3_exposed(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, p
     sizes = [edges, *layer * m.num_layers, edges]  # embedding, the layers' units, the head
     total = sum(sizes) or 1.0
     budget = rt.prefetch_numel if rt.units != "module" else rt.prefetch_bucket
+    # fp8 (tensorwise, delayed): a layer's float8 weights gathered in 1 byte an element (fp8_terms.py)
+    layer_wb = wb
+    if w.precision == "fp8":
+        flat = [n for part in layer_part_sizes(m, L.tp) for n in part]
+        layer_wb = gathered_bytes(flat, fp8_projections(m, L.tp, rt.fp8), rt.fp8, wb) / max(sum(flat), 1)
+    unit_wb = [wb, *[layer_wb] * (len(sizes) - 2), wb]
 
-    def ag(n: float) -> float:
-        return _collective(c, "all_gather", n * wb, ranks, spans)
+    def ag(n: float, b: float = wb) -> float:
+        return _collective(c, "all_gather", n * b, ranks, spans)
 
     def rs(n: float) -> float:
         return _collective(c, "reduce_scatter", n * rb, ranks, spans)
 
     if cores_shared:  # nothing hides on shared cores
-        return sum(2 * ag(n) + rs(n) for n in sizes)
+        return sum(2 * ag(n, b) + rs(n) for n, b in zip(sizes, unit_wb, strict=True))
     out = ag(sizes[0]) + rs(sizes[0])
     regathers = len(layer) - 1 if L.recompute == "full" else 0
-    for prev, n in itertools.pairwise(sizes):
+    for (prev, n), b in zip(itertools.pairwise(sizes), unit_wb[1:], strict=True):
         behind_f, behind_b = forward * prev / total, backward * prev / total
         hide_f = behind_f if n <= budget else 0.0
-        out += beside(c, ag(n), hide_f) + beside(c, ag(n) + rs(prev), behind_b if n <= budget else 0.0)
-    out += regathers * m.num_layers * ag(max(layer)) * (0.0 if max(layer) <= budget else 1.0)
+        out += beside(c, ag(n, b), hide_f) + beside(c, ag(n, b) + rs(prev), behind_b if n <= budget else 0.0)
+    out += regathers * m.num_layers * ag(max(layer), layer_wb) * (0.0 if max(layer) <= budget else 1.0)
     return out
 
 

@@ -12,6 +12,7 @@ from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.compute import LayerTimes, layer_times_from, matmul_dtype, measured_attention, pass_time
 from mpformer.autoconfig.kernels import attention_kernel, dims, embedding_work, head_work, layer_work
 from mpformer.autoconfig.memory import Workload
+from mpformer.core.fp8_config import compute_precision
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
@@ -53,8 +54,10 @@ def fused_attention(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster) 
 
 
 def _layer_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, kind: str | None = None) -> LayerTimes:
-    dt, flash = w.precision, fused_attention(m, L, w, c)
-    work = layer_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, flash, kind=kind)
+    # fp8: the device's bf16 rates outside the float8 GEMMs, which carry their own dtype (kernels.Gemm)
+    dt, flash = compute_precision(w.precision), fused_attention(m, L, w, c)
+    work = layer_work(m, L, w.seq_length, w.micro_batch_size, w.precision, w.runtime.kernels, flash, kind=kind,
+                      fp8=w.runtime.fp8)
     x = dims(m, L, w.seq_length, w.micro_batch_size)
     measured = measured_attention(c, dt, x["s"], x["s_k"], x["d"], x["b"] * x["heads"]) if flash else None
     return layer_times_from(c, dt, work, measured, matmul_dtype(c, dt, w.runtime.tf32))
@@ -79,7 +82,7 @@ def _edge_times(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head
 
 
 def _edge_compute(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster, head: bool) -> tuple[float, float, float]:
-    dt = w.precision
+    dt = compute_precision(w.precision)  # the head and the embedding stay bf16 under fp8
     work = (head_work(m, L, w.seq_length, w.micro_batch_size, dt, w.runtime.kernels, w.fused_cross_entropy) if head
             else embedding_work(m, L, w.seq_length, w.micro_batch_size, dt))
     mm = matmul_dtype(c, dt, w.runtime.tf32)
@@ -103,7 +106,8 @@ def kernel_launches(m: ModelConfig, L: ParallelLayout, w: Workload, part: str) -
     elif part == "embedding":
         work = embedding_work(m, L, w.seq_length, w.micro_batch_size, w.precision)
     else:
-        work = layer_work(m, L, w.seq_length, w.micro_batch_size, w.precision, w.runtime.kernels, w.flash_attention)
+        work = layer_work(m, L, w.seq_length, w.micro_batch_size, w.precision, w.runtime.kernels, w.flash_attention,
+                          fp8=w.runtime.fp8)
     f, bi = work.f.launches + work.attn_f.launches, work.bi.launches + work.attn_b.launches
     if part == "layers":  # recompute reruns the attention core's forward (selective) or all of it (full)
         bi += {"selective": work.attn_f.launches, "full": f}.get(L.recompute, 0)

@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpformer.autoconfig.expert_cost import moe_gemms
+from mpformer.autoconfig.fp8_terms import cast_stream, casts_per_pass, copies_per_pass, fp8_projections
+from mpformer.core.fp8_config import Fp8Options, compute_precision
 from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
@@ -49,6 +51,7 @@ class Gemm:
     batch: int = 1
     out_bytes: int = 2  # bytes per output element (fp32 when it accumulates into the main gradient)
     accumulate: bool = False  # reads its output too (beta = 1: gradient-accumulation fusion)
+    dtype: str | None = None  # "fp8": a float8 GEMM (1-byte operands, the FP8 rate); None: the pass's dtype
 
 
 @dataclass
@@ -127,7 +130,7 @@ def attention_kernel(m: ModelConfig, L: ParallelLayout, seq_length: int, runtime
     dropout = m.attention_dropout > 0
     if cpu_host:
         return "math" if dropout else "cpu_flash"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compute_precision(precision)]
     mask = m.sliding_window is not None and m.sliding_window < seq_length
     try:
         return runtime_choice("cuda", dtype, m.head_size, mask=mask, dropout=dropout)
@@ -137,9 +140,11 @@ def attention_kernel(m: ModelConfig, L: ParallelLayout, seq_length: int, runtime
 
 def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
                kernels: str = "eager", flash: bool = True, main_grad_fp32: bool = True,
-               kind: str | None = None) -> LayerWork:
+               kind: str | None = None, fp8: Fp8Options | None = None) -> LayerWork:
     """Every kernel of one decoder layer (pre-norm attention + MLP blocks, as models/transformer.py);
-    ``kind``: its MLP kind (default the model's; a sparse layer's GEMMs: expert_cost.py)."""
+    ``kind``: its MLP kind (default the model's; a sparse layer's GEMMs: expert_cost.py). Under precision
+    fp8 (``fp8``: train.fp8, default its defaults) the float8 projections' GEMMs are float8 and their
+    casts and layout copies memory-bound kernels (fp8_terms.py); the rest is bf16."""
     a = FP32 if precision == "fp32" else 2
     x = dims(m, L, seq_length, micro_batch)
     T, q, kv, f, X = x["T"], x["q"], x["kv"], x["f"], x["X"]
@@ -155,10 +160,17 @@ def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: 
         proj += moe_gemms(m, L, seq_length, micro_batch)
     else:
         proj += [(T, g.n, g.k, 1) for g in mlp_kind(kind).projections(m, L.tp)]
+    o = (fp8 if fp8 is not None else Fp8Options()) if precision == "fp8" else None
+    float8 = fp8_projections(m, L.tp, o, kind) if o is not None else ()
     for mm, nn_, kk, bt in proj:
-        F.gemms.append(Gemm(mm, nn_, kk, batch=bt, out_bytes=a))
-        BI.gemms.append(Gemm(mm, kk, nn_, batch=bt, out_bytes=a))
-        BW.gemms.append(Gemm(kk, nn_, mm, batch=bt, out_bytes=FP32 if fused_acc else a, accumulate=fused_acc))
+        p8 = next((p for p in float8 if (p.n, p.k) == (nn_, kk) and bt == 1), None)
+        dt = "fp8" if p8 is not None else None
+        F.gemms.append(Gemm(mm, nn_, kk, batch=bt, out_bytes=a, dtype=dt))
+        BI.gemms.append(Gemm(mm, kk, nn_, batch=bt, out_bytes=a, dtype=dt))
+        BW.gemms.append(Gemm(kk, nn_, mm, batch=bt, out_bytes=FP32 if fused_acc else a, accumulate=fused_acc,
+                             dtype=dt))
+        if p8 is not None and o is not None:
+            _fp8_casts(F, BI, BW, p8, o, mm, kernels == "fused")
         if not fused_acc:
             BW.add(bt * kk * nn_ * (a + 2 * FP32) if main_grad_fp32 else 3 * bt * kk * nn_ * a, 1)
     F.launches += len(proj)
@@ -199,6 +211,17 @@ def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: 
     work = LayerWork(F, BI, BW)
     _attention(work.attn_f, work.attn_b, m, x, a, kernels, flash)
     return work
+
+
+def _fp8_casts(F: Pass, BI: Pass, BW: Pass, p8, o: Fp8Options, tokens: int, fused: bool) -> None:
+    """A float8 projection's amax-scale-casts per pass and the layout copies _scaled_mm needs
+    (fp8_terms.py): memory-bound kernels."""
+    for p, elems in zip((F, BI, BW), casts_per_pass(p8, o, tokens), strict=True):
+        for e in elems:
+            p.add(*cast_stream(e, fused))
+    dgrad, wgrad = copies_per_pass(p8, o, tokens)
+    BI.add(dgrad, 1)
+    BW.add(wgrad, 2)
 
 
 def _attention(F: Pass, BI: Pass, m: ModelConfig, x: dict[str, int], a: int, kernels: str, flash: bool) -> None:

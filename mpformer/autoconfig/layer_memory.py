@@ -40,11 +40,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpformer.autoconfig.expert_memory import MOE, moe_backward_bytes, moe_saved_bytes
+from mpformer.autoconfig.fp8_terms import fp8_layer_bytes, fp8_projections
+from mpformer.core.fp8_config import Fp8Options
 from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 weights and activations (float8 copies not counted yet)
+# fp8: bf16 parameters and activations; its float8 projections' saved inputs, weight copies and casts are
+# counted apart (fp8_terms.py)
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,11 @@ class LayerBytes:
     mlp: float
     other: float  # RoPE table casts, dropout masks
     backward: float  # live above the saved bytes while the layer runs its backward
+    fp8: float = 0.0  # train.precision=fp8: the float8 weight copies less the inputs' saving (fp8_terms.py)
 
     @property
     def saved(self) -> float:
-        return self.norms + self.attention + self.mlp + self.other
+        return self.norms + self.attention + self.mlp + self.other + self.fp8
 
 
 @dataclass(frozen=True)
@@ -94,11 +99,15 @@ def norm_bytes(m: ModelConfig, x: Shape, wb: int) -> float:
 
 
 def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
-                recompute: str | None = None, sunk: bool = False, kind: str = "dense") -> LayerBytes:
+                recompute: str | None = None, sunk: bool = False, kind: str = "dense",
+                fp8: Fp8Options | None = None, fused_casts: bool = False) -> LayerBytes:
     """mpformer's block: what one layer keeps per micro-batch on one rank under ``recompute`` (default:
     the layout's), and what its backward adds (module docstring); ``sunk``: its weight gradients are
     formed in a gradient buffer (ZeRO-3's gradient sink, layers/linear.py), not beside it; ``kind``:
-    the layer's MLP kind (``layer_mlp_kind``; a sparse layer's MLP is counted in expert_memory.py)."""
+    the layer's MLP kind (``layer_mlp_kind``; a sparse layer's MLP is counted in expert_memory.py);
+    ``fp8``: train.fp8 under precision fp8 (default: its defaults), whose float8 projections keep
+    1-byte inputs and weight copies and add their casts to the backward (fp8_terms.py; ``fused_casts``: a
+    runtime whose casts are single kernels)."""
     wb, x = BYTES[precision], shape(m, L, seq_length, micro_batch)
     mode = L.recompute if recompute is None else recompute
     tokens, gated, rope = x.s_n * x.b, m.gated_mlp, not m.learned_positions
@@ -111,7 +120,13 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
     if kind == MOE:
         mlp = moe_saved_bytes(m, L, seq_length, micro_batch, wb, mode)
         backward = moe_backward_bytes(m, L, seq_length, micro_batch, wb)
-    if mode == "full":
+    f8 = 0.0
+    if precision == "fp8":
+        o = fp8 if fp8 is not None else Fp8Options()
+        terms = fp8_layer_bytes(fp8_projections(m, L.tp, o, kind), o, x.s_n, x.s_r, x.b, fused_casts)
+        backward += terms.cast_peak
+        f8 = terms.weight_copies - terms.input_saving
+    if mode == "full":  # the recomputed forward saves the float8 copies again (recompute_bytes)
         return LayerBytes(wb * x.s_r * x.b * x.h, 0.0, 0.0, 0.0, backward)
     norms = 2 * norm_bytes(m, x, wb) + 2 * wb * x.s_r * x.b * x.h
     if mode == "selective":
@@ -120,17 +135,17 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
     else:
         attention = wb * tokens * (x.q + 2 * x.kv) + 4 * x.a * tokens + 2 * wb * tokens * x.q
     other = (4 * x.s_n * x.d * wb if rope and wb < 4 else 0.0) + (2 * x.s_r * x.b * x.h if m.hidden_dropout > 0 else 0)
-    return LayerBytes(norms, attention, mlp, other, backward)
+    return LayerBytes(norms, attention, mlp, other, backward, f8)
 
 
 def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
-                    kind: str = "dense") -> float:
+                    kind: str = "dense", fp8: Fp8Options | None = None) -> float:
     """Live above the kept input while a fully recomputed layer runs its backward: its activations again,
     of which the kept input is one (the first norm saves the input itself, either kind)."""
     if L.recompute != "full":
         return 0.0
-    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none", kind=kind).saved
-    return again - layer_bytes(m, L, seq_length, micro_batch, precision, kind=kind).saved
+    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none", kind=kind, fp8=fp8).saved
+    return again - layer_bytes(m, L, seq_length, micro_batch, precision, kind=kind, fp8=fp8).saved
 
 
 def megatron_layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,

@@ -61,6 +61,7 @@ from mpformer.autoconfig.expert_memory import (
     mlp_part_sizes,
     stage_expert_params,
 )
+from mpformer.autoconfig.fp8_terms import delayed_state_bytes
 from mpformer.autoconfig.inflight import inflight, offloaded, weighted_peak
 from mpformer.autoconfig.layer_memory import BYTES
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head
@@ -282,6 +283,8 @@ def _stage_shape(p: PlanInputs, r: int, first: bool, last: bool, chunks: tuple[i
     else:
         state = sum(zero_formula_bytes(L.zero, k, d, w=0 if p.stage3 and p.wb < 4 else p.wb, g=4,
                                        m=4 if p.wb < 4 else 0, k=8) for k, d in ((n - n_e, p.n_d), (n_e, edp)) if k)
+    # Delayed scaling's amax histories and scales: buffers of every float8 projection (fp8_terms.py)
+    state += delayed_state_bytes(p.fp8_projs, p.runtime.fp8) * len(layers)
     units = stage_units(p, first, last, chunks, starts)
     io = p.boundary * (((r > 0 or L.vpp > 1) and not p.shared_input) + (not last or L.vpp > 1))
     per_unit = sum(u.saved for u in units if u.name == "layer") + io

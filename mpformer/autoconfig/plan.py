@@ -22,8 +22,9 @@ from mpformer.autoconfig.cluster import Cluster, load_cluster
 from mpformer.autoconfig.cost import calibration
 from mpformer.autoconfig.explain import Explanation, explain_search
 from mpformer.autoconfig.memory import Workload
+from mpformer.autoconfig.precision import allowed, check_precision, search_precisions
 from mpformer.autoconfig.runtimes import mpformer_runtime
-from mpformer.autoconfig.search import evaluate_plan, no_plan_error, search
+from mpformer.autoconfig.search import evaluate_plan, no_plan_error
 from mpformer.core.composed import Composed
 from mpformer.core.config import Config
 from mpformer.core.errors import ConfigError
@@ -123,7 +124,9 @@ def choose_layout(cfg: Config, composed: Composed, world_size: int) -> Predictio
     device = _device_kind(cfg)
     cluster = run_cluster(cfg.autoconfig.cluster, world_size, device)
     w, fixed = workload(cfg), pinned_fields(composed)
-    res = search(cfg.model, cluster, w, fixed=fixed, top_k=cfg.autoconfig.top_k, device=device)
+    precisions = allowed(cluster, cfg.autoconfig.precisions, w.precision)
+    res, w = search_precisions(cfg.model, cluster, w, precisions, fixed=fixed, top_k=cfg.autoconfig.top_k,
+                               device=device)
     if not res.top:
         raise no_plan_error(res, cluster)
     why = explain_search(res, cfg.model, cluster, w, fixed=fixed, device=device) if cfg.autoconfig.explain else None
@@ -136,12 +139,14 @@ def apply_plan(cfg: Config, composed: Composed, prediction: Prediction) -> Confi
     best = prediction.candidate
     keep = set(NOT_SEARCHED) | ({"pp_partition"} if "pp_partition" in composed.overridden_keys("parallel") else set())
     chosen = {f.name: getattr(best.layout, f.name) for f in fields(ParallelLayout) if f.name not in keep}
+    precision = best.precision or cfg.train.precision  # chosen among autoconfig.precisions, or the run's own
     return replace(cfg, parallel=replace(cfg.parallel, **chosen),
-                   train=replace(cfg.train, micro_batch_size=best.micro_batch_size))
+                   train=replace(cfg.train, micro_batch_size=best.micro_batch_size, precision=precision))
 
 
 def predict(cfg: Config, layout: ParallelLayout, world_size: int) -> Prediction:
     """The cost model's step time for the layout the run uses (cfg.autoconfig.cluster names the hardware)."""
     device = _device_kind(cfg)
     cluster = run_cluster(cfg.autoconfig.cluster, world_size, device)
+    check_precision(cluster, cfg.train.precision)
     return Prediction(evaluate_plan(cfg.model, layout, workload(cfg), cluster, device), cluster)

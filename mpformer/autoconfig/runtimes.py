@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from mpformer.core.buffers import ZERO3_PREFETCH_NUMEL, ZERO3_REDUCE_NUMEL, ZERO3_UNIT_NUMEL
 from mpformer.core.config import TrainConfig
+from mpformer.core.fp8_config import Fp8Options
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class Runtime:
     # gradient; or of ``bucket_numel`` = (a, b): max(a, b * dp) parameters (Megatron-Core's default).
     bucket_mb: float = 25.0
     bucket_numel: tuple[float, float] | None = None
+    # train.fp8 (read under precision fp8 only, autoconfig/fp8_terms.py): the recipe, its amax window and
+    # the layers kept in bf16
+    fp8: Fp8Options = field(default_factory=Fp8Options)
 
     def buckets(self, params: float, reduce_bytes: int, dp: int) -> int:
         """How many collectives reduce ``params`` gradients of ``reduce_bytes`` over ``dp`` ranks."""
@@ -119,7 +123,7 @@ def mpformer_runtime(t: TrainConfig) -> Runtime:
     """mpformer's runtime as a training config sets it up (its train.zero3_* settings)."""
     return replace(MPFORMER, unit_numel=t.zero3_unit_numel, prefetch_numel=t.zero3_prefetch_numel,
                    reduce_numel=t.zero3_reduce_numel, bucket_mb=t.grad_bucket_mb, post_validation=t.post_validation,
-                   overlap_validation=t.overlap_validation, tf32=t.tf32)
+                   overlap_validation=t.overlap_validation, tf32=t.tf32, fp8=Fp8Options.from_config(t.fp8))
 
 
 def zero3_extras(rt: Runtime, sizes: list[float], biggest: list[float], reads: list[bool], wb: int,
@@ -152,7 +156,7 @@ def gathered_at_head(rt: Runtime, head: float, biggest: float, wb: int) -> float
 
 
 def parts_gathered(sizes: Sequence[float], reads: Sequence[bool], layers: Sequence[Hashable | None],
-                   recomputed: Sequence[bool], prefetch: float) -> list[float]:
+                   recomputed: Sequence[bool], prefetch: float, nbytes: Sequence[float] | None = None) -> list[float]:
     """mpformer's ZeRO-3 (optim/gather.py): per unit in backward order (head, each layer's units from its
     last, the embedding), the elements gathered while its backward runs. The units are used in this
     order: the head; per layer, if fully recomputed its units in forward order (the recomputed forward),
@@ -160,7 +164,8 @@ def parts_gathered(sizes: Sequence[float], reads: Sequence[bool], layers: Sequen
     gathered, and the next distinct unit used if it has at most ``prefetch`` elements. A recomputed
     layer's forward happens at the point of its first unit in backward (the activations walked there
     include the recomputed ones), so that point takes the largest of those uses too. ``layers``: the
-    layer each unit belongs to (None: the head, the embedding)."""
+    layer each unit belongs to (None: the head, the embedding). ``nbytes``: each unit's gathered bytes
+    (fp8: its float8 weights at 1 byte an element); then the result is in bytes, not elements."""
     uses: list[tuple[int, int]] = []  # (unit, the walk point it falls at)
     k, n = 0, len(sizes)
     while k < n:
@@ -178,6 +183,7 @@ def parts_gathered(sizes: Sequence[float], reads: Sequence[bool], layers: Sequen
     out = [0.0] * n
     for t, (q, point) in enumerate(uses):
         nxt = next((u for u, _ in uses[t + 1:] if u != q), None)
-        ahead = sizes[nxt] if nxt is not None and sizes[nxt] <= prefetch else 0.0
-        out[point] = max(out[point], sizes[q] + ahead)
+        held = sizes if nbytes is None else nbytes
+        ahead = held[nxt] if nxt is not None and sizes[nxt] <= prefetch else 0.0
+        out[point] = max(out[point], held[q] + ahead)
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from mpformer.autoconfig.block_memory import HeadLive, LayerLive, slice_kv_bytes
 from mpformer.autoconfig.expert_memory import expert_param_sizes
+from mpformer.autoconfig.fp8_terms import Fp8Proj, fp8_projections, gathered_bytes
 from mpformer.autoconfig.layer_memory import BYTES, shape
 from mpformer.autoconfig.runtimes import Runtime, parts_gathered, zero3_extras
 from mpformer.autoconfig.step_memory import ReductionSpec, Unit
@@ -48,6 +49,13 @@ class PlanInputs:
     @property
     def wb(self) -> int:
         return BYTES[self.w.precision]
+
+    @property
+    def fp8_projs(self) -> tuple[Fp8Proj, ...]:
+        """A layer's float8 projections on this rank (none unless precision fp8; fp8_terms.py)."""
+        if self.w.precision != "fp8":
+            return ()
+        return fp8_projections(self.m, self.L.tp, self.runtime.fp8)
 
     @property
     def n_d(self) -> int:
@@ -171,9 +179,11 @@ def with_gathered(p: PlanInputs, units: list[Unit], gathered: list[Gather]) -> l
     ``extra`` (runtimes.py; for a runtime whose buffers step_memory does not walk, those too)."""
     sizes, reads = [g.size for g in gathered], [g.reads for g in gathered]
     if p.runtime.units == "parts":
-        elems = parts_gathered(sizes, reads, [u.layer for u in units], [p.reruns(u.layer) for u in units],
-                               p.runtime.prefetch_numel)
-        extras = [p.wb * g for g in elems]
+        nbytes = [gathered_bytes(u.params, p.fp8_projs, p.runtime.fp8, p.wb) if u.name == "layer" else p.wb * g.size
+                  for u, g in zip(units, gathered, strict=True)] if p.fp8_projs else None
+        held = parts_gathered(sizes, reads, [u.layer for u in units], [p.reruns(u.layer) for u in units],
+                              p.runtime.prefetch_numel, nbytes)
+        extras = held if nbytes is not None else [p.wb * g for g in held]
     else:
         extras = zero3_extras(p.runtime, sizes, [g.biggest for g in gathered], reads, p.wb, p.n_d)
     return [replace(u, extra=u.extra + e) for u, e in zip(units, extras)]

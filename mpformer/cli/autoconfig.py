@@ -43,8 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.explain import explain_search
     from mpformer.autoconfig.memory import Workload
+    from mpformer.autoconfig.precision import allowed, search_precisions
     from mpformer.autoconfig.runtimes import mpformer_runtime
-    from mpformer.autoconfig.search import no_plan_error, search
+    from mpformer.autoconfig.search import no_plan_error
     from mpformer.cli.compose import compose_config
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -52,8 +53,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.model.validate()
     check_training_config(cfg)  # the train-section rules pretraining applies (precision, sequence, batch)
     t, ac = cfg.train, cfg.autoconfig
-    if t.precision == "fp8":  # trains (at tp=1), but the cost and memory models have no float8 terms yet
-        raise ConfigError("train.precision='fp8' is not priced by the auto-configurator yet; valid: fp32, bf16, fp16")
     if ac.top_k < 1:
         raise ConfigError(f"autoconfig.top_k={ac.top_k} must be >= 1 (plans to print)")
     if ac.output:
@@ -64,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     w = Workload(t.global_batch_size, t.micro_batch_size, t.seq_length, t.precision, runtime=mpformer_runtime(t))
     device = "cpu" if cluster.cores else "cuda"
     fixed = ac.fixed.pinned()
-    res = search(cfg.model, cluster, w, fixed=fixed, top_k=ac.top_k, device=device)
+    precisions = allowed(cluster, ac.precisions, t.precision)
+    res, w = search_precisions(cfg.model, cluster, w, precisions, fixed=fixed, top_k=ac.top_k, device=device)
     if not res.top:
         raise no_plan_error(res, cluster)
     dropped = _rehearse(res, cluster, args, ac.rehearse)
@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if explanation is not None:
         print(explanation.text(width=_width()), end="")
     best = res.top[0]
-    payload = {"plan": best.plan(), "predicted": _predicted(best, cfg.model, cluster.world_size, w),
+    payload = {"plan": best.plan(), "precision": w.precision,
+               "predicted": _predicted(best, cfg.model, cluster.world_size, w),
                "top": [{"plan": c.plan(), "predicted": _predicted(c, cfg.model, cluster.world_size, w)}
                        for c in res.top],
                "candidates_evaluated": res.evaluated, "structures_pruned": res.pruned, "search_time_s": res.seconds,

@@ -244,6 +244,9 @@ class AutoconfigConfig:
     # plan) and drop a plan whose rehearsed peak exceeds the device's usable memory. None: on for a GPU
     # cluster whose GPU the rehearsal knows (rehearsal/devices.py), off for a CPU host.
     rehearse: bool | None = None
+    # train.precision values the search may choose among (autoconfig/precision.py: each searched, the fastest
+    # plan's wins; one the cluster's device has no rate for is left out, fp8 on an A100). Empty: train.precision.
+    precisions: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -284,6 +287,8 @@ def check_training_config(cfg: Config) -> None:
     """Rules of the train/optim/logging sections (the layout has its own validator)."""
     t, o = cfg.train, cfg.optim
     _choice("train.precision", t.precision, PRECISIONS)
+    for p in cfg.autoconfig.precisions:
+        _choice("autoconfig.precisions", p, PRECISIONS)
     moe = [i for i in range(cfg.model.num_layers) if is_moe_layer(cfg.model, i)]
     check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile, moe)
     tokens = t.micro_batch_size * t.seq_length // max(cfg.parallel.cp, 1)  # a float8 GEMM's M: dW's K on CUDA

@@ -64,6 +64,13 @@ def compute_precision(precision: str) -> str:
     return COMPUTE_DTYPE if precision == "fp8" else precision
 
 
+def fp8_layout_limits(moe: bool = False) -> dict[str, Any]:
+    """What a layout must keep to train in fp8 (the rules below, for the auto-configurator's search):
+    ``ones``: the fields that must be 1 (a model whose routed experts go float8: cp and etp, see
+    check_fp8_config); ``max_zero``: the highest ZeRO stage (every one: ZeRO-3 gathers float8 weights)."""
+    return {"ones": ("cp", "etp") if moe else (), "max_zero": 3}
+
+
 def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool,
                      moe_layers: Sequence[int] = ()) -> None:
     """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig);

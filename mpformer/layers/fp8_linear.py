@@ -132,20 +132,19 @@ def cast(t: torch.Tensor, role: str, recipe: Float8Recipe, state: DelayedScaling
     return cast_to_fp8(t, scale, dtype), scale
 
 
-def rowwise_cast(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int,
-                 comms: tuple[Comm, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` (2-D) cast with scales from its amaxes along ``dim`` (the contraction dimension; [M, 1] for
-    ``dim=1`` of a left operand, [1, N] for ``dim=0`` of a right one), over ``comms`` too."""
-    scale = scale_from_amax(amax(t, comms, dim), dtype, margin).contiguous()
-    return cast_to_fp8(t, scale, dtype), scale
+def rowwise_scale(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int,
+                  comms: tuple[Comm, ...] = ()) -> torch.Tensor:
+    """Scales of ``t`` (2-D) from its amaxes along ``dim`` (the contraction dimension; [M, 1] for ``dim=1``
+    of a left operand, [1, N] for ``dim=0`` of a right one), over ``comms`` too."""
+    return scale_from_amax(amax(t, comms, dim), dtype, margin).contiguous()
 
 
 def rowwise_gemm(a: torch.Tensor, b: torch.Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype, margin: int,
                  out_dtype: torch.dtype, comms: tuple[Comm, ...] = ()) -> torch.Tensor:
-    """a [M, K] @ b [K, N] with a scaled per row and b per column (amaxes along K, split over ``comms``)."""
-    a8, sa = rowwise_cast(a, 1, dtype_a, margin, comms)
-    b8, sb = rowwise_cast(b, 0, dtype_b, margin, comms)
-    return scaled_mm(a8, b8, sa, sb, out_dtype)
+    """a [M, K] @ b [K, N] with a scaled per row and b per column (amaxes along K, split over ``comms``).
+    Both scales first, then the casts: an amax's |t| temporary is gone before a float8 copy exists."""
+    sa, sb = rowwise_scale(a, 1, dtype_a, margin, comms), rowwise_scale(b, 0, dtype_b, margin, comms)
+    return scaled_mm(cast_to_fp8(a, sa, dtype_a), cast_to_fp8(b, sb, dtype_b), sa, sb, out_dtype)
 
 
 def weight_grad(x8: torch.Tensor, x_scale: torch.Tensor, dy8: torch.Tensor, dy_scale: torch.Tensor,
@@ -192,11 +191,12 @@ class _Fp8Linear(torch.autograd.Function):
         rows = x2.shape[0] * (seq.size if seq is not None else 1)
         _check_tokens(rows, k)
         if recipe.name == "rowwise":  # amaxes along K: split over a row-parallel layer's tp
-            x8, sx = rowwise_cast(x2, 1, E4M3, recipe.margin, shards.over("k"))
+            sx = rowwise_scale(x2, 1, E4M3, recipe.margin, shards.over("k"))
+            sw = rowwise_scale(weight.t(), 0, E4M3, recipe.margin, shards.over("k"))
+            x8 = cast_to_fp8(x2, sx, E4M3)
             if seq is not None:
                 x8, sx = _gather8(x8, seq), seq.all_gather(sx, 0)
-            w8t, sw = rowwise_cast(weight.t(), 0, E4M3, recipe.margin, shards.over("k"))
-            y = scaled_mm(x8, w8t, sx, sw, out_dtype)
+            y = scaled_mm(x8, cast_to_fp8(weight.t(), sw, E4M3), sx, sw, out_dtype)
             ctx.save_for_backward(x2, weight)
         else:
             x8, sx = cast(x2, "input", recipe, state, record, shards.over(*_ROLE_DIMS["input"]))

@@ -40,7 +40,9 @@ from mpformer.core.moe_config import is_moe_layer
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 from mpformer.layers.moe_dispatch import ID_BYTES, dispatch_bytes
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 weights and activations (float8 copies not counted yet)
+# fp8: bf16 parameters, activations and gradients (tp = 1 today: no float8 collective runs; ZeRO-3 and
+# sequence-parallel float8 gathers, when they land, move 1 byte an element: autoconfig/fp8_terms.py)
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 def _replicated_partial(cfg: Config, layers: int, first: bool, last: bool) -> int:

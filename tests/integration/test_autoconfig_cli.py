@@ -40,6 +40,26 @@ def test_plan_json_and_parallel_config(tmp_path):
     assert f"recompute_layers: {'null' if k is None else k}\n" in yaml
 
 
+def test_fp8_is_priced_and_chosen_among_the_allowed_precisions(tmp_path):
+    """train.precision=fp8 (issue 35) on DGX H100s: priced alone (every plan written runs in fp8); with autoconfig.precisions=[bf16,fp8] both searched and the faster's precision written
+    (the JSON's "precision", pretrain's overrides)."""
+    base = ["model=llama-1b", "cluster=dgx-h100", "train.global_batch_size=64", "train.seq_length=2048",
+            "autoconfig.rehearse=false"]
+    out = tmp_path / "fp8.json"
+    res = _run(*base, "train.precision=fp8", f"autoconfig.output={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["precision"] == "fp8"
+    assert d["top"] and all(t["plan"]["dp"] * t["plan"]["tp"] * t["plan"]["pp"] * t["plan"]["cp"] == 8 for t in d["top"])
+    out = tmp_path / "both.json"
+    res = _run(*base, "autoconfig.precisions=[bf16,fp8]", f"autoconfig.output={out}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    both = json.loads(out.read_text())
+    assert both["precision"] in ("bf16", "fp8") and f"train.precision={both['precision']}" in res.stdout
+    fp8_s = d["predicted"]["iteration_time_s"]
+    assert both["predicted"]["iteration_time_s"] <= fp8_s * (1 + 1e-9)
+
+
 def test_the_plans_are_rehearsed_before_one_is_chosen(tmp_path):
     """The README example on a GPU cluster: each printed plan's most loaded rank is rehearsed on an H100
     (rehearsal/), its peak fits the usable memory (85.5 GB less the context, NCCL and the reserve) and is

@@ -24,15 +24,20 @@ def test_dry_run_passes_every_part(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["passed"]
-    assert [p["name"] for p in summary["parts"]] == ["tests", "train", "kernels", "offload", "moe"]
+    assert [p["name"] for p in summary["parts"]] == ["tests", "train", "fp8", "kernels", "offload", "moe"]
     assert all(p["passed"] for p in summary["parts"])
     assert all(p["result"] is not None for p in summary["parts"] if p["name"] != "tests")
     assert "passed" in (tmp_path / "tests.log").read_text()  # the kernel tests ran, not only skipped
-    kernels = summary["parts"][2]["result"]["results"]
+    part = {p["name"]: p["result"] for p in summary["parts"]}
+    kernels = part["kernels"]["results"]
     assert kernels["ring_rank"]["error"] < 1e-5 and kernels["documents"]["error"] < 1e-5
-    moe = summary["parts"][4]["result"]["results"]  # every shape timed grouped, padded and the loop
+    moe = part["moe"]["results"]  # every shape timed grouped, padded and the loop
     assert all({"grouped", "padded", "loop"} <= set(shape["results"]["bf16"]) for shape in moe)
     assert all(shape["results"]["bf16"]["grouped"]["max_rel_err_vs_loop"] <= 2e-2 for shape in moe)
+    # the fp8 row: the same run in float8 against the bf16 one (its loss within the part's tolerance)
+    fp8 = part["fp8"]["result"]
+    assert fp8["precision"] == "fp8" and fp8["recipe"] == "tensorwise" and abs(fp8["final_loss_gap"]) <= 0.015
+    assert fp8["bf16_final_loss"] == part["train"]["result"]["loss_first_last"][1]
     # at most 8 files come back from a device run's $OUT
     assert len(list(tmp_path.iterdir())) <= 8
 
@@ -120,7 +125,8 @@ def test_each_parts_timeout_is_the_one_its_rehearsed_work_gives():
     committed = {name: p["seconds"] for name, p in json.loads((ROOT / "benchmarks" / "gpu_budget.json").read_text())
                  ["parts"].items()}
     assert derived == committed, (derived, committed)
-    assert "budget train" in SCRIPT.read_text() and sum(derived.values()) < 420  # the device's 10-minute call
+    # the device's 10-minute call, less its start and the wheels' install (the fp8 part took it from 392 to 472)
+    assert "budget train" in SCRIPT.read_text() and "budget fp8" in SCRIPT.read_text() and sum(derived.values()) < 480
     # the moe part runs bench_expert_gemm.py with the arguments its budget counted (beside --device cuda)
     args = re.search(r"^  MOE=\(--device cuda ([^)]*)\)", SCRIPT.read_text(), re.M).group(1).split()
     assert args == module.MOE_ARGS, (args, module.MOE_ARGS)

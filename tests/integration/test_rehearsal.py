@@ -222,6 +222,26 @@ def test_unequal_chunks_are_counted_by_their_own_layers():
         assert model == pytest.approx(rep["peak_bytes"], rel=0.03), (rep["rank"], model, rep["peak_by_kind"])
 
 
+def test_fp8_rehearses_within_the_memory_model():
+    """train.precision=fp8 (issue 35) at gpu_check.sh's 1B Llama size (two of its 16 layers: a rehearsal's
+    cost is its ops), each recipe: ``_scaled_mm`` runs on meta CUDA tensors with fused attention only, no
+    [s, s] tensor and no host read in the step, and the memory model (its float8 inputs, weight copies and
+    casts: autoconfig/fp8_terms.py) within 5% of the rehearsed peak, as for bf16."""
+    from mpformer.cli.compose import compose_config
+    from mpformer.rehearsal.report import predicted
+    from mpformer.training.preflight import preflight_rehearsal
+
+    base = ["model=llama-1b", "model.num_layers=2", "train.seq_length=2048", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "parallel.dp=1", "train.precision=fp8"]
+    cases = [[*base, f"train.fp8.recipe={r}"] for r in ("tensorwise", "rowwise", "delayed")]
+    for args, rep in zip(cases, rehearse_many([(a, 1, 0, None) for a in cases]), strict=True):
+        spec = preflight_rehearsal(compose_config(args), 1)
+        model = predicted(spec.cfg, spec.layout, 0)["predicted_peak_bytes"]
+        assert model == pytest.approx(rep["peak_bytes"], rel=0.05), (args[-1], model, rep["peak_by_kind"])
+        assert set(rep["attention_kernels"]) == {"flash"} and not rep["square_tensors"], args[-1]
+        assert not [x for x in rep["host_syncs"] if not x.get("boundary")], (args[-1], rep["host_syncs"])
+
+
 # ---- mixture of experts -----------------------------------------------------------------------------------
 # Mixtral 8x7B's widths (HF mistralai/Mixtral-8x7B-v0.1 config.json), two of its 32 layers: a rehearsal's cost
 # is its op count, not its tensors' sizes (meta), so the shapes are the real model's

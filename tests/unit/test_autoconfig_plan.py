@@ -67,3 +67,23 @@ def test_parallel_auto_explains_its_choice_when_asked(monkeypatch):
     assert d == pred.explanation.to_dict() and {x["label"] for x in d["comparisons"]} == {"runner-up", "baseline"}
     text = pred.summary()
     assert text.startswith("auto-configurator chose") and "runner-up" in text
+
+
+def test_parallel_auto_may_choose_fp8_on_a_gpu_cluster(monkeypatch):
+    """autoconfig.precisions=[bf16,fp8] on DGX H100s: parallel=auto searches both and the run takes the
+    faster plan's precision with its layout (one the training config's rules accept); fp8 alone on an A100 cluster fails in one line (no float8 tensor cores)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    base = ["model=llama-1b", "train.seq_length=2048", "train.global_batch_size=64", "parallel=auto"]
+    c = compose_config([*base, "autoconfig.cluster=dgx-h100", "autoconfig.precisions=[fp8]"])
+    pred = choose_layout(c.cfg, c, 8)
+    cfg = apply_plan(c.cfg, c, pred)
+    assert cfg.train.precision == "fp8" and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 8
+    from mpformer.core.config import check_training_config
+
+    check_training_config(cfg)
+    c = compose_config([*base, "autoconfig.cluster=dgx-h100", "autoconfig.precisions=[bf16,fp8]"])
+    pred = choose_layout(c.cfg, c, 8)
+    assert apply_plan(c.cfg, c, pred).train.precision == pred.candidate.precision
+    c = compose_config([*base, "autoconfig.cluster=dgx-a100-80gb", "train.precision=fp8"])
+    with pytest.raises(ConfigError, match="cluster dgx-a100-80gb has no fp8 rate"):
+        choose_layout(c.cfg, c, 8)

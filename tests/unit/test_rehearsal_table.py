@@ -13,16 +13,19 @@ import pytest
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 TABLE, MOE_TABLE = RESULTS / "rehearsal_memory.json", RESULTS / "rehearsal_moe.json"
+FP8_TABLE = RESULTS / "rehearsal_fp8.json"
 
 
-def _meets_the_memory_model(rows: list[dict]) -> None:
+def _meets_the_memory_model(rows: list[dict], precision: list[str] | None = None) -> None:
+    """``precision``: overrides the rows are rehearsed under besides their own (bf16 unless they name one)."""
     from mpformer.cli.compose import compose_config
     from mpformer.rehearsal.report import predicted
     from mpformer.training.preflight import preflight_rehearsal
 
     for r in rows:
         assert abs(r["predicted_peak_bytes"] / r["peak_bytes"] - 1) <= 0.05, (r["layout"], r["rank"])
-        spec = preflight_rehearsal(compose_config([*r["overrides"], "train.precision=bf16"]), r["world_size"])
+        extra = ["train.precision=bf16"] if precision is None else precision
+        spec = preflight_rehearsal(compose_config([*r["overrides"], *extra]), r["world_size"])
         now = predicted(spec.cfg, spec.layout, r["coords"]["pp"])["predicted_peak_bytes"]
         assert now == pytest.approx(r["predicted_peak_bytes"], rel=1e-9), (r["layout"], r["rank"], now)
 
@@ -42,3 +45,13 @@ def test_the_moe_table_meets_the_memory_model():
     assert {r["coords"]["pp"] for r in rows} == {0, 3}
     assert all(any(k in r["layout"] for r in rows) for k in ("alltoall", "allgather"))
     _meets_the_memory_model(rows)
+
+
+def test_the_fp8_table_meets_the_memory_model():
+    """train.precision=fp8 (issue 35): the 1B Llama of gpu_check.sh in each recipe and Llama 3 8B at dp=8
+    ZeRO-2 with selective recompute, their float8 weight copies, 1-byte inputs and casts counted
+    (autoconfig/fp8_terms.py)."""
+    rows = json.loads(FP8_TABLE.read_text())["rows"]
+    assert all(any(k in r["layout"] for r in rows) for k in ("tensorwise", "rowwise", "delayed", "8B"))
+    assert all("train.precision=fp8" in r["overrides"] for r in rows)
+    _meets_the_memory_model(rows, precision=[])
