@@ -291,12 +291,14 @@ def check_training_config(cfg: Config) -> None:
         _choice("autoconfig.precisions", p, PRECISIONS)
     moe = [i for i in range(cfg.model.num_layers) if is_moe_layer(cfg.model, i)]
     check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile, moe)
-    tokens = t.micro_batch_size * t.seq_length // max(cfg.parallel.cp, 1)  # a float8 GEMM's M: dW's K on CUDA
+    # a float8 GEMM's M (dW's K on CUDA): a micro-batch's tokens on this rank, per token slice of a pipeline
+    split = max(cfg.parallel.cp, 1) * max(cfg.parallel.pp_token_slices, 1)
+    tokens = t.micro_batch_size * t.seq_length // split
     if t.precision == "fp8" and tokens % 16:
         raise ConfigError(f"train.precision=fp8 with {tokens} tokens per micro-batch and rank (train.micro_batch_size="
-                          f"{t.micro_batch_size} x train.seq_length={t.seq_length} / parallel.cp={cfg.parallel.cp}): "
-                          "float8 weight-gradient GEMMs need a multiple of 16; valid: a micro-batch x sequence "
-                          "length that is")
+                          f"{t.micro_batch_size} x train.seq_length={t.seq_length} / parallel.cp={cfg.parallel.cp} / "
+                          f"parallel.pp_token_slices={cfg.parallel.pp_token_slices}): float8 weight-gradient GEMMs "
+                          "need a multiple of 16; valid: a micro-batch x sequence length that is")
     _choice("train.cpu_attention", t.cpu_attention, CPU_ATTENTION)
     _choice("train.cpu_dgrad", t.cpu_dgrad, CPU_DGRAD)
     if t.precision == "fp16" and not (t.initial_loss_scale >= t.min_loss_scale > 0 and t.loss_scale_window >= 1):

@@ -41,7 +41,8 @@ def test_plan_json_and_parallel_config(tmp_path):
 
 
 def test_fp8_is_priced_and_chosen_among_the_allowed_precisions(tmp_path):
-    """train.precision=fp8 (issue 35) on DGX H100s: priced alone (every plan written runs in fp8); with autoconfig.precisions=[bf16,fp8] both searched and the faster's precision written
+    """train.precision=fp8 (issue 35) on DGX H100s: priced alone (every plan written runs in fp8); with
+    autoconfig.precisions=[bf16,fp8] both searched and the faster's precision written
     (the JSON's "precision", pretrain's overrides)."""
     base = ["model=llama-1b", "cluster=dgx-h100", "train.global_batch_size=64", "train.seq_length=2048",
             "autoconfig.rehearse=false"]
@@ -50,7 +51,8 @@ def test_fp8_is_priced_and_chosen_among_the_allowed_precisions(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     d = json.loads(out.read_text())
     assert d["precision"] == "fp8"
-    assert d["top"] and all(t["plan"]["dp"] * t["plan"]["tp"] * t["plan"]["pp"] * t["plan"]["cp"] == 8 for t in d["top"])
+    assert d["top"]
+    assert all(t["plan"]["dp"] * t["plan"]["tp"] * t["plan"]["pp"] * t["plan"]["cp"] == 8 for t in d["top"])
     out = tmp_path / "both.json"
     res = _run(*base, "autoconfig.precisions=[bf16,fp8]", f"autoconfig.output={out}")
     assert res.returncode == 0, res.stderr[-2000:]

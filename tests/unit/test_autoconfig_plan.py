@@ -71,7 +71,8 @@ def test_parallel_auto_explains_its_choice_when_asked(monkeypatch):
 
 def test_parallel_auto_may_choose_fp8_on_a_gpu_cluster(monkeypatch):
     """autoconfig.precisions=[bf16,fp8] on DGX H100s: parallel=auto searches both and the run takes the
-    faster plan's precision with its layout (one the training config's rules accept); fp8 alone on an A100 cluster fails in one line (no float8 tensor cores)."""
+    faster plan's precision with its layout (one the training config's rules accept); fp8 alone on an A100
+    cluster fails in one line (no float8 tensor cores)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     base = ["model=llama-1b", "train.seq_length=2048", "train.global_batch_size=64", "parallel=auto"]
     c = compose_config([*base, "autoconfig.cluster=dgx-h100", "autoconfig.precisions=[fp8]"])

@@ -93,6 +93,9 @@ def test_tokens_per_micro_batch_must_align():
     msg = _fails("train.precision=fp8", "train.micro_batch_size=1", "train.seq_length=40")
     assert "40 tokens per micro-batch" in msg and "multiple of 16" in msg and "\n" not in msg
     check_training_config(_cfg("train.precision=fp8", "train.micro_batch_size=2", "train.seq_length=40"))
+    msg = _fails("train.precision=fp8", "train.micro_batch_size=1", "train.seq_length=64", "parallel.pp=2",
+                 "parallel.pp_token_slices=8")  # a pipeline's token slice is a GEMM's M of its own
+    assert "8 tokens per micro-batch" in msg and "parallel.pp_token_slices=8" in msg
 
 
 def test_delayed_scaling_composes_with_recompute_and_overlapped_validation():
