@@ -15,9 +15,10 @@ What the rehearsal counts and the model predicts are the tensors' live bytes; ne
 context, NCCL's buffers or the allocator's fragmentation (rehearsal/devices.py holds those).
 
 ``--moe``: mixture-of-experts layouts (Mixtral 8x7B at its full 32 layers, ep=8 over the dp ranks, each
-dispatcher), in a JSON of their own; ``--fp8``: train.precision=fp8 (issue 35) on the layouts it trains
-today (tp = pp = cp = 1, ZeRO 0-2): the 1B Llama of gpu_check.sh in each recipe and Llama 3 8B over 8 ranks
-at ZeRO-2 with selective recompute, whose float8 copies and casts the model counts (autoconfig/fp8_terms.py).
+dispatcher), in a JSON of their own; ``--fp8``: train.precision=fp8 (issue 35): the 1B Llama of gpu_check.sh
+in each recipe and Llama 3 8B over 8 ranks with selective recompute at ZeRO-2, at tp=2 with sequence
+parallelism and at ZeRO-3 (float8 weight gathers), whose float8 copies and casts the model counts
+(autoconfig/fp8_terms.py).
 tests/unit/test_rehearsal_table.py holds the three tables within 5%.
 """
 

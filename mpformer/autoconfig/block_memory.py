@@ -84,12 +84,16 @@ def layer_live(m: ModelConfig, L: ParallelLayout, w: Workload, mode: str, rt: Ru
     tokens = x.s_n * x.b
     if w.flash_attention and rt.block == "mpformer":  # mpformer's own block (and torchtitan's)
         args = (w.seq_length, w.micro_batch_size, w.precision)
-        lb = layer_bytes(m, Lm, *args, sunk=sunk, kind=kind, fp8=rt.fp8, fused_casts=rt.kernels == "fused")
+        # mpformer's ZeRO-3 (sunk) gathers the float8 layers' weights in float8 (optim/fp8_gather.py): a
+        # forward uses the unit's view, saving no weight copy of its own (fp8_terms.py)
+        lb = layer_bytes(m, Lm, *args, sunk=sunk, kind=kind, fp8=rt.fp8, fused_casts=rt.kernels == "fused",
+                         fp8_gathered=sunk)
         if mode == "selective" and rt.selective == "op":  # torchtitan's op-level SAC (runtimes.py)
             saved = wb * x.s_r * x.b * x.h + wb * tokens * (2 * x.q + x.kv + x.f + x.h) + 4 * x.a * tokens
             again = layer_bytes(m, Lm, *args, recompute="none", fp8=rt.fp8).saved - saved
             return LayerLive(saved + kept, again + lb.backward)
-        return LayerLive(lb.saved + kept, lb.backward + recompute_bytes(m, Lm, *args, kind=kind, fp8=rt.fp8) + again)
+        again += recompute_bytes(m, Lm, *args, kind=kind, fp8=rt.fp8, fp8_gathered=sunk)
+        return LayerLive(lb.saved + kept, lb.backward + again)
     # Megatron's block (layer_memory.megatron_layer_bytes; without a flash kernel, whoever runs it). A
     # recomputed layer's activations come back in its backward, which adds the gradients of the MLP's
     # wide activations (while all of them live) or, once the MLP's are freed, the gradient of the

@@ -29,6 +29,13 @@ whose input is the sequence-parallel shard, s_n b for o and down):
                    recompute at 8B 5% over (the MLP's recomputed activations are freed by dY's cast).
     delayed state  the amax history [3, H] and the scales [3] in fp32 per float8 projection: persistent
                    (model state), 4 (3 H + 3) bytes
+    ZeRO-3         (tensorwise, delayed; optim/fp8_gather.py) the weights are cast shard by shard before
+                   the all-gather and arrive in the unit's float8 buffer (1 byte an element: counted
+                   with the gathered units, ``gathered_bytes``); the forward uses that view as it is: no
+                   W8 of its own, no weight cast. The W8 it saves is the view, whose storage is freed
+                   with the unit after the forward and gathered again for the backward, so nothing per
+                   micro-batch is kept beyond x8 and x's scale (counting a W8 per micro-batch put
+                   Llama 3 8B at dp8 13% over its rehearsed peak).
 
 Cost (cost.py, compute.py): the three GEMMs of a float8 projection at the device's FP8 rate with 1-byte
 operands; per cast of a bf16 tensor (layers/fp8.py, eager): abs (read 2, write 2), amax (read 2), the
@@ -110,19 +117,22 @@ class Fp8LayerBytes:
 
 
 def fp8_layer_bytes(projs: tuple[Fp8Proj, ...], o: Fp8Options, s_n: float, s_r: float, b: int,
-                    fused: bool = False) -> Fp8LayerBytes:
+                    fused: bool = False, gathered: bool = False) -> Fp8LayerBytes:
     """The module docstring's terms for one layer's float8 projections ``projs``; ``fused``: a runtime whose
     casts are one kernel (torch.compile, Transformer Engine), holding only the float8 result (1 byte an
-    element at a cast's height, not eager's 8)."""
+    element at a cast's height, not eager's 8); ``gathered``: mpformer's ZeRO-3, whose weights arrive
+    in float8 (module docstring: no weight copy, no weight cast in the forward)."""
     per_cast = 1.0 if fused else PEAK_PER_CAST
     save8 = saves_fp8(o)
+    own_w8 = save8 and not gathered  # a float8 weight cast (and saved) by each forward itself
     saving = sum(rows(p, s_n, s_r, b) * p.k for p in projs) if save8 else 0.0  # 2 -> 1 byte an element
-    copies = sum(p.n * p.k + 8 for p in projs) if save8 else 0.0
+    # Gathered: x's scale alone (the saved W8 and its scale are the unit's, freed with it after the forward)
+    copies = sum((p.n * p.k + 8) if own_w8 else 4 for p in projs) if save8 else 0.0
     peak = 0.0
     for p in projs:
         mr, n, k = s_n * b, p.n, p.k  # dY and dX are whole-sequence (the gathered rows under sp)
         if save8:  # dY cast; dgrad (dY8, W8^T, dX); wgrad (dY8, dY8^T, x8^T, dX kept, dW); forward W cast
-            here = max(per_cast * mr * n, 2 * mr * n + n * k + mr * k, per_cast * n * k)
+            here = max(per_cast * mr * n, 2 * mr * n + n * k + mr * k, per_cast * n * k if own_w8 else 0.0)
         else:  # rowwise: each GEMM re-casts both operands; by dY's cast the projection after it (down for up)
             # has freed its bf16 input, not a float8 one: one M n less at the height (measured 5.9-6.8 M n above
             # the bf16 count, against 7.3-8.0 for tensorwise: tests/unit/test_fp8_memory.py)

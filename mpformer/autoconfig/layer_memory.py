@@ -100,14 +100,15 @@ def norm_bytes(m: ModelConfig, x: Shape, wb: int) -> float:
 
 def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
                 recompute: str | None = None, sunk: bool = False, kind: str = "dense",
-                fp8: Fp8Options | None = None, fused_casts: bool = False) -> LayerBytes:
+                fp8: Fp8Options | None = None, fused_casts: bool = False, fp8_gathered: bool = False) -> LayerBytes:
     """mpformer's block: what one layer keeps per micro-batch on one rank under ``recompute`` (default:
     the layout's), and what its backward adds (module docstring); ``sunk``: its weight gradients are
     formed in a gradient buffer (ZeRO-3's gradient sink, layers/linear.py), not beside it; ``kind``:
     the layer's MLP kind (``layer_mlp_kind``; a sparse layer's MLP is counted in expert_memory.py);
     ``fp8``: train.fp8 under precision fp8 (default: its defaults), whose float8 projections keep
     1-byte inputs and weight copies and add their casts to the backward (fp8_terms.py; ``fused_casts``: a
-    runtime whose casts are single kernels)."""
+    runtime whose casts are single kernels; ``fp8_gathered``: the weights arrive in float8 from mpformer's
+    ZeRO-3 gather, the forward saving no copy of its own)."""
     wb, x = BYTES[precision], shape(m, L, seq_length, micro_batch)
     mode = L.recompute if recompute is None else recompute
     tokens, gated, rope = x.s_n * x.b, m.gated_mlp, not m.learned_positions
@@ -123,7 +124,7 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
     f8 = 0.0
     if precision == "fp8":
         o = fp8 if fp8 is not None else Fp8Options()
-        terms = fp8_layer_bytes(fp8_projections(m, L.tp, o, kind), o, x.s_n, x.s_r, x.b, fused_casts)
+        terms = fp8_layer_bytes(fp8_projections(m, L.tp, o, kind), o, x.s_n, x.s_r, x.b, fused_casts, fp8_gathered)
         backward += terms.cast_peak
         f8 = terms.weight_copies - terms.input_saving
     if mode == "full":  # the recomputed forward saves the float8 copies again (recompute_bytes)
@@ -139,13 +140,14 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
 
 
 def recompute_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,
-                    kind: str = "dense", fp8: Fp8Options | None = None) -> float:
+                    kind: str = "dense", fp8: Fp8Options | None = None, fp8_gathered: bool = False) -> float:
     """Live above the kept input while a fully recomputed layer runs its backward: its activations again,
     of which the kept input is one (the first norm saves the input itself, either kind)."""
     if L.recompute != "full":
         return 0.0
-    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none", kind=kind, fp8=fp8).saved
-    return again - layer_bytes(m, L, seq_length, micro_batch, precision, kind=kind, fp8=fp8).saved
+    f8 = {"fp8": fp8, "fp8_gathered": fp8_gathered}
+    again = layer_bytes(m, L, seq_length, micro_batch, precision, recompute="none", kind=kind, **f8).saved
+    return again - layer_bytes(m, L, seq_length, micro_batch, precision, kind=kind, **f8).saved
 
 
 def megatron_layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: int, precision: str,

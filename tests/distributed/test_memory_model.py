@@ -75,6 +75,8 @@ FP8_RUNS = {
     "fp8 zero0 tensorwise": {**FP8, "parallel.zero": 0},
     "fp8 zero1 delayed": {**FP8, "parallel.zero": 1, "train.fp8.recipe": "delayed"},
     "fp8 zero2 rowwise": {**FP8, "parallel.zero": 2, "train.fp8.recipe": "rowwise"},
+    # the float8 weights gathered in 1 byte an element (optim/fp8_gather.py), no weight copy per micro-batch
+    "fp8 zero3 tensorwise": {**FP8, "parallel.zero": 3},
 }
 FP8_ONE_RANK = {  # dp = 1: the gradients whole, no reduction in flight
     "fp8 dp1 tensorwise": {**FP8, "train.global_batch_size": 4},

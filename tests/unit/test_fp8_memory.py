@@ -159,6 +159,26 @@ def test_zero3_gathers_float8_weights():
     assert gathered_bytes(unit, projs, Fp8Options(recipe="rowwise"), 2) == 2 * sum(unit)
 
 
+def test_zero3_forward_keeps_no_weight_copy():
+    """Gathered in float8, a forward uses the unit's view (freed with the unit, gathered again for its
+    backward): per micro-batch only x's scale is kept beside x8, and no weight cast adds to the peak;
+    rowwise gathers bf16 and is unchanged. The layer's saved bytes drop by the float8 weights and their
+    fp32 scale."""
+    projs = fp8_projections(LLAMA, 1, Fp8Options())
+    own, gathered = (fp8_layer_bytes(projs, Fp8Options(), S, S, B, gathered=g) for g in (False, True))
+    assert gathered.weight_copies == 4 * len(projs)
+    assert (gathered.input_saving, gathered.cast_peak, gathered.state) == (own.input_saving, own.cast_peak, own.state)
+    # a weight cast bigger than dY's (few tokens): counted only where the forward casts its own weight
+    few = fp8_layer_bytes(projs, Fp8Options(), 16, 16, 1)
+    assert few.cast_peak == 8 * 128 * 2 * 352
+    assert fp8_layer_bytes(projs, Fp8Options(), 16, 16, 1, gathered=True).cast_peak < few.cast_peak
+    rw = Fp8Options(recipe="rowwise")
+    assert fp8_layer_bytes(projs, rw, S, S, B, gathered=True) == fp8_layer_bytes(projs, rw, S, S, B)
+    saved = {g: layer_bytes(LLAMA, ParallelLayout(zero=3), S, B, "fp8", sunk=True, fp8=Fp8Options(),
+                            fp8_gathered=g).saved for g in (False, True)}
+    assert saved[False] - saved[True] == sum(p.n * p.k + 4 for p in projs)
+
+
 def test_float8_gemms_run_at_the_fp8_rate_and_casts_cost_their_bytes():
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.compute import gemm_time

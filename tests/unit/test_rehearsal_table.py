@@ -49,9 +49,11 @@ def test_the_moe_table_meets_the_memory_model():
 
 def test_the_fp8_table_meets_the_memory_model():
     """train.precision=fp8 (issue 35): the 1B Llama of gpu_check.sh in each recipe and Llama 3 8B at dp=8
-    ZeRO-2 with selective recompute, their float8 weight copies, 1-byte inputs and casts counted
+    ZeRO-2 and ZeRO-3 and at tp=2 with sequence parallelism, selective recompute, their float8 weight
+    copies (none under ZeRO-3: the gathered float8 unit's view), 1-byte inputs and casts counted
     (autoconfig/fp8_terms.py)."""
     rows = json.loads(FP8_TABLE.read_text())["rows"]
-    assert all(any(k in r["layout"] for r in rows) for k in ("tensorwise", "rowwise", "delayed", "8B"))
+    assert all(any(k in r["layout"] for r in rows) for k in ("tensorwise", "rowwise", "delayed", "zero2", "zero3",
+                                                              "tp2 sp"))
     assert all("train.precision=fp8" in r["overrides"] for r in rows)
     _meets_the_memory_model(rows, precision=[])
