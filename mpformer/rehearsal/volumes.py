@@ -19,6 +19,9 @@ all-reduce twice that, a send its n.
     dp  ZeRO 1-2: a reduce-scatter of the rank's gradients (``grad_reduce_dtype``) over dp x cp and an
         all-gather of its updated parameters (their dtype), once a step; ZeRO-3: a micro-batch's
         gathers of every unit in forward and backward (optim/units.py) and its gradients' reduce-scatter
+        (fp8, tensorwise and delayed: the float8 layers' weights in 1 byte an element and one 4-byte amax
+        each per forward, ``dp.fp8.all_reduce``; under sequence parallelism the float8 layers'
+        column-parallel inputs are gathered in float8 too, rowwise's forward with its rows' fp32 scales)
 
     ep  mixture of experts: per sparse layer and micro-batch, layers/moe_dispatch.py ``dispatch_bytes`` for
         the rank's T tokens (s/cp b, over tp under sequence parallelism with etp = 1: each tp rank routes
@@ -40,9 +43,23 @@ from mpformer.core.moe_config import is_moe_layer
 from mpformer.core.pipeline_plan import rank_ends, stage_counts, stage_index
 from mpformer.layers.moe_dispatch import ID_BYTES, dispatch_bytes
 
-# fp8: bf16 parameters, activations and gradients (tp = 1 today: no float8 collective runs; ZeRO-3 and
-# sequence-parallel float8 gathers, when they land, move 1 byte an element: autoconfig/fp8_terms.py)
+# fp8: bf16 parameters, activations and gradients; its float8 gathers (``_fp8``) move 1 byte an element
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+
+
+def _fp8(cfg: Config, layout: ParallelLayout) -> tuple[float, int, int]:
+    """train.precision=fp8, per layer of this rank: the elements of its float8 weights gathered by ZeRO-3 in
+    float8 (tensorwise, delayed), their count, and how many of its column-parallel inputs sequence
+    parallelism gathers in float8 (autoconfig/fp8_terms.py; 0s when none)."""
+    from mpformer.autoconfig.fp8_terms import fp8_projections, saves_fp8
+    from mpformer.core.fp8_config import Fp8Options
+
+    if cfg.train.precision != "fp8":
+        return 0.0, 0, 0
+    o = Fp8Options.from_config(cfg.train.fp8)
+    projs = fp8_projections(cfg.model, layout.tp, o)
+    weights = float(sum(p.n * p.k for p in projs)) if saves_fp8(o) else 0.0
+    return weights, len(projs), sum(p.sharded for p in projs)
 
 
 def _replicated_partial(cfg: Config, layers: int, first: bool, last: bool) -> int:
@@ -77,6 +94,13 @@ def comm_formula(cfg: Config, layout: ParallelLayout, rank: int, params: int) ->
         if L.sequence_parallel:
             ends = 4 * layers + first + last
             out["tp.all_gather"] = g * unit * (ends + 2 * layers + 2 * recomputed)
+            _, _, cols = _fp8(cfg, L)
+            if cols:  # a float8 column-parallel input: cast before its gathers (forward, backward, recompute)
+                if cfg.train.fp8.recipe == "rowwise":  # forwards: x8 and its rows' fp32 scales; backward: bf16 x
+                    out["tp.all_gather"] -= g * unit * cols * (layers + recomputed) * (1 - (1 + 4 / h) / e)
+                else:  # 1 byte an element in every gather
+                    out["tp.all_gather"] -= g * unit * cols * (2 * layers + recomputed) * (1 - 1 / e)
+                out["tp.all_reduce"] = None  # the amaxes' all-reduces: vectors under rowwise (not a formula)
             out["tp.reduce_scatter"] = g * unit * (ends + recomputed)
             partial = _replicated_partial(cfg, layers, first, last)
             # Under ZeRO each rank all-reduces the part of them its shard of the flat gradient buffer holds,
@@ -106,6 +130,10 @@ def comm_formula(cfg: Config, layout: ParallelLayout, rank: int, params: int) ->
             reduce = e if t.precision != "fp32" else BYTES[L.grad_reduce_dtype]
             out["dp.all_gather"] = g * micro * gathered * e
             out["dp.reduce_scatter"] = g * micro * params * reduce
+            f8, n8, _ = _fp8(cfg, L)
+            if f8:  # float8 weights: 1 byte an element in forward and backward; their amaxes, once a forward
+                out["dp.all_gather"] -= g * micro * 2 * layers * f8 * (e - 1)
+                out["dp.fp8.all_reduce"] = 2 * g * micro * 4 * layers * n8
         else:
             out["dp.reduce_scatter" if L.zero == 3 else "dp.all_reduce"] = None
             out["dp.all_gather" if L.zero == 3 else "dp.all_reduce"] = None

@@ -157,7 +157,14 @@ def test_offloaded_activations_leave_the_rehearsed_device():
     ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.cp=2", "parallel.zero=3",
      "parallel.recompute=selective", "model.tie_embeddings=true", "model.num_layers=2",
      "train.global_batch_size=4"],
-], ids=["tp-sp pp dp zero1 full", "tp-sp interleaved dp zero0", "tp-sp pp cp zero1 full-1", "tp-sp cp dp zero3 tied"])
+    # fp8: sequence parallelism's float8 gathers (rowwise: with the rows' scales, bf16 in backward) and
+    # ZeRO-3's float8 weight gathers with their amaxes
+    ["train.precision=fp8", "train.fp8.recipe=rowwise", "parallel.tp=2", "parallel.sequence_parallel=true",
+     "parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "parallel.recompute=full"],
+    ["train.precision=fp8", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=4", "parallel.zero=3",
+     "parallel.recompute=selective", "model.num_layers=2", "train.global_batch_size=8"],
+], ids=["tp-sp pp dp zero1 full", "tp-sp interleaved dp zero0", "tp-sp pp cp zero1 full-1", "tp-sp cp dp zero3 tied",
+        "fp8 rowwise tp-sp pp dp zero1 full", "fp8 tp-sp dp zero3"])
 def test_every_collective_moves_what_its_formula_says(extra):
     """The ledger's bytes per collective on the first and the last stage equal rehearsal/volumes.py's
     formulas from the model's shape and the layout (exact: integers in float64)."""
@@ -165,8 +172,8 @@ def test_every_collective_moves_what_its_formula_says(extra):
     from mpformer.rehearsal.report import with_formulas
     from mpformer.training.preflight import preflight_rehearsal
 
-    args = [*MODEL, "train.precision=bf16",
-            "train.seq_length=4096", *extra]
+    precision = [] if any(a.startswith("train.precision=") for a in extra) else ["train.precision=bf16"]
+    args = [*MODEL, *precision, "train.seq_length=4096", *extra]
     spec = preflight_rehearsal(compose_config(args), 8)
     L = spec.layout
     first, last = L.topology.rank(pp=0, dp=0, cp=0, tp=0), L.topology.rank(pp=L.pp - 1, dp=L.dp - 1, cp=L.cp - 1,
