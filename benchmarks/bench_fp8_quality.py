@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fp8_quality.py [--steps 300] [--batch 8] [--seq 128] [--window 10]
                                            [--recipes tensorwise,rowwise,delayed] [--data demo_data]
-                                           [--json F] [--png F] [--from-json F]
+                                           [--json F] [--png F] [--from-json F] [--control fp32]
                                            # ~45-80 min on one core of a 2-core AMD EPYC
 
 configs/model/llama-25m.yaml (a 25.2M-parameter Llama: 12 layers, h=384, 6 heads, 2 KV heads, SwiGLU 1024,
@@ -22,7 +22,10 @@ Must hold (issue 35, "Training quality"): both bounds for every recipe.
 
 Nothing is timed for the figures (float8 GEMMs on a CPU are emulated, ~2x a bf16 step here): the runs go one
 after the other with one thread each, and their wall times are recorded only to size the benchmark.
-``--from-json`` redraws the table and the PNG from a written JSON without training.
+``--from-json`` redraws the table and the PNG from a written JSON without training; with ``--control P`` it
+first trains one more run at ``train.precision=P`` (fp32, or bf16 again) with the JSON's settings and adds it
+under ``controls``, measured against the same bf16 curve by the same metrics: how far a run that differs from
+the baseline only in its rounding, not in float8, lands by these metrics (a floor for the targets, no bound).
 """
 
 from __future__ import annotations
@@ -117,6 +120,11 @@ def report(payload: dict[str, Any]) -> None:
                      f"{m['final_loss'] / f_base:.4f}", f"{100 * m['final_gap']:+.2f}%", f"{100 * m['mean_gap']:.2f}%",
                      f"{100 * m['max_gap']:.2f}% ({m['max_gap_step']})", f"{runs[recipe]['median_step_s']:.2f}",
                      "yes" if ok else "NO"])
+    for prec, m in payload.get("controls", {}).items():
+        rows.append([f"{prec} (control)", "-", f"{m['final_loss']:.4f}", f"{m['last_loss']:.4f}",
+                     f"{m['final_loss'] / f_base:.4f}", f"{100 * m['final_gap']:+.2f}%", f"{100 * m['mean_gap']:.2f}%",
+                     f"{100 * m['max_gap']:.2f}% ({m['max_gap_step']})",
+                     f"{payload['control_runs'][prec]['median_step_s']:.2f}", "-"])
     print(f"\n{payload['steps']} steps of {payload['batch']} x {payload['seq']} tokens, {MODEL} "
           f"({payload['params'] / 1e6:.1f}M parameters); bounds: final gap <= {100 * FINAL_BOUND}%, "
           f"mean gap <= {100 * MEAN_BOUND}%")
@@ -138,6 +146,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         label = name if name == "bf16" else f"fp8 {name}"
         ax1.plot(steps, run["loss"], lw=1.0 if name != "bf16" else 1.6, label=label,
                  color="black" if name == "bf16" else None, alpha=0.85)
+    for prec, run in payload.get("control_runs", {}).items():
+        ax1.plot(steps, run["loss"], lw=1.0, ls="--", color="grey", label=f"{prec} (control)")
     ax1.set_ylabel("training loss")
     ax1.set_yscale("log")
     ax1.legend()
@@ -146,6 +156,9 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     for recipe in payload["metrics"]:
         rel = [100 * (o - b) / b for b, o in zip(base, runs[recipe]["loss"])]
         ax2.plot(steps, rel, lw=0.9, label=f"fp8 {recipe}")
+    for prec, run in payload.get("control_runs", {}).items():
+        rel = [100 * (o - b) / b for b, o in zip(base, run["loss"])]
+        ax2.plot(steps, rel, lw=0.9, ls="--", color="grey", label=f"{prec} (control)")
     for y in (-100 * MEAN_BOUND, 100 * MEAN_BOUND):
         ax2.axhline(y, color="grey", ls="--", lw=0.8)
     ax2.axhline(0, color="black", lw=0.6)
@@ -155,6 +168,22 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def add_control(payload: dict[str, Any], precision: str, data: Path, path: Path) -> None:
+    """Train the control run at ``precision`` with the result's settings and write it into ``path``."""
+    ns = argparse.Namespace(steps=payload["steps"], batch=payload["batch"], seq=payload["seq"])
+    overrides = [o for o in run_overrides(ns, None) if not o.startswith("train.precision=")]
+    with tempfile.TemporaryDirectory() as tmp:
+        run = train(f"{precision} (control)", [*overrides, f"train.precision={precision}"], demo_data(data),
+                    Path(tmp) / precision)
+    env = environment()
+    run["environment"] = {k: env[k] for k in ("commit", "command", "cpu_model", "torch")}
+    payload.setdefault("control_runs", {})[precision] = run
+    payload.setdefault("controls", {})[precision] = compare(payload["runs"]["bf16"]["loss"], run["loss"],
+                                                            payload["window"])
+    write_json(path, payload)
     print(f"wrote {path}")
 
 
@@ -169,11 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=RESULTS / "fp8_quality.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "fp8_quality.png")
     ap.add_argument("--from-json", type=Path, help="redraw the table and PNG of this JSON; no training")
+    ap.add_argument("--control", choices=("fp32", "bf16"), help="with --from-json: add a control run (docstring)")
     a = ap.parse_args(argv)
     if a.from_json:
         payload = json.loads(a.from_json.read_text())
+        if a.control:
+            add_control(payload, a.control, a.data, a.from_json)
         report({**payload, "png": str(a.png)})
         return 0
+    if a.control:
+        raise SystemExit("error: --control adds a run to an existing result: give --from-json F")
     recipes = [s.strip() for s in a.recipes.split(",") if s.strip()]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:
