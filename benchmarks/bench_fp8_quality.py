@@ -62,7 +62,7 @@ def run_overrides(a: argparse.Namespace, recipe: str | None) -> list[str]:
     """The Hydra overrides of one run: the bf16 baseline (``recipe`` None) or fp8 with ``recipe``."""
     precision = ["train.precision=bf16"] if recipe is None else ["train.precision=fp8", f"train.fp8.recipe={recipe}"]
     return ["experiment=demo", f"model={MODEL}", f"train.steps={a.steps}", f"train.global_batch_size={a.batch}",
-            f"train.micro_batch_size={a.batch}", f"train.seq_length={a.seq}", *precision]
+            f"train.micro_batch_size={a.batch}", f"train.seq_length={a.seq}", *precision, *a.extra]
 
 
 def train(name: str, overrides: list[str], data: Path, run_dir: Path) -> dict[str, Any]:
@@ -173,7 +173,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 def add_control(payload: dict[str, Any], precision: str, data: Path, path: Path) -> None:
     """Train the control run at ``precision`` with the result's settings and write it into ``path``."""
-    ns = argparse.Namespace(steps=payload["steps"], batch=payload["batch"], seq=payload["seq"])
+    ns = argparse.Namespace(steps=payload["steps"], batch=payload["batch"], seq=payload["seq"],
+                            extra=payload.get("extra", []))
     overrides = [o for o in run_overrides(ns, None) if not o.startswith("train.precision=")]
     with tempfile.TemporaryDirectory() as tmp:
         run = train(f"{precision} (control)", [*overrides, f"train.precision={precision}"], demo_data(data),
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--window", type=int, default=10, help="the final loss is the mean of the last N steps")
     ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run (e.g. optim.lr=6e-4)")
     ap.add_argument("--data", type=Path, default=ROOT / "demo_data")
     ap.add_argument("--json", type=Path, default=RESULTS / "fp8_quality.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "fp8_quality.png")
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     png = a.png.relative_to(ROOT) if a.png.is_relative_to(ROOT) else a.png
     payload: dict[str, Any] = {
         "benchmark": "fp8_quality", "model": MODEL, "model_config": model_cfg, "params": params, "steps": a.steps,
-        "batch": a.batch, "seq": a.seq, "window": a.window,
+        "batch": a.batch, "seq": a.seq, "window": a.window, "extra": a.extra,
         "bounds": {"final_gap": FINAL_BOUND, "mean_gap": MEAN_BOUND},
         "definitions": {"final_loss": f"mean of the last {a.window} steps' training losses",
                         "final_gap": "(final_fp8 - final_bf16) / final_bf16, |.| <= bound",
