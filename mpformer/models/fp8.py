@@ -112,20 +112,29 @@ def delayed_layers(model: nn.Module) -> list[Float8Layer]:
 def sync_amax_histories(layers: list[Float8Layer], all_reduce_max: Callable[[torch.Tensor], None]) -> None:
     """Every data-parallel rank's amax histories made the elementwise max over the group (one collective
     for all layers), each scale recomputed from its history (see the module docstring)."""
-    if not layers:
+    def rescale_one(m: Float8Layer, hist: torch.Tensor) -> None:
+        for i, role in enumerate(ROLES):
+            m.fp8_scale[i] = scale_from_amax(hist[i].amax(), m.fp8.dtype(role), m.fp8.margin)
+
+    _histories_max(layers, all_reduce_max, rescale_one)
+
+
+def _histories_max(modules: list, all_reduce_max: Callable[[torch.Tensor], None],
+                   rescale_one: Callable[[nn.Module, torch.Tensor], object]) -> None:
+    """Every module's ``fp8_amax_history`` made the elementwise max over the group (one collective for all),
+    non-finite entries recorded as 0 (as DelayedScalingState.record), then ``rescale_one(module, history)``."""
+    if not modules:
         return
-    flat = torch.cat([m.fp8_amax_history.reshape(-1) for m in layers])
+    flat = torch.cat([m.fp8_amax_history.reshape(-1) for m in modules])
     all_reduce_max(flat)
-    flat = torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat))  # as DelayedScalingState.record
+    flat = torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat))
     at = 0
     with torch.no_grad():
-        for m in layers:
+        for m in modules:
             hist = m.fp8_amax_history
             hist.copy_(flat[at:at + hist.numel()].view_as(hist))
             at += hist.numel()
-            for i, role in enumerate(ROLES):
-                m.fp8_scale[i] = scale_from_amax(hist[i].amax(), m.fp8.dtype(role), m.fp8.margin)
-
+            rescale_one(m, hist)
 
 # --- the routed experts (kept apart from apply_fp8: they are no Linear) ------------------------------------
 
@@ -154,15 +163,4 @@ def delayed_experts(model: nn.Module) -> list[Experts]:
 def sync_expert_amax_histories(experts: list[Experts], all_reduce_max: Callable[[torch.Tensor], None]) -> None:
     """As ``sync_amax_histories`` for the routed experts' per-expert histories, over the group whose ranks
     hold the same experts (expert-data-parallel: the caller's ``all_reduce_max``)."""
-    if not experts:
-        return
-    flat = torch.cat([m.fp8_amax_history.reshape(-1) for m in experts])
-    all_reduce_max(flat)
-    flat = torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat))
-    at = 0
-    with torch.no_grad():
-        for m in experts:
-            hist = m.fp8_amax_history
-            hist.copy_(flat[at:at + hist.numel()].view_as(hist))
-            at += hist.numel()
-            rescale(m.fp8, hist, m.fp8_scale)
+    _histories_max(experts, all_reduce_max, lambda m, hist: rescale(m.fp8, hist, m.fp8_scale))
