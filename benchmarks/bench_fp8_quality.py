@@ -3,6 +3,7 @@
     python benchmarks/bench_fp8_quality.py [--steps 300] [--batch 8] [--seq 128] [--window 10]
                                            [--recipes tensorwise,rowwise,delayed] [--data demo_data]
                                            [--json F] [--png F] [--from-json F] [--control fp32]
+                                           [--rerun RECIPE]
                                            # ~45-80 min on one core of a 2-core AMD EPYC
 
 configs/model/llama-25m.yaml (a 25.2M-parameter Llama: 12 layers, h=384, 6 heads, 2 KV heads, SwiGLU 1024,
@@ -26,6 +27,8 @@ after the other with one thread each, and their wall times are recorded only to 
 first trains one more run at ``train.precision=P`` (fp32, or bf16 again) with the JSON's settings and adds it
 under ``controls``, measured against the same bf16 curve by the same metrics: how far a run that differs from
 the baseline only in its rounding, not in float8, lands by these metrics (a floor for the targets, no bound).
+``--from-json F --rerun R`` trains recipe R again with F's settings against F's bf16 curve (after a change to
+that recipe) and keeps R's replaced figures under ``superseded``.
 """
 
 from __future__ import annotations
@@ -188,6 +191,24 @@ def add_control(payload: dict[str, Any], precision: str, data: Path, path: Path)
     print(f"wrote {path}")
 
 
+def rerun_recipe(payload: dict[str, Any], recipe: str, data: Path, path: Path) -> None:
+    """Train fp8 ``recipe`` again with the result's settings and replace its run and metrics in ``path``
+    (measured against the same bf16 curve; the replaced figures are kept under ``superseded``)."""
+    ns = argparse.Namespace(steps=payload["steps"], batch=payload["batch"], seq=payload["seq"],
+                            extra=payload.get("extra", []))
+    with tempfile.TemporaryDirectory() as tmp:
+        run = train(recipe, run_overrides(ns, recipe), demo_data(data), Path(tmp) / recipe)
+    env = environment()
+    run["environment"] = {k: env[k] for k in ("commit", "command", "cpu_model", "torch")}
+    if recipe in payload["metrics"]:
+        old = payload["runs"][recipe].get("environment", payload["environment"]).get("commit")
+        payload.setdefault("superseded", {})[recipe] = {"commit": old, **payload["metrics"][recipe]}
+    payload["runs"][recipe] = run
+    payload["metrics"][recipe] = compare(payload["runs"]["bf16"]["loss"], run["loss"], payload["window"])
+    write_json(path, payload)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
@@ -201,15 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, default=RESULTS / "fp8_quality.png")
     ap.add_argument("--from-json", type=Path, help="redraw the table and PNG of this JSON; no training")
     ap.add_argument("--control", choices=("fp32", "bf16"), help="with --from-json: add a control run (docstring)")
+    ap.add_argument("--rerun", choices=RECIPES, help="with --from-json: train this recipe again against its bf16")
     a = ap.parse_args(argv)
     if a.from_json:
         payload = json.loads(a.from_json.read_text())
         if a.control:
             add_control(payload, a.control, a.data, a.from_json)
+        if a.rerun:
+            rerun_recipe(payload, a.rerun, a.data, a.from_json)
         report({**payload, "png": str(a.png)})
         return 0
-    if a.control:
-        raise SystemExit("error: --control adds a run to an existing result: give --from-json F")
+    if a.control or a.rerun:
+        raise SystemExit("error: --control and --rerun add a run to an existing result: give --from-json F")
     recipes = [s.strip() for s in a.recipes.split(",") if s.strip()]
     bad = [r for r in recipes if r not in RECIPES]
     if bad or not recipes:

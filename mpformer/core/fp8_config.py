@@ -8,8 +8,8 @@ these options in models/fp8.py.
 What fp8 means here (torchao's float8 training, Transformer Engine's fp8_autocast): the linear layers'
 GEMMs (forward, dX, dW) run in float8 through ``_scaled_mm``; everything else is bf16, as under
 ``train.precision=bf16`` (bf16 parameters, fp32 master weights and main gradients, bf16 autocast). No
-loss scaler: e5m2 gradients and per-tensor scales keep the range, so fp8 with fp16 has no spelling (and
-``train.fp8.*`` set under another precision is an error rather than a silent no-op).
+loss scaler: the gradients' own scales (and e5m2 under one scale per tensor) keep the range, so fp8 with
+fp16 has no spelling (and ``train.fp8.*`` set under another precision is an error rather than a silent no-op).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from mpformer.core.errors import ConfigError, format_choices
 
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")  # = layers/fp8.py RECIPES
-FP8_GRAD_DTYPES = ("e4m3", "e5m2")  # = layers/fp8.py FORMATS
+FP8_GRAD_DTYPES = ("auto", "e4m3", "e5m2")  # layers/fp8.py FORMATS, and auto (grad_format below)
 # Kept in bf16 by default (as torchao and TE do): the embedding (a lookup, no GEMM), the LM head (the
 # logits' range is the loss's, and its GEMM is the vocabulary's: sensitive and often not 16-aligned) and
 # the MoE routers (top-k choices flip on a float8 rounding). Canonical module names (models/fp8.py);
@@ -38,7 +38,7 @@ class Fp8Config:
     ``layers.0.attn.qkv``, ``layers.*.mlp.down``, ``lm_head``, ``embedding.word``)."""
 
     recipe: str = "tensorwise"  # tensorwise | rowwise | delayed
-    grad_dtype: str = "e5m2"  # e4m3 | e5m2: dY's format (forward tensors are e4m3)
+    grad_dtype: str = "auto"  # auto | e4m3 | e5m2: dY's format (forward tensors are e4m3); auto: grad_format
     amax_history_len: int = 16  # delayed: the amax window the scale takes its max over
     margin: int = 0  # scale = amax * 2**margin / fmax: powers of two of headroom
     keep_bf16: list[str] = field(default_factory=lambda: list(DEFAULT_KEEP_BF16))
@@ -49,14 +49,27 @@ class Fp8Options:
     """The model's float8 settings (ModelOptions.fp8): ``Fp8Config``'s values, frozen."""
 
     recipe: str = "tensorwise"
-    grad_dtype: str = "e5m2"
+    grad_dtype: str = "auto"  # resolved at construction: never "auto" once built
     amax_history_len: int = 16
     margin: int = 0
     keep_bf16: tuple[str, ...] = DEFAULT_KEEP_BF16
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grad_dtype", grad_format(self.recipe, self.grad_dtype))
+
     @classmethod
     def from_config(cls, c: Fp8Config) -> Fp8Options:
         return cls(c.recipe, c.grad_dtype, c.amax_history_len, c.margin, tuple(c.keep_bf16))
+
+
+def grad_format(recipe: str, grad_dtype: str) -> str:
+    """dY's float8 format: ``grad_dtype`` as given, or for ``auto`` the recipe's own (torchao's and TE's
+    defaults): e5m2 under one scale per tensor (tensorwise, delayed: a whole gradient's entries span more
+    powers of two than e4m3's 2^-9..448 holds; e5m2 holds 2^-16..57344), e4m3 under rowwise (each row has
+    its own scale, so the range is not needed, and e4m3's third mantissa bit halves every rounding error)."""
+    if grad_dtype != "auto":
+        return grad_dtype
+    return "e4m3" if recipe == "rowwise" else "e5m2"
 
 
 def compute_precision(precision: str) -> str:

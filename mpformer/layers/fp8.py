@@ -26,8 +26,9 @@ Recipes (``Float8Recipe.name``):
   (Transformer Engine's DelayedScaling with amax_compute_algo="max"). ``DelayedScalingState`` holds the
   histories and saves/loads them as tensors for checkpoints.
 
-Gradients (the output gradient dY) are cast to ``grad`` (e5m2 by default: TE's HYBRID format, e4m3 in
-forward and e5m2's range in backward; ``e4m3`` gives TE's E4M3 format).
+Gradients (the output gradient dY) are cast to ``grad``: e5m2 is TE's HYBRID format (e4m3 in forward,
+e5m2's range in backward), e4m3 TE's E4M3 format. ``train.fp8.grad_dtype=auto`` (core/fp8_config.py
+grad_format) picks e5m2 for tensorwise and delayed scaling and e4m3 for rowwise, as torchao's recipes do.
 """
 
 from __future__ import annotations

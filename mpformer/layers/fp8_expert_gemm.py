@@ -17,7 +17,7 @@ Two ways to run them (``choose_fp8_method``), one set of operands:
              2.13 (``NotImplementedError ... 'CPU' backend``, measured), and no e5m2.
     loop     ``torch._scaled_mm`` per expert on the same float8 operands and scales (one scale per expert for
              tensorwise and delayed, the rowwise vectors otherwise): CPU, and CUDA where the grouped kernel
-             cannot take the recipe (e5m2 gradients, the default ``train.fp8.grad_dtype``).
+             cannot take the recipe (e5m2 gradients: ``train.fp8.grad_dtype=auto`` under tensorwise and delayed).
 
 Scales, so that each element is cast as one process without expert parallelism casts it (an expert's rows
 after dispatch are the same tokens wherever the expert runs):

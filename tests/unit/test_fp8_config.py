@@ -30,10 +30,22 @@ def test_defaults():
     cfg = _cfg("train.precision=fp8")
     check_training_config(cfg)
     f = cfg.train.fp8
-    assert (f.recipe, f.grad_dtype, f.amax_history_len, f.margin) == ("tensorwise", "e5m2", 16, 0)
+    assert (f.recipe, f.grad_dtype, f.amax_history_len, f.margin) == ("tensorwise", "auto", 16, 0)
     assert tuple(f.keep_bf16) == DEFAULT_KEEP_BF16
     assert ModelOptions.for_run(cfg.parallel.layout(), cfg.train, None).fp8 == Fp8Options()
     assert ModelOptions.for_run(cfg.parallel.layout(), _cfg().train, None).fp8 is None
+
+
+@pytest.mark.parametrize("recipe,given,built", [("tensorwise", "auto", "e5m2"), ("delayed", "auto", "e5m2"),
+                                                ("rowwise", "auto", "e4m3"), ("rowwise", "e5m2", "e5m2"),
+                                                ("tensorwise", "e4m3", "e4m3")])
+def test_grad_format_auto_follows_the_recipe(recipe, given, built):
+    """auto: e5m2 under one scale per tensor, e4m3 under rowwise scales (torchao's recipes); a format
+    given by name is kept; the model's options never hold "auto"."""
+    cfg = _cfg("train.precision=fp8", f"train.fp8.recipe={recipe}", f"train.fp8.grad_dtype={given}")
+    check_training_config(cfg)
+    o = ModelOptions.for_run(cfg.parallel.layout(), cfg.train, None).fp8
+    assert o.grad_dtype == built == Fp8Options(recipe=recipe, grad_dtype=given).grad_dtype
 
 
 def test_unknown_key_is_an_error():
@@ -45,7 +57,7 @@ def test_unknown_key_is_an_error():
 
 @pytest.mark.parametrize("overrides, words", [
     (("train.fp8.recipe=blockwise",), "tensorwise, rowwise, delayed"),
-    (("train.fp8.grad_dtype=e3m4",), "e4m3, e5m2"),
+    (("train.fp8.grad_dtype=e3m4",), "auto, e4m3, e5m2"),
     (("train.fp8.amax_history_len=0",), "amax_history_len=0 must be >= 1"),
 ])
 def test_fp8_rules(overrides, words):
