@@ -15,7 +15,8 @@ What the rehearsal counts and the model predicts are the tensors' live bytes; ne
 context, NCCL's buffers or the allocator's fragmentation (rehearsal/devices.py holds those).
 
 ``--moe``: mixture-of-experts layouts (Mixtral 8x7B at its full 32 layers, ep=8 over the dp ranks, each
-dispatcher), in a JSON of their own; ``--fp8``: train.precision=fp8 (issue 35): the 1B Llama of gpu_check.sh
+dispatcher, and with float8 experts split over etp and cp),
+in a JSON of their own; ``--fp8``: train.precision=fp8 (issue 35): the 1B Llama of gpu_check.sh
 in each recipe and Llama 3 8B over 8 ranks with selective recompute at ZeRO-2, at tp=2 with sequence
 parallelism and at ZeRO-3 (float8 weight gathers), whose float8 copies and casts the model counts
 (autoconfig/fp8_terms.py).
@@ -125,6 +126,13 @@ MOE_LAYOUTS = {  # the experts' rows: the rehearsal routes uniformly (layers/moe
         "parallel.pp=4", "parallel.ep=8", "parallel.etp=1", f"parallel.ep_dispatcher={kind}", "parallel.dp=8",
         "parallel.zero=1", "parallel.recompute=selective", "train.global_batch_size=64", "train.micro_batch_size=1"]
     for kind in ("alltoall", "allgather")}
+# float8 routed experts (issue 35), split every way: their ffn over etp = tp = 2, an expert's rows over the
+# cp = 4 ranks outside its ep = 2 group; rowwise takes the grouped kernel, tensorwise a _scaled_mm per expert
+MOE_LAYOUTS |= {f"mixtral 8x7B fp8 {recipe} tp2 etp2 pp4 cp4 ep2 dp2": [
+    "model=mixtral-8x7b", "train.seq_length=4096", "train.precision=fp8", f"train.fp8.recipe={recipe}",
+    "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2", "parallel.pp=4", "parallel.cp=4",
+    "parallel.ep=2", "parallel.dp=2", "parallel.zero=1", "parallel.recompute=selective",
+    "train.global_batch_size=64", "train.micro_batch_size=1"] for recipe in ("rowwise", "tensorwise")}
 
 
 def ranks_of(overrides: list[str]) -> list[int]:
@@ -159,7 +167,8 @@ def main() -> int:
     print(f"{'layout':<40} {'rank':>5} {'stage':>5} {'rehearsed GB':>12} {'model GB':>9} {'model/rehearsed':>15} "
           f"{'activations GB':>14}  where (rehearsed)  [where (model)]  s", flush=True)
     for name in names:
-        overrides = [*layouts[name], *precision, "rehearse.device=h100-80gb",
+        own = any(o.startswith("train.precision=") for o in layouts[name])  # an fp8 row names its own
+        overrides = [*layouts[name], *([] if own else precision), "rehearse.device=h100-80gb",
                      f"rehearse.ranks=[{','.join(map(str, ranks_of(layouts[name])))}]"]
         start = time.perf_counter()
         out = rehearse(compose_config(overrides), overrides)

@@ -46,7 +46,7 @@ from mpformer.autoconfig.cp_cost import cp_traffic
 from mpformer.autoconfig.dp_cost import _dp_time, optimizer_time
 from mpformer.autoconfig.expert_cost import dp_share, stage_exchanges
 from mpformer.autoconfig.expert_memory import stage_expert_params
-from mpformer.autoconfig.fp8_terms import amax_reductions, fp8_projections, saves_fp8
+from mpformer.autoconfig.fp8_terms import Fp8Proj, amax_reductions, experts_fp8, fp8_projections, saves_fp8
 from mpformer.autoconfig.kernel_times import (  # noqa: F401  (fused_attention: re-exported)
     _PARTS,
     embedding_times,
@@ -126,7 +126,10 @@ def layer_times_parts(m: ModelConfig, L: ParallelLayout, w: Workload, c: Cluster
     # shards (layers/linear.py) run under the input-gradient GEMMs and are not charged, as in Megatron
     tp_comm = (6 if L.recompute == "full" else 4) * per
     if w.precision == "fp8" and t * L.cp > 1:  # each cast's amax all-reduced over the shards: latency-bound
-        counts = [amax_reductions(p, w.runtime.fp8) for p in fp8_projections(m, t, w.runtime.fp8, kind)]
+        projs = list(fp8_projections(m, t, w.runtime.fp8, kind))
+        if kind == "moe" and experts_fp8(m, w.runtime.fp8):  # the float8 experts' two grouped GEMMs
+            projs += [Fp8Proj("experts", 1, 1, False)] * 2
+        counts = [amax_reductions(p, w.runtime.fp8) for p in projs]
         fwd, bwd = sum(f for f, _ in counts), sum(b for _, b in counts)
         amaxes = fwd * (2 if L.recompute == "full" else 1) + bwd  # a recomputed forward casts again
         tp_comm += amaxes * _collective(c, "all_reduce", 4.0, t * L.cp, t * L.cp > c.devices_per_node)

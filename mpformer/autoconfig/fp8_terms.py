@@ -37,6 +37,22 @@ whose input is the sequence-parallel shard, s_n b for o and down):
                    micro-batch is kept beyond x8 and x's scale (counting a W8 per micro-batch put
                    Llama 3 8B at dp8 13% over its rehearsed peak).
 
+Routed experts (``layers.<i>.mlp.experts`` unless a ``keep_bf16`` pattern names them; their grouped GEMMs,
+layers/fp8_expert_gemm.py), per sparse layer and micro-batch, with M the rows the rank's E_l experts get
+(expert_memory.py), f_e = f / etp, and M_p = M + E_l (16 - 1) / 2 the rows after each expert's block is
+zero-padded to a multiple of 16 (a mean; ``padded`` gives the real count). Against the bf16 experts'
+count (wb M h dispatched rows, 4 wb M f_e SwiGLU), without recompute (selective recompute saves only the
+dispatched rows, as bf16; full saves nothing):
+
+    tensorwise, delayed  x8 [M_p, h] and a8 [M_p, f_e] (1 byte) for the two GEMMs' inputs, the up output
+                         [M_p, 2 f_e] and silu(gate) in bf16 (3 wb M_p f_e), each expert's float8 weights
+                         (E_l 3 f_e h bytes: cast per forward, kept for dgrad) and 4 fp32 scales per expert
+    rowwise              the padded bf16 rows and SwiGLU (wb M_p (h + 4 f_e)); no weight copy
+    both                 the padded rows' int64 destinations (8 M), kept by the pad and the unpad
+    cast peak            each projection's as a dense one's with M_p rows and one expert's n k weight (the
+                         weights are cast expert by expert: layers/fp8_expert_gemm.py cast_experts)
+    delayed state        2 projections x E_l experts x 4 (3 H + 3) bytes
+
 Cost (cost.py, compute.py): the three GEMMs of a float8 projection at the device's FP8 rate with 1-byte
 operands; per cast of a bf16 tensor (layers/fp8.py, eager): abs (read 2, write 2), amax (read 2), the
 scale (scalar kernels), float (2 + 4), divide (4 + 4), clamp (4 + 4), to float8 (4 + 1): 33 bytes an
@@ -66,6 +82,15 @@ CAST_BYTES_EAGER = 33.0  # bytes read + written per element of one eager cast (a
 CAST_KERNELS_EAGER = 10  # abs, amax, the scale's clamp/where, float, div, clamp, to
 CAST_BYTES_FUSED = 3.0  # a fused amax-and-cast kernel: read 2, write 1
 PEAK_PER_CAST = 8.0  # bytes an element at the height of one eager cast of a bf16 tensor
+
+
+ALIGN = 16  # layers/fp8.py ALIGN: every expert's rows are zero-padded to a multiple of it
+
+
+def experts_fp8(m: ModelConfig, o: Fp8Options) -> bool:
+    """Whether a model's routed experts run float8 (no ``keep_bf16`` pattern names them in any layer)."""
+    names = [f"layers.{i}.mlp.experts" for i in range(m.num_layers)]
+    return m.num_experts > 0 and not any(fnmatch.filter(names, p) for p in o.keep_bf16)
 
 
 def saves_fp8(o: Fp8Options) -> bool:
@@ -139,6 +164,40 @@ def fp8_layer_bytes(projs: tuple[Fp8Proj, ...], o: Fp8Options, s_n: float, s_r: 
             here = max(max(per_cast - 1, 1) * mr * n, per_cast * n * k + mr * n, per_cast * mr * k + mr * n)
         peak = max(peak, here)
     return Fp8LayerBytes(saving, copies, peak, delayed_state_bytes(projs, o))
+
+
+def _proj_peak(save8: bool, per_cast: float, mr: float, n: float, k: float, w: float) -> float:
+    """The cast peak of one float8 GEMM's backward (fp8_layer_bytes' terms): ``mr`` rows, ``n`` out,
+    ``k`` in, ``w`` weight elements."""
+    if save8:
+        return max(per_cast * mr * n, 2 * mr * n + w + mr * k, per_cast * w)
+    return max(max(per_cast - 1, 1) * mr * n, per_cast * w + mr * n, per_cast * mr * k + mr * n)
+
+
+def fp8_expert_bytes(o: Fp8Options, h: int, f_e: int, local: int, rows: float, wb: int, mode: str,
+                     fused: bool = False, padded: float | None = None) -> Fp8LayerBytes:
+    """The routed experts' float8 terms of one sparse layer (module docstring) against the bf16 experts'
+    count: ``local`` experts of ``f_e`` per rank, ``rows`` M routed to them, ``mode`` the layer's
+    recompute, ``padded`` the rows after padding (default: the mean, M + E_l (ALIGN - 1) / 2)."""
+    mp = padded if padded is not None else rows + (local * (ALIGN - 1) / 2 if rows else 0.0)
+    save8, per_cast = saves_fp8(o), 1.0 if fused else PEAK_PER_CAST
+    state = expert_state_bytes(o, local)
+    # weights are cast (and laid out for dgrad) expert by expert: one expert's n k at a time
+    peak = max(_proj_peak(save8, per_cast, mp, 2 * f_e, h, 2 * f_e * h),
+               _proj_peak(save8, per_cast, mp, h, f_e, h * f_e))
+    if mode != "none":  # selective: the checkpoint keeps the dispatched rows (as bf16); full: nothing
+        return Fp8LayerBytes(0.0, 0.0, peak, state)
+    bf16 = wb * rows * h + 4 * wb * rows * f_e
+    if save8:
+        acts, weights = mp * h + 3 * wb * mp * f_e + mp * f_e, local * 3 * f_e * h + 16.0 * local
+    else:
+        acts, weights = wb * mp * (h + 4 * f_e), 0.0
+    return Fp8LayerBytes(bf16 - acts - 8 * rows, weights, peak, state)
+
+
+def expert_state_bytes(o: Fp8Options, local: int) -> float:
+    """Delayed scaling's persistent buffers of one sparse layer's ``local`` float8 experts (2 projections)."""
+    return 4.0 * (3 * o.amax_history_len + 3) * 2 * local if o.recipe == "delayed" else 0.0
 
 
 def delayed_state_bytes(projs: tuple[Fp8Proj, ...], o: Fp8Options) -> float:

@@ -33,7 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpformer.autoconfig.expert_cost import moe_gemms
-from mpformer.autoconfig.fp8_terms import cast_stream, casts_per_pass, copies_per_pass, fp8_projections
+from mpformer.autoconfig.fp8_terms import (
+    Fp8Proj,
+    cast_stream,
+    casts_per_pass,
+    copies_per_pass,
+    experts_fp8,
+    fp8_projections,
+)
 from mpformer.core.fp8_config import Fp8Options, compute_precision
 from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
@@ -156,21 +163,30 @@ def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: 
     # The sublayers' projections as their kinds describe them (core/layer_spec.py; dense: qkv, o, up, down).
     kind = m.mlp_kind if kind is None else kind
     proj = [(T, g.n, g.k, 1) for g in attention_kind(m.attention_kind).projections(m, L.tp)]
-    if kind == "moe":  # the router, the experts' grouped GEMMs at their rows per expert, the shared experts
-        proj += moe_gemms(m, L, seq_length, micro_batch)
-    else:
-        proj += [(T, g.n, g.k, 1) for g in mlp_kind(kind).projections(m, L.tp)]
     o = (fp8 if fp8 is not None else Fp8Options()) if precision == "fp8" else None
     float8 = fp8_projections(m, L.tp, o, kind) if o is not None else ()
-    for mm, nn_, kk, bt in proj:
-        p8 = next((p for p in float8 if (p.n, p.k) == (nn_, kk) and bt == 1), None)
+
+    def dense8(n_: int, k_: int) -> Fp8Proj | None:  # the float8 Linear of this shape, if any
+        return next((p for p in float8 if (p.n, p.k) == (n_, k_)), None)
+
+    p8s = [dense8(n_, k_) for _, n_, k_, _ in proj]
+    if kind == "moe":  # the router, the experts' grouped GEMMs at their rows per expert, the shared experts
+        gemms = moe_gemms(m, L, seq_length, micro_batch)
+        experts8 = o is not None and experts_fp8(m, o)  # the grouped GEMMs (entries 1, 2) in float8
+        proj += gemms
+        p8s += [(Fp8Proj("experts", k_, n_, False) if experts8 else None) if i in (1, 2) else
+                (dense8(n_, k_) if i else None) for i, (_, n_, k_, _) in enumerate(gemms)]  # 0: the router
+    else:
+        proj += [(T, g.n, g.k, 1) for g in mlp_kind(kind).projections(m, L.tp)]
+        p8s += [dense8(n_, k_) for _, n_, k_, _ in proj[len(p8s):]]
+    for (mm, nn_, kk, bt), p8 in zip(proj, p8s, strict=True):
         dt = "fp8" if p8 is not None else None
         F.gemms.append(Gemm(mm, nn_, kk, batch=bt, out_bytes=a, dtype=dt))
         BI.gemms.append(Gemm(mm, kk, nn_, batch=bt, out_bytes=a, dtype=dt))
         BW.gemms.append(Gemm(kk, nn_, mm, batch=bt, out_bytes=FP32 if fused_acc else a, accumulate=fused_acc,
                              dtype=dt))
         if p8 is not None and o is not None:
-            _fp8_casts(F, BI, BW, p8, o, mm, kernels == "fused")
+            _fp8_casts(F, BI, BW, p8, o, mm, kernels == "fused", bt)
         if not fused_acc:
             BW.add(bt * kk * nn_ * (a + 2 * FP32) if main_grad_fp32 else 3 * bt * kk * nn_ * a, 1)
     F.launches += len(proj)
@@ -213,15 +229,16 @@ def layer_work(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch: 
     return work
 
 
-def _fp8_casts(F: Pass, BI: Pass, BW: Pass, p8, o: Fp8Options, tokens: int, fused: bool) -> None:
+def _fp8_casts(F: Pass, BI: Pass, BW: Pass, p8, o: Fp8Options, tokens: int, fused: bool, batch: int = 1) -> None:
     """A float8 projection's amax-scale-casts per pass and the layout copies _scaled_mm needs
-    (fp8_terms.py): memory-bound kernels."""
+    (fp8_terms.py): memory-bound kernels; ``batch`` experts of one grouped GEMM, each cast as one tensor
+    (one kernel sequence for all of them: their scales are vectors)."""
     for p, elems in zip((F, BI, BW), casts_per_pass(p8, o, tokens), strict=True):
         for e in elems:
-            p.add(*cast_stream(e, fused))
+            p.add(*cast_stream(batch * e, fused))
     dgrad, wgrad = copies_per_pass(p8, o, tokens)
-    BI.add(dgrad, 1)
-    BW.add(wgrad, 2)
+    BI.add(batch * dgrad, 1)
+    BW.add(batch * wgrad, 2)
 
 
 def _attention(F: Pass, BI: Pass, m: ModelConfig, x: dict[str, int], a: int, kernels: str, flash: bool) -> None:

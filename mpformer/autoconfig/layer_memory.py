@@ -39,8 +39,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpformer.autoconfig.expert_memory import MOE, moe_backward_bytes, moe_saved_bytes
-from mpformer.autoconfig.fp8_terms import fp8_layer_bytes, fp8_projections
+from mpformer.autoconfig.expert_memory import (
+    MOE,
+    expert_rows,
+    expert_tp,
+    moe_backward_bytes,
+    moe_saved_bytes,
+    routed_tokens,
+)
+from mpformer.autoconfig.fp8_terms import experts_fp8, fp8_expert_bytes, fp8_layer_bytes, fp8_projections
 from mpformer.core.fp8_config import Fp8Options
 from mpformer.core.layer_spec import attention_kind, mlp_kind
 from mpformer.core.layout import ParallelLayout
@@ -125,8 +132,12 @@ def layer_bytes(m: ModelConfig, L: ParallelLayout, seq_length: int, micro_batch:
     if precision == "fp8":
         o = fp8 if fp8 is not None else Fp8Options()
         terms = fp8_layer_bytes(fp8_projections(m, L.tp, o, kind), o, x.s_n, x.s_r, x.b, fused_casts, fp8_gathered)
-        backward += terms.cast_peak
-        f8 = terms.weight_copies - terms.input_saving
+        f8, peak = terms.weight_copies - terms.input_saving, terms.cast_peak
+        if kind == MOE and experts_fp8(m, o):  # the routed experts' grouped GEMMs (fp8_terms.py)
+            et = fp8_expert_bytes(o, x.h, m.expert_ffn_size // expert_tp(L), m.num_experts // L.ep,
+                                  expert_rows(m, routed_tokens(m, L, seq_length, micro_batch)), wb, mode, fused_casts)
+            f8, peak = f8 + et.weight_copies - et.input_saving, max(peak, et.cast_peak)
+        backward += peak
     if mode == "full":  # the recomputed forward saves the float8 copies again (recompute_bytes)
         return LayerBytes(wb * x.s_r * x.b * x.h, 0.0, 0.0, 0.0, backward)
     norms = 2 * norm_bytes(m, x, wb) + 2 * wb * x.s_r * x.b * x.h

@@ -61,7 +61,7 @@ from mpformer.autoconfig.expert_memory import (
     mlp_part_sizes,
     stage_expert_params,
 )
-from mpformer.autoconfig.fp8_terms import delayed_state_bytes
+from mpformer.autoconfig.fp8_terms import delayed_state_bytes, expert_state_bytes, experts_fp8
 from mpformer.autoconfig.inflight import inflight, offloaded, weighted_peak
 from mpformer.autoconfig.layer_memory import BYTES
 from mpformer.autoconfig.runtimes import MPFORMER, Runtime, gathered_at_head
@@ -285,6 +285,9 @@ def _stage_shape(p: PlanInputs, r: int, first: bool, last: bool, chunks: tuple[i
                                        m=4 if p.wb < 4 else 0, k=8) for k, d in ((n - n_e, p.n_d), (n_e, edp)) if k)
     # Delayed scaling's amax histories and scales: buffers of every float8 projection (fp8_terms.py)
     state += delayed_state_bytes(p.fp8_projs, p.runtime.fp8) * len(layers)
+    if p.w.precision == "fp8" and experts_fp8(p.m, p.runtime.fp8):  # and of the float8 routed experts
+        sparse = sum(p.m.layer_mlp_kind(i) == "moe" for i in layers)
+        state += expert_state_bytes(p.runtime.fp8, p.m.num_experts // L.ep) * sparse
     units = stage_units(p, first, last, chunks, starts)
     io = p.boundary * (((r > 0 or L.vpp > 1) and not p.shared_input) + (not last or L.vpp > 1))
     per_unit = sum(u.saved for u in units if u.name == "layer") + io

@@ -7,9 +7,7 @@ and the fastest plan of all wins, its precision with it.
 
 A precision the device has no rate for is refused in one line when asked for alone, and left out of a
 list that names others too (an A100 has no float8 tensor cores: fp8 there is bf16 with extra casts).
-fp8 trains on the layouts core/fp8_config.py allows (``fp8_layout_limits``: every layout of a dense
-model; cp and etp pinned to 1 where routed experts go float8): its search pins those to 1 and tries
-every ZeRO stage it allows, so the plan it returns runs.
+fp8 trains on every layout (dense layers and routed experts alike), so its search has the same space.
 """
 
 from __future__ import annotations
@@ -18,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from mpformer.autoconfig.candidates import Candidate, SearchResult
+from mpformer.autoconfig.candidates import SearchResult
 from mpformer.autoconfig.cluster import Cluster
 from mpformer.autoconfig.workload import Workload
 from mpformer.core.errors import ConfigError, format_choices
-from mpformer.core.fp8_config import compute_precision, fp8_layout_limits
+from mpformer.core.fp8_config import compute_precision
 from mpformer.core.model_config import ModelConfig
 
 
@@ -67,22 +65,7 @@ def search_precisions(model: ModelConfig, cluster: Cluster, w: Workload, precisi
     runs: list[tuple[SearchResult, Workload]] = []
     for p in precisions:
         wp = replace(w, precision=p)
-        if p != "fp8":
-            runs.append((search(model, cluster, wp, fixed=fixed, top_k=top_k, device=device), wp))
-            continue
-        limits = fp8_layout_limits(model.num_experts > 0)
-        pins = {k: 1 for k in limits["ones"]}
-        if any(k in fixed and fixed[k] != 1 for k in pins) or fixed.get("zero", 0) > limits["max_zero"]:
-            if len(precisions) == 1:  # asked for fp8 alone: the training config's rule says why, in one line
-                bad = next((k for k in pins if fixed.get(k, 1) != 1), "zero")
-                raise ConfigError(f"autoconfig.fixed.{bad}={fixed[bad]} with train.precision=fp8: fp8 trains at "
-                                  f"{', '.join(f'{k}=1' for k in pins)} and zero <= {limits['max_zero']} today; "
-                                  "valid: unpin it, or train.precision=bf16")
-            continue
-        zeros = [fixed["zero"]] if "zero" in fixed else list(range(limits["max_zero"] + 1))
-        parts = [search(model, cluster, wp, fixed={**fixed, **pins, "zero": z}, top_k=top_k, device=device)
-                 for z in zeros]
-        runs.append((_merge(parts, top_k), wp))
+        runs.append((search(model, cluster, wp, fixed=fixed, top_k=top_k, device=device), wp))
     for res, wp in runs:  # the plan runs in the precision it was priced in (parallel=auto sets it)
         for c in res.top:
             c.precision = wp.precision
@@ -91,20 +74,3 @@ def search_precisions(model: ModelConfig, cluster: Cluster, w: Workload, precisi
         return runs[0]
     return min(with_plan, key=lambda r: r[0].top[0].time.iteration_s)
 
-
-def _merge(parts: list[SearchResult], top_k: int) -> SearchResult:
-    """Searches of one precision under different pins as one result (the fastest top_k of all)."""
-    out = parts[0]
-    for r in parts[1:]:
-        out.feasible += r.feasible
-        out.evaluated += r.evaluated
-        out.seconds += r.seconds
-        out.pruned += r.pruned
-        for cls, v in r.rejected.items():
-            mine = out.rejected.setdefault(cls, {"count": 0, "example": v["example"]})
-            mine["count"] += v["count"]
-        if r.smallest is not None:
-            out.offer_smallest(r.smallest)
-    tops: list[Candidate] = [c for r in parts for c in r.top]
-    out.top = sorted(tops, key=lambda c: c.time.iteration_s)[:top_k]
-    return out

@@ -15,7 +15,6 @@ from mpformer.core.errors import ConfigError, format_choices
 from mpformer.core.fp8_config import Fp8Config, check_fp8_config
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
-from mpformer.core.moe_config import is_moe_layer
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: core/fp8_config.py
 CPU_ATTENTION = ("auto", "native", "fp32")  # parallel/kernels.py ATTENTION_CHOICES, plus auto
@@ -289,8 +288,7 @@ def check_training_config(cfg: Config) -> None:
     _choice("train.precision", t.precision, PRECISIONS)
     for p in cfg.autoconfig.precisions:
         _choice("autoconfig.precisions", p, PRECISIONS)
-    moe = [i for i in range(cfg.model.num_layers) if is_moe_layer(cfg.model, i)]
-    check_fp8_config(t.precision, t.fp8, cfg.parallel, t.compile, moe)
+    check_fp8_config(t.precision, t.fp8, t.compile)
     # a float8 GEMM's M (dW's K on CUDA): a micro-batch's tokens on this rank, per token slice of a pipeline
     split = max(cfg.parallel.cp, 1) * max(cfg.parallel.pp_token_slices, 1)
     tokens = t.micro_batch_size * t.seq_length // split

@@ -14,10 +14,7 @@ fp16 has no spelling (and ``train.fp8.*`` set under another precision is an erro
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from mpformer.core.errors import ConfigError, format_choices
 
@@ -77,17 +74,9 @@ def compute_precision(precision: str) -> str:
     return COMPUTE_DTYPE if precision == "fp8" else precision
 
 
-def fp8_layout_limits(moe: bool = False) -> dict[str, Any]:
-    """What a layout must keep to train in fp8 (the rules below, for the auto-configurator's search):
-    ``ones``: the fields that must be 1 (a model whose routed experts go float8: cp and etp, see
-    check_fp8_config); ``max_zero``: the highest ZeRO stage (every one: ZeRO-3 gathers float8 weights)."""
-    return {"ones": ("cp", "etp") if moe else (), "max_zero": 3}
-
-
-def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers: bool,
-                     moe_layers: Sequence[int] = ()) -> None:
-    """The rules of ``train.fp8`` against the precision and the layout (``parallel``: ParallelConfig);
-    ``moe_layers``: the global indices of the model's layers with routed experts (none: dense)."""
+def check_fp8_config(precision: str, c: Fp8Config, compile_layers: bool) -> None:
+    """The rules of ``train.fp8`` against the precision and the run. Every layout trains in fp8 (dense
+    layers and routed experts: their amaxes span the ranks that split their tensors)."""
     if precision != "fp8":
         if c != Fp8Config():
             changed = next(k for k in Fp8Config.__dataclass_fields__ if getattr(c, k) != getattr(Fp8Config(), k))
@@ -103,23 +92,6 @@ def check_fp8_config(precision: str, c: Fp8Config, parallel: Any, compile_layers
         raise ConfigError(f"train.fp8.amax_history_len={c.amax_history_len} must be >= 1")
     if c.margin < 0:
         raise ConfigError(f"train.fp8.margin={c.margin} must be >= 0 (powers of two of headroom)")
-    etp = parallel.etp if parallel.etp is not None else parallel.tp
-    # the experts of some layer go float8: its canonical name (models/fp8.py apply_expert_fp8) matches no pattern
-    experts = any(not any(fnmatch.fnmatch(f"layers.{i}.mlp.experts", p) for p in c.keep_bf16) for i in moe_layers)
-    if experts and c.recipe == "delayed" and parallel.recompute != "none":
-        raise ConfigError(f"train.fp8.recipe=delayed with parallel.recompute={parallel.recompute} is not yet supported "
-                          "for the routed experts (a recompute re-runs their GEMMs with scales the first forward "
-                          "already moved); valid: parallel.recompute=none, train.fp8.recipe=tensorwise|rowwise, or "
-                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
-    if experts and etp > 1:
-        raise ConfigError(f"train.precision=fp8 with parallel.etp={etp}>1 is not yet supported (experts split over "
-                          "tp need their float8 amaxes all-reduced over the etp shards); valid: parallel.etp=1, or "
-                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
-    if experts and parallel.cp > 1:
-        raise ConfigError(f"train.precision=fp8 with parallel.cp={parallel.cp}>1 is not yet supported for the routed "
-                          "experts (an expert's token block would be cast with the amax of this rank's part of the "
-                          "sequence, not the whole micro-batch's); valid: parallel.cp=1, or "
-                          "train.fp8.keep_bf16=[...,layers.*.mlp.experts]")
     if compile_layers:
         raise ConfigError("train.compile=true with train.precision=fp8 is not yet supported (the float8 linear's "
                           "delayed-scaling state is updated in Python); valid: train.compile=false")

@@ -121,10 +121,17 @@ MESH_DIMS: list[MeshDim] = [
 EP_VIEW = FactorView("ep", ("cp", "dp"), "ep", lambda L: L.ep, "inner", "ep.")
 EXPERT_DATA_VIEW = FactorView("expert_data", ("cp", "dp"), "ep", lambda L: L.ep, "outer", "edp.", partial=("cp",),
                               across="ep")
+# The cp ranks of one cp group that hold the same experts (the float8 experts' amaxes span them): where
+# ep divides cp, the cp/ep ranks with equal ep rank (= cp_rank % ep); otherwise none (single ranks): where
+# cp divides ep an ep group holds whole cp groups, so an expert's owner receives every part of a sequence;
+# an ep group straddling cp groups (cp=3, ep=2) casts the rows each owner receives.
+EXPERT_CP_VIEW = FactorView("expert_cp", ("cp",), "ep", lambda L: L.ep if L.cp % L.ep == 0 else L.cp, "outer",
+                            "ecp.")
 MESH_VIEWS: dict[str, MeshView | FactorView] = {
     "data": MeshView("data", ("dp", "cp"), "dp.", partial=("cp",)),
     "ep": EP_VIEW,  # at ep=1 a group of one per rank (no process group is made)
     "expert_data": EXPERT_DATA_VIEW,  # at ep=1 the "data" view's ranks (its group is reused)
+    "expert_cp": EXPERT_CP_VIEW,  # the cp group at ep=1 (reused), single ranks where ep spans cp (none made)
 }
 
 

@@ -40,13 +40,17 @@ weight gradient is zero by definition.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mpformer.core.shards import Shard
 from mpformer.layers.fp8 import ALIGN, ROLES, Float8Recipe, cast_to_fp8, scale_from_amax
-from mpformer.layers.fp8_linear import scaled_mm
+from mpformer.layers.fp8_linear import ONE, Fp8Shards, scaled_mm
+from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, host_tensor, kernel_device, no_autocast
 
 E4M3 = torch.float8_e4m3fn
@@ -125,7 +129,23 @@ def pad_rows(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, Groups, 
                                      host_tensor(counts, torch.int64, x.device), output_size=n)
     shift = host_tensor([q - s for q, s in zip(pstarts, starts, strict=True)], torch.int64, x.device)
     dest = torch.arange(n, device=x.device) + shift[expert]
-    return x.new_zeros(p, x.shape[1]).index_copy(0, dest, x), groups, dest
+    return _Scatter.apply(x, dest, p), groups, dest
+
+
+class _Scatter(torch.autograd.Function):
+    """Rows of x [N, k] into zeros [P, k] at ``dest``; backward gathers them. Tensor.index_copy's autograd
+    would keep ``x`` itself (it reads the source's shape), the whole bf16 [N, h] input, beside the float8
+    copy the GEMM keeps; this keeps only the int64 ``dest``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(dest)
+        return x.new_zeros(rows, x.shape[1]).index_copy_(0, dest, x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (dest,) = ctx.saved_tensors
+        return g.index_select(0, dest), None, None
 
 
 class ExpertScalingState:
@@ -134,8 +154,13 @@ class ExpertScalingState:
     layers/fp8.py DelayedScalingState: a role's first use (history all zero) is scaled from its own amax,
     a non-finite amax is recorded as 0, the next scale is the history's max."""
 
-    def __init__(self, recipe: Float8Recipe, amax_history: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(self, recipe: Float8Recipe, amax_history: torch.Tensor, scales: torch.Tensor,
+                 stash: collections.deque[torch.Tensor] | None = None,
+                 replay: collections.deque[torch.Tensor] | None = None) -> None:
         self.recipe, self.amax_history, self.scales = recipe, amax_history, scales
+        # inside a recomputed region (layers/fp8_layer.py recompute_contexts): the first forward appends
+        # its forward scales to ``stash``, the recompute takes them from ``replay`` and records nothing
+        self.stash, self.replay = stash, replay
 
     def scale_for(self, role: str, amax: torch.Tensor) -> torch.Tensor:
         """[E] scales this use of ``role`` casts with, given its per-expert amaxes [E]."""
@@ -154,14 +179,45 @@ class ExpertScalingState:
             self.scales[:, i] = scale_from_amax(rows.amax(-1), self.recipe.dtype(role), self.recipe.margin)
 
 
-def _per_tensor(t: torch.Tensor, amax: torch.Tensor, role: str, dtype: torch.dtype, recipe: Float8Recipe,
-                state: ExpertScalingState | None, record: bool) -> torch.Tensor:
-    """[E] scales of one tensor per expert from its amaxes [E]: its own (tensorwise) or the history's."""
+def absmax(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 max of |t| along ``dim`` as max(max t, -min t): two reductions, no |t| copy of an expert weight."""
+    t = t.detach()
+    return torch.maximum(t.amax(dim), t.amin(dim).neg()).float()
+
+
+def cast_experts(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w [E, n, k] cast expert by expert into one float8 tensor (``scales`` [E, ., .] broadcasting per
+    expert): the eager cast's fp32 temporaries (layers/fp8.py cast_to_fp8: 8 bytes an element at its
+    height) are one expert's, not all E_l experts' (Mixtral's 8 experts' up weights: 3.8 GB at once)."""
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    for e in range(w.shape[0]):
+        out[e] = cast_to_fp8(w[e], scales[e], dtype)
+    return out
+
+
+def reduced(a: torch.Tensor, comms: tuple[Comm, ...]) -> torch.Tensor:
+    """``a`` (amaxes, fp32) all-reduced (max) over ``comms``: over the ranks holding the other blocks."""
+    a = a.contiguous()
+    for c in comms:
+        c.all_reduce(a, op=dist.ReduceOp.MAX)
+    return a
+
+
+def _per_tensor(t: torch.Tensor, amax: Callable[[], torch.Tensor], role: str, dtype: torch.dtype,
+                recipe: Float8Recipe, state: ExpertScalingState | None, record: bool) -> torch.Tensor:
+    """[E] scales of one tensor per expert from its amaxes [E] (``amax()``, taken over the shards): its own
+    (tensorwise) or the history's; a recompute replays the first forward's (no amax, nothing recorded)."""
+    forward = role != "grad_output"
+    if state is not None and forward and state.replay is not None:
+        return state.replay.popleft()
+    a = amax()
     if state is None:
-        return scale_from_amax(amax, dtype, recipe.margin)
-    scale = state.scale_for(role, amax)
+        return scale_from_amax(a, dtype, recipe.margin)
+    scale = state.scale_for(role, a)
     if record:
-        state.record(role, amax)
+        state.record(role, a)
+        if forward and state.stash is not None:
+            state.stash.append(scale)
     return scale
 
 
@@ -209,42 +265,47 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, g: Groups, recipe: Float8Recipe,
-                state: ExpertScalingState | None, method: str, out_dtype: torch.dtype, record: bool) -> torch.Tensor:
-        if recipe.name == "rowwise":
-            sx = scale_from_amax(x.detach().abs().amax(-1), E4M3, recipe.margin)  # [Mp]
-            sw = scale_from_amax(w.detach().abs().amax(-1), E4M3, recipe.margin)  # [E, n]
-            x8, w8 = cast_to_fp8(x, sx[:, None], E4M3), cast_to_fp8(w, sw[..., None], E4M3)
+                state: ExpertScalingState | None, method: str, out_dtype: torch.dtype, record: bool,
+                shards: Fp8Shards) -> torch.Tensor:
+        over = shards.over
+        if recipe.name == "rowwise":  # amaxes along K: split over the down projection's etp
+            sx = scale_from_amax(reduced(x.detach().abs().amax(-1).float(), over("k")), E4M3, recipe.margin)  # [Mp]
+            sw = scale_from_amax(reduced(absmax(w, -1), over("k")), E4M3, recipe.margin)  # [E, n]
+            x8, w8 = cast_to_fp8(x, sx[:, None], E4M3), cast_experts(w, sw[..., None], E4M3)
             ctx.save_for_backward(x, w)
         else:
-            sx = _per_tensor(x, g.amax(x), "input", E4M3, recipe, state, record)
-            sw = _per_tensor(w, w.detach().abs().flatten(1).amax(-1), "weight", E4M3, recipe, state, record)
-            x8, w8 = cast_to_fp8(x, sx[g.ids, None], E4M3), cast_to_fp8(w, sw[:, None, None], E4M3)
+            sx = _per_tensor(x, lambda: reduced(g.amax(x), over("tokens", "k")), "input", E4M3, recipe, state, record)
+            sw = _per_tensor(w, lambda: reduced(absmax(w.flatten(1), -1), over("k", "n")),
+                             "weight", E4M3, recipe, state, record)
+            x8, w8 = cast_to_fp8(x, sx[g.ids, None], E4M3), cast_experts(w, sw[:, None, None], E4M3)
             ctx.save_for_backward(x8, sx, w8, sw)
         ctx.g, ctx.recipe, ctx.state, ctx.method, ctx.out_dtype = g, recipe, state, method, out_dtype
+        ctx.shards = shards
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         return mm_rows(x8, sx, w8.transpose(-2, -1), sw, g, method, out_dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        g, recipe, method, out = ctx.g, ctx.recipe, ctx.method, ctx.out_dtype
+        g, recipe, method, out, over = ctx.g, ctx.recipe, ctx.method, ctx.out_dtype, ctx.shards.over
         gdt = recipe.dtype("grad_output")  # e4m3 where the method is grouped (fp8_grouped_linear's rule)
         dy = dy.contiguous()
         dx = dw = None
         if recipe.name == "rowwise":
             x, w = ctx.saved_tensors
-            if ctx.needs_input_grad[0]:
-                sdy = scale_from_amax(dy.abs().amax(-1), gdt, recipe.margin)  # [Mp], along n
-                sw = scale_from_amax(w.detach().abs().amax(1), E4M3, recipe.margin)  # [E, k], along n
-                dx = mm_rows(cast_to_fp8(dy, sdy[:, None], gdt), sdy, cast_to_fp8(w, sw[:, None, :], E4M3), sw,
-                             g, method, out)
-            if ctx.needs_input_grad[1]:
-                sdy = scale_from_amax(g.col_amax(dy), gdt, recipe.margin)  # [E, n], along the group's rows
-                sx = scale_from_amax(g.col_amax(x), E4M3, recipe.margin)  # [E, k]
+            if ctx.needs_input_grad[0]:  # amaxes along n: split over the up projection's etp
+                sdy = scale_from_amax(reduced(dy.abs().amax(-1).float(), over("n")), gdt, recipe.margin)  # [Mp]
+                sw = scale_from_amax(reduced(absmax(w, 1), over("n")), E4M3, recipe.margin)
+                dx = mm_rows(cast_to_fp8(dy, sdy[:, None], gdt), sdy, cast_experts(w, sw[:, None, :], E4M3), sw,
+                             g, method, out)  # sw [E, k]
+            if ctx.needs_input_grad[1]:  # amaxes along the group's rows: split over the token peers
+                sdy = scale_from_amax(reduced(g.col_amax(dy), over("tokens")), gdt, recipe.margin)  # [E, n]
+                sx = scale_from_amax(reduced(g.col_amax(x), over("tokens")), E4M3, recipe.margin)  # [E, k]
                 dw = mm_wgrad(cast_to_fp8(dy, sdy[g.ids], gdt), sdy, cast_to_fp8(x, sx[g.ids], E4M3), sx,
                               g, method, out)
         else:
             x8, sx, w8, sw = ctx.saved_tensors
-            sdy = _per_tensor(dy, g.amax(dy), "grad_output", gdt, recipe, ctx.state, True)
+            sdy = _per_tensor(dy, lambda: reduced(g.amax(dy), over("tokens", "n")), "grad_output", gdt, recipe,
+                              ctx.state, True)
             dy8 = cast_to_fp8(dy, sdy[g.ids, None], gdt)
             if ctx.needs_input_grad[0]:
                 dx = mm_rows(dy8, sdy, w8, sw, g, method, out)
@@ -252,14 +313,16 @@ class _Fp8GroupedLinear(torch.autograd.Function):
                 dw = mm_wgrad(dy8, sdy, x8, sx, g, method, out)
         dx = dx.to(ctx.x_dtype) if dx is not None else None
         dw = dw.to(ctx.w_dtype) if dw is not None else None
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, g: Groups, recipe: Float8Recipe,
                        state: ExpertScalingState | None = None, *, method: str = "loop",
-                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.bfloat16, shards: Fp8Shards = ONE) -> torch.Tensor:
     """x [Mp, k] (rows padded per ``g``) @ w[e]^T per expert (w [E, n, k]) -> [Mp, n], in float8 by ``recipe``
-    (``state``: delayed scaling's, None otherwise) through ``method`` (FP8_METHODS)."""
+    (``state``: delayed scaling's, None otherwise) through ``method`` (FP8_METHODS). ``shards``: the groups
+    splitting the operands, as layers/fp8_linear.py's (``tokens``: other ranks' rows of the same experts;
+    ``n``/``k``: etp's split of the up / down projection); every amax is all-reduced (max) over them."""
     if (recipe.name == "delayed") != (state is not None):
         raise ValueError(f"fp8_grouped_linear: recipe {recipe.name!r} with state={type(state).__name__}: the "
                          "delayed recipe needs an ExpertScalingState, the others take none")
@@ -269,7 +332,7 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, g: Groups, recipe: Floa
         raise ValueError("fp8_grouped_linear: torch._scaled_grouped_mm takes e4m3 gradients and gives bf16 "
                          f"(recipe grad {recipe.grad!r}, out_dtype {out_dtype}); use method='loop'")
     record = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)  # as layers/fp8_linear.py
-    return _Fp8GroupedLinear.apply(x, w, g, recipe, state, method, out_dtype, record)
+    return _Fp8GroupedLinear.apply(x, w, g, recipe, state, method, out_dtype, record, shards)
 
 
 def _swiglu(y: torch.Tensor, f: int) -> torch.Tensor:
@@ -279,10 +342,12 @@ def _swiglu(y: torch.Tensor, f: int) -> torch.Tensor:
 
 def fp8_expert_mlp(x_mh: torch.Tensor, counts: list[int], w_up: torch.Tensor, w_down: torch.Tensor,
                    recipe: Float8Recipe, states: tuple[ExpertScalingState, ExpertScalingState] | None = None, *,
-                   method: str, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                   method: str, out_dtype: torch.dtype = torch.bfloat16,
+                   shards: tuple[Fp8Shards, Fp8Shards] = (ONE, ONE)) -> torch.Tensor:
     """layers/expert_gemm.py ``expert_mlp`` with both projections in float8: ``down_e(silu(gate_e) * up_e)``
     on each expert's rows of ``x_mh`` [N, h] (sorted by expert, ``counts`` host ints), [N, h] in
-    ``out_dtype``. ``states``: the up and down projections' delayed-scaling states (delayed recipe only)."""
+    ``out_dtype``. ``states``: the up and down projections' delayed-scaling states (delayed recipe only);
+    ``shards``: the up and down projections' (fp8_grouped_linear)."""
     E, two_f, h = w_up.shape
     f = two_f // 2
     if w_down.shape != (E, h, f) or x_mh.dim() != 2 or x_mh.shape[1] != h or len(counts) != E:
@@ -293,8 +358,9 @@ def fp8_expert_mlp(x_mh: torch.Tensor, counts: list[int], w_up: torch.Tensor, w_
         raise ValueError(f"fp8_expert_mlp: counts sum to {sum(counts)}, x has {x_mh.shape[0]} rows")
     up_state, down_state = states if states is not None else (None, None)
     xp, g, dest = pad_rows(x_mh.to(out_dtype), counts)
-    a = _swiglu(fp8_grouped_linear(xp, w_up, g, recipe, up_state, method=method, out_dtype=out_dtype), f)
-    y = fp8_grouped_linear(a, w_down, g, recipe, down_state, method=method, out_dtype=out_dtype)
+    a = _swiglu(fp8_grouped_linear(xp, w_up, g, recipe, up_state, method=method, out_dtype=out_dtype,
+                                   shards=shards[0]), f)
+    y = fp8_grouped_linear(a, w_down, g, recipe, down_state, method=method, out_dtype=out_dtype, shards=shards[1])
     return y if dest is None else y.index_select(0, dest)
 
 
@@ -309,10 +375,14 @@ def expert_scaling_buffers(recipe: Float8Recipe, n: int, device: torch.device | 
             torch.ones(n, len(PROJECTIONS), len(ROLES), device=device))
 
 
-def expert_states(recipe: Float8Recipe, history: torch.Tensor, scales: torch.Tensor
+def expert_states(recipe: Float8Recipe, history: torch.Tensor, scales: torch.Tensor,
+                  stash: collections.deque[torch.Tensor] | None = None,
+                  replay: collections.deque[torch.Tensor] | None = None
                   ) -> tuple[ExpertScalingState, ExpertScalingState]:
-    """The two projections' states as views of the buffers (updates land in them)."""
-    up, down = (ExpertScalingState(recipe, history[:, i], scales[:, i]) for i in range(len(PROJECTIONS)))
+    """The two projections' states as views of the buffers (updates land in them); ``stash``/``replay``:
+    one deque for both (their forward scales in call order)."""
+    up, down = (ExpertScalingState(recipe, history[:, i], scales[:, i], stash, replay)
+                for i in range(len(PROJECTIONS)))
     return up, down
 
 
@@ -332,14 +402,14 @@ def expert_fp8_shards(prefix: str, local: range, history: torch.Tensor, scales: 
 
 
 def experts_forward(x_mh: torch.Tensor, counts: list[int], w_up: torch.Tensor, w_down: torch.Tensor,
-                    recipe: Float8Recipe, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                    recipe: Float8Recipe, states: tuple[ExpertScalingState, ExpertScalingState] | None,
+                    shards: tuple[Fp8Shards, Fp8Shards] = (ONE, ONE)) -> torch.Tensor:
     """layers/moe.py Experts' float8 forward: out in autocast's dtype (bf16 under train.precision=fp8), the
-    method the device runs, delayed scaling's states over the module's ``buffers`` (history, scales)."""
+    method the device runs, delayed scaling's ``states`` (expert_states over the module's buffers)."""
     want = autocast_dtype(x_mh) or (x_mh.dtype if x_mh.dtype == torch.float32 else torch.bfloat16)
     out = torch.bfloat16 if recipe.name == "rowwise" else want  # CUDA's rowwise kernels write bf16 only
-    states = expert_states(recipe, *buffers) if buffers is not None else None
     # the device the GEMMs run on: a rehearsal's meta rows stand for a GPU's, and take its grouped kernel
     method = choose_fp8_method(kernel_device(x_mh), recipe, w_up.shape[-1], w_down.shape[-1], out)
     with no_autocast(x_mh):  # the casts and scales are the recipe's, not autocast's
-        y = fp8_expert_mlp(x_mh, counts, w_up, w_down, recipe, states, method=method, out_dtype=out)
+        y = fp8_expert_mlp(x_mh, counts, w_up, w_down, recipe, states, method=method, out_dtype=out, shards=shards)
     return y if y.dtype == want else y.to(want)

@@ -10,8 +10,9 @@ Delayed scaling under full recompute: a recomputed forward must cast x and W exa
 forward did (else the tensors saved for backward no longer match the ones used), but the first forward
 has already moved the scales by recording its amaxes. As Transformer Engine does, the first forward
 stashes the scales it used and the recompute replays them, recording nothing (``recompute_contexts``:
-a checkpoint ``context_fn`` for one block). Micro-batches recompute in the order they ran forward on a
-chunk in every schedule, so each layer's stash is a FIFO queue.
+a checkpoint ``context_fn`` for one block, or for the routed experts alone under selective recompute).
+Micro-batches recompute in the order they ran forward on a chunk in every schedule, so each layer's stash
+is a FIFO queue. ``DelayedReplay`` is that part alone, shared with the routed experts (layers/moe.py).
 """
 
 from __future__ import annotations
@@ -30,16 +31,29 @@ from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, no_autocast
 
 
-class Float8Layer(nn.Module):
+class DelayedReplay(nn.Module):
+    """A module whose delayed-scaling casts stash their forward scales in a recomputed region's first
+    forward and replay them in its recompute (module docstring): ``fp8_mode`` is set by
+    ``recompute_contexts``, ``fp8_stash`` is the module's FIFO of scales."""
+
+    fp8: Float8Recipe | None = None
+    fp8_mode: str | None = None  # delayed scaling inside a recomputed region: "stash" (first forward) | "replay"
+    fp8_stash: collections.deque[torch.Tensor]
+
+    def fp8_queues(self) -> tuple[collections.deque[torch.Tensor] | None, collections.deque[torch.Tensor] | None]:
+        """(stash, replay): the deque where this forward's scales go, the one they come from (None: neither)."""
+        return (self.fp8_stash if self.fp8_mode == "stash" else None,
+                self.fp8_stash if self.fp8_mode == "replay" else None)
+
+
+class Float8Layer(DelayedReplay):
     """A linear layer (``weight`` [N, K], ``bias``, ``store``) that may run in float8: ``fp8`` is its
     recipe once enabled (None: its own bf16/fp32 path), ``fp8_shards`` how its operands are split."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
     store: WeightGradStore | None
-    fp8: Float8Recipe | None = None
     fp8_shards: Fp8Shards = ONE
-    fp8_mode: str | None = None  # delayed scaling inside a recomputed block: "stash" (first forward) | "replay"
 
     def fp8_split(self, tokens: tuple[Comm, ...]) -> Fp8Shards:
         """How this layer's operands are split, given the groups splitting the tokens (context
@@ -72,8 +86,7 @@ class Float8Layer(nn.Module):
             return None
         state = DelayedScalingState.__new__(DelayedScalingState)
         state.recipe, state.amax_history, state.scales = self.fp8, self.fp8_amax_history, self.fp8_scale
-        state.stash = self.fp8_stash if self.fp8_mode == "stash" else None
-        state.replay = self.fp8_stash if self.fp8_mode == "replay" else None
+        state.stash, state.replay = self.fp8_queues()
         return state
 
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -94,9 +107,10 @@ def gemm_out_dtype(recipe: Float8Recipe, want: torch.dtype) -> torch.dtype:
 
 
 def recompute_contexts(block: nn.Module) -> Callable[[], tuple[contextlib.AbstractContextManager, ...]] | None:
-    """A torch.utils.checkpoint ``context_fn`` for ``block``'s delayed-scaling float8 layers (the module
-    docstring): its first forward stashes their scales, its recompute replays them. None when it has none."""
-    layers = [m for m in block.modules() if isinstance(m, Float8Layer) and m.fp8 is not None
+    """A torch.utils.checkpoint ``context_fn`` for ``block``'s delayed-scaling float8 layers and experts (the
+    module docstring): its first forward stashes their scales, its recompute replays them. None when it has
+    none."""
+    layers = [m for m in block.modules() if isinstance(m, DelayedReplay) and m.fp8 is not None
               and m.fp8.name == "delayed"]
     if not layers:
         return None

@@ -22,6 +22,7 @@ outside the gradient.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -37,6 +38,8 @@ from mpformer.core.shards import Shard
 from mpformer.layers import fp8_expert_gemm as fp8x
 from mpformer.layers.expert_gemm import choose_method, expert_mlp
 from mpformer.layers.fp8 import Float8Recipe
+from mpformer.layers.fp8_layer import DelayedReplay, recompute_contexts
+from mpformer.layers.fp8_linear import ONE, Fp8Shards
 from mpformer.layers.linear import WeightGradStore
 from mpformer.layers.mlp import MLP
 from mpformer.layers.moe_dispatch import LocalDispatcher, TokenDispatcher, build_dispatcher, histogram
@@ -117,18 +120,21 @@ class Router(nn.Module):
         return weights * self.scaling, experts, probs, logits
 
 
-class Experts(nn.Module):
+class Experts(DelayedReplay):
     """E_l SwiGLU experts in two flat parameters, so a grouped GEMM reads them as ``[E_l, 2f, h]`` and
     ``[E_l, h, f]`` views: ``up`` holds each expert's gate rows then its up rows (``[E_l*2f, h]``),
     ``down`` each expert's ``[h, f]`` (``[E_l*h, f]``). Whole rows per expert: checkpoints and the
     ZeRO state map see per-expert canonical tensors (``experts.{e}.gate|up|down.weight``, HF's).
     ``tp`` (etp = tp): every expert's ffn split over the tp ranks (f/t rows of gate and up, f/t
-    columns of down), as the dense MLP's; the outputs are then partial sums over tp."""
+    columns of down), as the dense MLP's; the outputs are then partial sums over tp. ``tokens``: the
+    groups whose ranks hold these experts' other rows of the same sequences (``MoE.token_peers``): in
+    float8 each expert's amaxes span them, so its token block is cast as one process holding it whole."""
 
     def __init__(self, cfg: ModelConfig, local: range, tp: TPContext | None = None, device: DeviceLike = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, tokens: tuple[Comm, ...] = ()) -> None:
         super().__init__()
         t = tp.size if tp is not None else 1
+        self.tokens, self.tp_comm = tokens, tp.comm if tp is not None else None
         self.local, self.h, self.f_full, self.f = local, cfg.hidden_size, cfg.expert_ffn_size, cfg.expert_ffn_size // t
         self.start = (tp.rank if tp is not None else 0) * self.f  # this rank's first ffn row of each expert
         self.split = tp is not None
@@ -136,12 +142,16 @@ class Experts(nn.Module):
         self.up = nn.Parameter(torch.empty(n * 2 * self.f, self.h, device=device, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n * self.h, self.f, device=device, dtype=dtype))
         self.fp8: Float8Recipe | None = None
+        self.fp8_shards = (ONE, ONE)
 
     def enable_fp8(self, recipe: Float8Recipe) -> None:
         """Float8 GEMMs from now on (layers/fp8_expert_gemm.py). Delayed scaling keeps, per local expert,
         projection (up, down) and role, its amax histories and scales as the buffers ``fp8_amax_history``
-        [E_l, 2, 3, H] and ``fp8_scale`` [E_l, 2, 3] (checkpointed per expert: ``fp8_buffers``)."""
+        [E_l, 2, 3, H] and ``fp8_scale`` [E_l, 2, 3] (checkpointed per expert: ``fp8_buffers``). Split over
+        etp, the up projection's N (gate/up rows) and the down projection's K (its columns) are tp's."""
         self.fp8 = recipe
+        self.fp8_shards = (Fp8Shards(self.tokens, n=self.tp_comm), Fp8Shards(self.tokens, k=self.tp_comm))
+        self.fp8_stash = collections.deque()
         if recipe.name == "delayed":
             hist, scales = fp8x.expert_scaling_buffers(recipe, len(self.local), self.up.device)
             self.register_buffer("fp8_amax_history", hist)
@@ -155,6 +165,10 @@ class Experts(nn.Module):
         # read per call: a checkpoint load or .to() may have replaced the buffer tensors
         return (self.fp8_amax_history, self.fp8_scale) if self.fp8 is not None and self.fp8.name == "delayed" else None
 
+    def _fp8_states(self) -> tuple[fp8x.ExpertScalingState, fp8x.ExpertScalingState] | None:
+        bufs = self._fp8_buffers()
+        return None if bufs is None else fp8x.expert_states(self.fp8, *bufs, *self.fp8_queues())
+
     def fp8_buffers(self, prefix: str) -> dict[str, Shard]:
         """Delayed scaling's state by per-expert canonical name (layers/fp8_expert_gemm.py expert_fp8_shards)."""
         bufs = self._fp8_buffers()
@@ -164,7 +178,8 @@ class Experts(nn.Module):
         n = len(self.local)
         if self.fp8 is not None:
             return fp8x.experts_forward(x_mh, counts, self.up.view(n, 2 * self.f, self.h),
-                                        self.down.view(n, self.h, self.f), self.fp8, self._fp8_buffers())
+                                        self.down.view(n, self.h, self.f), self.fp8, self._fp8_states(),
+                                        self.fp8_shards)
         # the device the GEMMs run on: a rehearsal's meta rows stand for a GPU's, and take its grouped GEMM
         method = choose_method(kernel_device(x_mh), x_mh.dtype, self.h, self.f)
         return expert_mlp(x_mh, counts, self.up.view(n, 2 * self.f, self.h), self.down.view(n, self.h, self.f),
@@ -200,7 +215,7 @@ class MoE(nn.Module):
         self.tp = tp
         self.split = tp is not None and ep.etp > 1  # etp = tp: tokens gathered over tp, experts split
         local = ep.local_experts(cfg.num_experts)
-        self.experts = Experts(cfg, local, tp if self.split else None, **kw)
+        self.experts = Experts(cfg, local, tp if self.split else None, tokens=self.token_peers(tp, ep), **kw)
         self.dispatcher: TokenDispatcher = (build_dispatcher(ep.dispatcher, ep.comm, cfg.num_experts)
                                             if ep.comm is not None else LocalDispatcher(cfg.num_experts))
         if ep.size > 1:  # each expert's gradient: summed over its ep group's tokens, then over its replicas
@@ -227,6 +242,13 @@ class MoE(nn.Module):
         if self.tp is not None and self.tp.sequence_parallel and not self.split:
             comms.append(self.tp.comm)
         self.seq_comm = SeqGroup(tuple(comms)) if comms else None
+
+    def token_peers(self, tp: TPContext | None, ep: EPContext) -> tuple[Comm, ...]:
+        """The groups whose ranks hold the same experts and the rest of this rank's sequences: cp's ranks
+        outside the ep group (``ep.token_peers``), and tp's under sequence parallelism with whole experts
+        (each tp rank routes its own sequence chunk). Their rows together are one process's token block."""
+        sp_chunks = tp is not None and tp.sequence_parallel and not self.split
+        return tuple(c for c in (ep.token_peers, tp.comm if sp_chunks else None) if c is not None and c.size > 1)
 
     selective_recompute = True  # parallel.recompute=selective also recomputes the experts (Block.forward)
 
@@ -255,8 +277,10 @@ class MoE(nn.Module):
         routed_tk = experts_tk if self.capacity_factor is None else self._capacity(experts_tk)
         self._observe(experts_tk, routed_tk, probs_te, logits_te, s, b)
         x_mh, counts = self.dispatcher.dispatch(x_th, routed_tk)
-        if recompute:
-            y_mh = torch.utils.checkpoint.checkpoint(self.experts, x_mh, counts, use_reentrant=False)
+        if recompute:  # delayed float8 scaling: the recompute replays the first forward's scales
+            replay = recompute_contexts(self.experts)
+            y_mh = torch.utils.checkpoint.checkpoint(self.experts, x_mh, counts, use_reentrant=False,
+                                                     **({"context_fn": replay} if replay is not None else {}))
         else:
             y_mh = self.experts(x_mh, counts)
         slots = self.dispatcher.combine(y_mh).view(s * b, self.k, h)

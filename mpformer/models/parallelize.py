@@ -161,7 +161,8 @@ def build_rank(cfg: ModelConfig, layout: ParallelLayout, groups: ProcessGroups,
     plan = stage_plan(cfg, layout, groups.coords["pp"], seq_length)
     store = WeightGradStore() if layout.pp > 1 and layout.schedule in SPLIT_BACKWARD else None
     ep = EPContext(groups.view("ep") if layout.ep > 1 else None, layout.ep_dispatcher,
-                   layout.etp if layout.etp is not None else layout.tp)
+                   layout.etp if layout.etp is not None else layout.tp,
+                   groups.view("expert_cp") if layout.cp > 1 else None)
     model = build_model(cfg, options, tp=tp, device=groups.device.torch_device, seed=seed, stage=plan, store=store,
                         cp=cp, deferred=deferred, ep=ep)
     return RankModel(model, tp, plan, store, cp, ModelInit(model.cfg, seed) if deferred else None)

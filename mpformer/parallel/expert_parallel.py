@@ -20,11 +20,14 @@ DISPATCHERS = ("alltoall", "allgather")
 class EPContext:
     """``comm``: the expert-parallel group (None: ep = 1); ``dispatcher``: parallel.ep_dispatcher;
     ``etp``: expert tensor parallelism, 1 (whole experts on every tp rank, each routing its own
-    tokens) or tp (each expert's ffn split over the tp ranks like the dense MLP's)."""
+    tokens) or tp (each expert's ffn split over the tp ranks like the dense MLP's). ``token_peers``: the
+    context-parallel ranks outside the ep group that hold the same experts (core/topology.py "expert_cp":
+    the other parts of this rank's sequences reach the same experts there; None when ep spans cp)."""
 
     comm: Comm | None = None
     dispatcher: str = "alltoall"
     etp: int = 1
+    token_peers: Comm | None = None
 
     @property
     def size(self) -> int:

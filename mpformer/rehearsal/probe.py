@@ -14,7 +14,8 @@ alike (autograd carries the mode into the backward):
                 uses them and wherever a new peak is decided.
     kernels     each fused attention op by the kernel it is (flash, efficient, cudnn), and each call of
                 torch's generic SDPA, which on these tensors (and on a GPU that no fused kernel takes)
-                is the math kernel; and the experts' grouped GEMMs (``grouped_mm``: calls and FLOPs)
+                is the math kernel; and the experts' grouped GEMMs (``grouped_mm``: calls and FLOPs), and the
+                float8 GEMMs' calls by kernel (``scaled_mm``: ``_scaled_mm``, ``_scaled_grouped_mm``)
     flops       each op's FLOPs by torch's own formulas (torch.utils.flop_counter's registry: GEMMs and the
                 fused attention kernels; ``grouped_mm_flops`` for torch._grouped_mm, which it lacks), once
                 ``count_flops`` is set (the steps, not the build). Not FlopCounterMode itself: its module
@@ -141,6 +142,8 @@ class Probe(TorchDispatchMode):
         self._snapshot_at = 0
         self.kernels: collections.Counter[str] = collections.Counter()
         self.grouped_mm = {"calls": 0, "flops": 0}  # the experts' grouped GEMMs (layers/expert_gemm.py)
+        # float8 GEMMs by kernel: the linears' and the experts' loop (_scaled_mm), the experts' grouped kernel
+        self.scaled_mm = {"_scaled_mm": 0, "_scaled_grouped_mm": 0}
         self.squares: list[Finding] = []
         self.syncs: list[Finding] = []
         self.regions: list[str] = []  # the open record_function ranges' names, innermost last
@@ -215,6 +218,8 @@ class Probe(TorchDispatchMode):
         if _GROUPED_MM is not None and func is _GROUPED_MM.default:
             self.grouped_mm["calls"] += 1
             self.grouped_mm["flops"] += grouped_mm_flops(*args)
+        if (scaled := func._overloadpacket.__name__) in self.scaled_mm:
+            self.scaled_mm[scaled] += 1
         if self.count_flops and (count := FLOPS.get(func._overloadpacket)) is not None:
             self.flops += int(count(*args, **kwargs, out_val=out))
         return out

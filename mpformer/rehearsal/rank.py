@@ -44,6 +44,7 @@ class RankReport:
     steps: int
     host_peak_bytes: int  # this process's peak resident memory (the rehearsal's own cost on the host)
     grouped_mm: dict[str, int] = field(default_factory=dict)  # the experts' grouped GEMMs: calls, FLOPs
+    scaled_mm: dict[str, int] = field(default_factory=dict)  # float8 GEMM calls by kernel
     predicted: dict = field(default_factory=dict)  # report.py fills it from the memory model
 
     def to_dict(self) -> dict:
@@ -53,7 +54,8 @@ class RankReport:
                 "square_tensors": [f.to_dict() for f in self.square_tensors],
                 "host_syncs": [f.to_dict() for f in self.host_syncs], "comm_bytes": self.comm_bytes,
                 "flops": self.flops, "elapsed_s": self.elapsed_s, "steps": self.steps,
-                "host_peak_bytes": self.host_peak_bytes, "grouped_mm": self.grouped_mm, **self.predicted}
+                "host_peak_bytes": self.host_peak_bytes, "grouped_mm": self.grouped_mm,
+                "scaled_mm": self.scaled_mm, **self.predicted}
 
 
 def _lengths_and_widths(spec) -> tuple[set[int], set[int]]:
@@ -122,7 +124,7 @@ def rehearse_rank(composed: Composed, world_size: int, rank: int, steps: int) ->
     return RankReport(rank, dict(groups.coords), probe.peak, dict(probe.peak_by_kind), probe.peak_where, probe.largest,
                       dict(probe.kernels), probe.squares, probe.syncs, comm, probe.flops,
                       time.perf_counter() - t0, steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      dict(probe.grouped_mm))
+                      dict(probe.grouped_mm), dict(probe.scaled_mm))
 
 
 __all__ = ["KINDS", "REPORT", "RankReport", "rehearse_rank"]

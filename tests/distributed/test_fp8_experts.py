@@ -10,7 +10,11 @@ one process with the same 4 sequences in one micro-batch, only the routed expert
 layers kept bf16, whose per-tensor scales would see a rank's half of the batch). An expert's rows after
 dispatch are then the same tokens as the one process's (in another order), so its float8 operands of the
 first forward (layer 0's gate/up GEMM: each expert's cast weight, its token block, their scales) equal the
-one process's bit for bit, rows compared as a set; the 5 steps' losses track within 2e-2.
+one process's bit for bit, rows compared as a set; the 5 steps' losses track within 2e-2. The same spawn
+trains cp=2, tp=2 with sequence parallelism (whole experts: an expert's rows split over tp's sequence
+chunks) and tp=2 etp=2 (each expert's ffn split), tracking one process within 2e-2. Delayed scaling under
+selective and full recompute equals the run without recompute bit for bit (the first forward's scales
+replayed).
 """
 
 from __future__ import annotations
@@ -38,8 +42,19 @@ RUNS = {  # name -> (world, overrides)
     "delayed_resumed": (1, {"train.precision": "fp8", "train.fp8.recipe": "delayed",
                             "checkpoint.load": "{root}/delayed_half/checkpoints"}),
     "experts_ref": (1, {**EXPERTS_ONLY, "train.micro_batch_size": 4}),
+    "experts_ref_mb2": (1, EXPERTS_ONLY),
+    "delayed_selective": (1, {"train.precision": "fp8", "train.fp8.recipe": "delayed",
+                              "parallel.recompute": "selective"}),
+    "delayed_full": (1, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "parallel.recompute": "full"}),
     "experts_ep2": (2, {**EXPERTS_ONLY, "parallel.dp": 2, "parallel.ep": 2}),
     "experts_ep2_delayed": (2, {**EXPERTS_ONLY, "parallel.dp": 2, "parallel.ep": 2, "train.fp8.recipe": "delayed"}),
+    # against experts_ref_mb2 (the same micro-batches): an expert's rows split over cp, over tp's sequence
+    # chunks (whole experts under SP), and its ffn split over etp
+    "experts_cp2": (2, {**EXPERTS_ONLY, "parallel.cp": 2}),
+    "experts_cp2_delayed": (2, {**EXPERTS_ONLY, "parallel.cp": 2, "train.fp8.recipe": "delayed"}),
+    "experts_tp2_sp": (2, {**EXPERTS_ONLY, "parallel.tp": 2, "parallel.etp": 1, "parallel.sequence_parallel": True}),
+    "experts_etp2": (2, {**EXPERTS_ONLY, "parallel.tp": 2, "parallel.etp": 2, "parallel.sequence_parallel": True,
+                         "train.fp8.recipe": "rowwise"}),
 }
 
 
@@ -48,7 +63,7 @@ def _worker(world: int, data: str, root: str) -> dict:
     from mpformer.layers.moe import Experts
 
     real_mm, real_rows, real_forward = torch._scaled_mm, fp8x.mm_rows, Experts.forward
-    calls, seen, local = [0], [], []
+    calls, seen, local, shards = [0], [], [], []
 
     def counted(*args, **kw):
         calls[0] += 1
@@ -60,6 +75,9 @@ def _worker(world: int, data: str, root: str) -> dict:
         return real_rows(a8, sa, b8, sb, g, method, out_dtype)
 
     def forward(self, x_mh, counts):
+        if not local:  # the groups each projection's amaxes span: tokens, n (up under etp), k (down under etp)
+            shards.append([([c.size for c in sh.tokens], sh.n.size if sh.n else 1, sh.k.size if sh.k else 1)
+                           for sh in self.fp8_shards])
         local.append(self.local)
         return real_forward(self, x_mh, counts)
 
@@ -69,10 +87,10 @@ def _worker(world: int, data: str, root: str) -> dict:
         for name, (w, kw) in RUNS.items():
             if w != world:
                 continue
-            calls[0], seen[:], local[:] = 0, [], []
+            calls[0], seen[:], local[:], shards[:] = 0, [], [], []
             kw = {k: (v.format(root=root) if isinstance(v, str) else v) for k, v in kw.items()}
             out[name] = train(overrides({**BASE, "data.paths": f"[{data}]"}, Path(root) / name, **kw))
-            out[name]["calls"] = calls[0]
+            out[name]["calls"], out[name]["shards"] = calls[0], shards[0] if shards else None
             out[name]["operands"] = _per_expert(*seen[0]) if seen else {}
     finally:
         torch._scaled_mm, fp8x.mm_rows, Experts.forward = real_mm, real_rows, real_forward
@@ -116,14 +134,32 @@ def test_fp8_experts_track_bf16(results, recipe):
     assert results["bf16"]["calls"] == 0
 
 
+def test_experts_amaxes_span_the_ranks_that_split_them(results):
+    """The model wires each layout's groups into its experts (the numerics of each: test_fp8_operands.py):
+    cp's ranks (ep = 1), tp's under SP with whole experts, etp's as the up projection's N and the down's K."""
+    one = [([], 1, 1), ([], 1, 1)]
+    assert results["experts_ref_mb2"]["shards"] == results["experts_ep2"]["shards"] == one
+    assert results["experts_cp2"]["shards"] == results["experts_tp2_sp"]["shards"] == [([2], 1, 1), ([2], 1, 1)]
+    assert results["experts_etp2"]["shards"] == [([], 2, 1), ([], 1, 2)]
+
+
+@pytest.mark.parametrize("run", ["delayed_selective", "delayed_full"])
+def test_delayed_experts_under_recompute_equal_the_plain_run(results, run):
+    """Recomputed experts (selective: the experts alone; full: the block) replay the first forward's scales:
+    the losses equal the run without recompute bit for bit."""
+    assert results[run]["losses"] == results["delayed"]["losses"]
+
+
 def test_delayed_expert_histories_resume_exactly(results):
     assert results["delayed_resumed"]["steps"] == [4, 5]
     assert results["delayed_resumed"]["losses"] == results["delayed"]["losses"][3:]
 
 
-@pytest.mark.parametrize("run", ["experts_ep2", "experts_ep2_delayed"])
+@pytest.mark.parametrize("run", ["experts_ep2", "experts_ep2_delayed", "experts_cp2", "experts_cp2_delayed",
+                                 "experts_tp2_sp", "experts_etp2"])
 def test_expert_parallel_fp8_tracks_one_process(results, run):
-    got, want = results[run]["losses"], results["experts_ref"]["losses"]
+    """Each layout's 5 losses track one process's (the operands themselves: test_fp8_operands.py's experts)."""
+    got, want = results[run]["losses"], results["experts_ref" if "ep2" in run else "experts_ref_mb2"]["losses"]
     assert len(got) == len(want) == 5
     for g, w in zip(got, want, strict=True):
         assert abs(g - w) <= TOLERANCE * abs(w), (run, got, want)

@@ -13,6 +13,12 @@ The gathers' bytes are the formula (ledger): under sequence parallelism x moves 
 element) in forward and again in backward (tensorwise, delayed), rowwise adds the rows' fp32 scales in
 forward and gathers the high-precision x in backward (its wgrad scales x's columns over the tokens); each
 amax all-reduce is 4 bytes per scale.
+
+The routed experts' grouped GEMMs (layers/fp8_expert_gemm.py ``fp8_grouped_linear``), the same way: 4
+experts (one with no rows) given one process's x [Mp, K], w [E, N, K] and dY blocks, split as expert tensor
+parallelism splits the up projection (N: W's rows, dY's columns) and the down projection (K: x's and W's
+columns), and as context parallelism (or tp's sequence chunks with whole experts) splits an expert's rows:
+every grouped GEMM's float8 operands and scales (per expert or per row/feature) equal one process's slices.
 """
 
 from __future__ import annotations
@@ -128,8 +134,120 @@ def _worker(recipe_name: str) -> dict:
     return out
 
 
+EXPERT_ROWS = (32, 64, 0, 32)  # per expert, one process; each rank holds half of each expert's rows (cp)
+
+
+def _expert_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    m, e = sum(EXPERT_ROWS), len(EXPERT_ROWS)
+    x = torch.randn(m, K, generator=g) * torch.logspace(-2, 1, K)
+    w = torch.randn(e, N, K, generator=g) * 0.05
+    dy = torch.randn(m, N, generator=g) * 1e-3
+    x[95, K - 1] = 300.0  # expert 1's last row (rank 1's half of its rows), the last rank's K block
+    w[1, N - 1, K - 1] = 2.0  # the last rank's N and K blocks
+    dy[95, N - 1] = 0.5
+    return x, w, dy
+
+
+def _expert_rows(rank: int) -> torch.Tensor:
+    """One process's rows that this rank holds when each expert's rows are split in two (cp)."""
+    out, at = [], 0
+    for c in EXPERT_ROWS:
+        out += list(range(at + rank * c // T, at + (rank + 1) * c // T))
+        at += c
+    return torch.tensor(out, dtype=torch.long)
+
+
+def _run_experts(x, w, dy, counts, recipe_name: str, shards) -> tuple[list, torch.Tensor | None]:
+    """Every grouped GEMM's (forward, dgrad, wgrad) float8 operands and scales, and the delayed history."""
+    import mpformer.layers.fp8_expert_gemm as fp8x
+    from mpformer.layers.fp8 import Float8Recipe
+
+    recipe = Float8Recipe(recipe_name)
+    state = None
+    if recipe_name == "delayed":
+        state = fp8x.expert_states(recipe, *fp8x.expert_scaling_buffers(recipe, w.shape[0], "cpu"))[0]
+    calls, rows, wgrad = [], fp8x.mm_rows, fp8x.mm_wgrad
+
+    def cap(real):
+        def f(a8, sa, b8, sb, g, method, out_dtype):
+            calls.append(tuple(t.clone() for t in (a8, sa, b8, sb)))
+            return real(a8, sa, b8, sb, g, method, out_dtype)
+        return f
+
+    fp8x.mm_rows, fp8x.mm_wgrad = cap(rows), cap(wgrad)
+    try:
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        g = fp8x.Groups.of(list(counts), x.device)
+        fp8x.fp8_grouped_linear(xx, ww, g, recipe, state, out_dtype=torch.float32 if recipe_name != "rowwise"
+                                else torch.bfloat16, shards=shards).backward(dy.to(torch.float32 if recipe_name
+                                                                                  != "rowwise" else torch.bfloat16))
+    finally:
+        fp8x.mm_rows, fp8x.mm_wgrad = rows, wgrad
+    assert len(calls) == 3
+    return calls, state.amax_history.clone() if state is not None else None
+
+
+def _expert_slices(layout: str, rank: int) -> list[list]:
+    """Per GEMM, how each of (a8, scale_a, b8, scale_b) of this rank is cut from one process's: an index
+    per dim (None: whole), the scales' by their rank in the recipe (rows [Mp], per-feature [E, n], [E])."""
+    _, kb, nb = _blocks(rank)
+    mb, a = _expert_rows(rank), slice(None)
+    if layout == "n":  # the up projection under etp: W's rows (N), dY's columns
+        return [[(a, a), "same", (a, a, nb), ("feat", nb)], [(a, nb), "same", (a, nb, a), "same"],
+                [(a, nb), ("feat", nb), (a, a), "same"]]
+    if layout == "k":  # the down projection under etp: x's and W's columns (K)
+        return [[(a, kb), "same", (a, kb, a), "same"], [(a, a), "same", (a, a, kb), ("feat", kb)],
+                [(a, a), "same", (a, kb), ("feat", kb)]]
+    return [[(mb, a), ("rows", mb), (a, a, a), "same"], [(mb, a), ("rows", mb), (a, a, a), "same"],
+            [(mb, a), "same", (mb, a), "same"]]  # tokens: an expert's rows split
+
+
+def _cut(t: torch.Tensor, how) -> torch.Tensor:
+    if isinstance(how, tuple) and how and how[0] in ("feat", "rows"):
+        if how[0] == "rows":
+            return t[how[1]] if t.dim() == 1 and t.shape[0] == sum(EXPERT_ROWS) else t
+        return t[:, how[1]] if t.dim() == 2 else t
+    if how == "same":
+        return t
+    for d, i in enumerate(how):
+        t = t.index_select(d, i) if isinstance(i, torch.Tensor) else t[(slice(None),) * d + (i,)]
+    return t
+
+
+def _expert_worker(recipe_name: str) -> list[str]:
+    import torch.distributed as dist
+
+    from mpformer.layers.fp8_linear import Fp8Shards
+    from mpformer.parallel.comm import Comm, CommLedger
+
+    rank = dist.get_rank()
+    x, w, dy = _expert_tensors()
+    ref, ref_hist = _run_experts(x, w, dy, EXPERT_ROWS, recipe_name, Fp8Shards())
+    _, kb, nb = _blocks(rank)
+    comm = Comm(dist.group.WORLD, CommLedger())
+    mismatch = []
+    for layout in ("n", "k", "tokens"):
+        mb = _expert_rows(rank)
+        xx, ww, dyx, counts, shards = {
+            "n": (x, w[:, nb], dy[:, nb], EXPERT_ROWS, Fp8Shards(n=comm)),
+            "k": (x[:, kb], w[:, :, kb], dy, EXPERT_ROWS, Fp8Shards(k=comm)),
+            "tokens": (x[mb], w, dy[mb], [c // T for c in EXPERT_ROWS], Fp8Shards(tokens=(comm,)))}[layout]
+        got, hist = _run_experts(xx.contiguous(), ww.contiguous(), dyx.contiguous(), counts, recipe_name, shards)
+        for gemm, (mine, theirs, cuts) in enumerate(zip(got, ref, _expert_slices(layout, rank), strict=True)):
+            for name, g, r, how in zip(("a8", "scale_a", "b8", "scale_b"), mine, theirs, cuts, strict=True):
+                r = _cut(r, how)
+                if g.shape != r.shape or not torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
+                                                         r.contiguous().view(torch.uint8) if r.element_size() == 1
+                                                         else r.contiguous()):
+                    mismatch.append(f"experts {layout} gemm {gemm} {name}")
+        if hist is not None and not torch.equal(hist, ref_hist):
+            mismatch.append(f"experts {layout} amax history")
+    return mismatch
+
+
 def _all_recipes() -> dict:
-    return {r: _worker(r) for r in RECIPES}
+    return {r: {**_worker(r), "experts": _expert_worker(r)} for r in RECIPES}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +259,12 @@ def results():
 def test_sharded_operands_equal_one_process_slices(results, recipe):
     for rank in range(T):
         assert results[rank][recipe]["mismatch"] == [], (rank, results[rank][recipe]["mismatch"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_expert_operands_equal_one_process_slices(results, recipe):
+    for rank in range(T):
+        assert results[rank][recipe]["experts"] == [], (rank, results[rank][recipe]["experts"])
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

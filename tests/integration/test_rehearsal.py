@@ -271,6 +271,14 @@ MOE_CASES = {  # name -> (overrides, world size)
     "mixtral ep8 tp2 allgather": ([*MIXTRAL, *MIXTRAL_LAYOUT, "parallel.ep_dispatcher=allgather"], 16),
     "qwen3 sigmoid ep8 alltoall": ([*QWEN3, *QWEN3_LAYOUT, "parallel.ep_dispatcher=alltoall"], 8),
 }
+# Float8 routed experts (issue 35) split every way at once: their ffn over etp = tp = 2, an expert's rows over
+# the cp = 4 ranks outside its ep = 2 group (two per expert). Rowwise (e4m3 gradients) takes the grouped
+# kernel, tensorwise (e5m2 gradients, which it cannot take) a _scaled_mm per expert.
+MIXTRAL_FP8 = [*(a for a in MIXTRAL if not a.startswith("train.precision")), "train.precision=fp8",
+               "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2", "parallel.cp=4", "parallel.ep=2",
+               "parallel.dp=2", "parallel.zero=1", "parallel.ep_dispatcher=alltoall"]
+FP8_MOE_CASES = {f"mixtral fp8 {r} ep2 cp4 etp2": ([*MIXTRAL_FP8, f"train.fp8.recipe={r}"], 16)
+                 for r in ("rowwise", "tensorwise")}
 
 
 @pytest.fixture(scope="module")
@@ -279,9 +287,10 @@ def moe() -> dict[str, dict]:
     from mpformer.rehearsal.report import with_formulas
     from mpformer.training.preflight import preflight_rehearsal
 
-    reports = rehearse_many([(args, world, 0, None) for args, world in MOE_CASES.values()])
+    cases = MOE_CASES | FP8_MOE_CASES
+    reports = rehearse_many([(args, world, 0, None) for args, world in cases.values()])
     out = {}
-    for (name, (args, world)), rep in zip(MOE_CASES.items(), reports, strict=True):
+    for (name, (args, world)), rep in zip(cases.items(), reports, strict=True):
         spec = preflight_rehearsal(compose_config(args), world)
         out[name] = with_formulas(spec.cfg, spec.layout, rep) | {"spec": spec}
     return out
@@ -314,7 +323,28 @@ def test_moe_runs_the_grouped_gemm_with_one_host_read_per_dispatch(moe, name):
     assert set(r["attention_kernels"]) == {"flash"} and not r["square_tensors"], r["attention_kernels"]
 
 
-@pytest.mark.parametrize("name", list(MOE_CASES))
+@pytest.mark.parametrize("name", list(FP8_MOE_CASES))
+def test_float8_experts_run_their_cuda_kernels_with_one_host_read_per_dispatch(moe, name):
+    """The float8 experts' CUDA branch (layers/fp8_expert_gemm.py): rowwise runs torch._scaled_grouped_mm,
+    one call per GEMM (forward, dgrad, wgrad of the up and down projections); tensorwise, whose e5m2
+    gradients the grouped kernel refuses, a _scaled_mm per expert and GEMM. The dense projections (qkv, o)
+    add 3 _scaled_mm each. Host reads: the dispatch's one per layer and micro-batch, as in bf16."""
+    r, spec = moe[name], moe[name]["spec"]
+    m, L, t = spec.cfg.model, spec.layout, spec.cfg.train
+    micro = t.global_batch_size // (L.dp * t.micro_batch_size)
+    per = m.num_layers * micro  # layer forwards (and backwards) on this rank
+    local = m.num_experts // L.ep
+    if "rowwise" in name:
+        assert r["scaled_mm"] == {"_scaled_mm": 6 * per, "_scaled_grouped_mm": 6 * per}, r["scaled_mm"]
+    else:  # uniform routing gives every local expert rows
+        assert r["scaled_mm"] == {"_scaled_mm": 6 * per + 6 * local * per, "_scaled_grouped_mm": 0}, r["scaled_mm"]
+    assert r["grouped_mm"]["calls"] == 0
+    inside = [s for s in r["host_syncs"] if not s.get("boundary")]
+    assert len(inside) == per and all("mpformer/layers/moe_dispatch.py" in s["line"] for s in inside), inside
+    assert set(r["attention_kernels"]) == {"flash"} and not r["square_tensors"], r["attention_kernels"]
+
+
+@pytest.mark.parametrize("name", [*MOE_CASES, *FP8_MOE_CASES])
 def test_moe_dispatch_moves_what_its_formula_says(moe, name):
     """The ep group's ledger against layers/moe_dispatch.py's dispatch_bytes (rehearsal/volumes.py), exact:
     the rehearsal routes uniformly (parallel/device.py host_ints), the formula's own assumption."""
@@ -325,7 +355,7 @@ def test_moe_dispatch_moves_what_its_formula_says(moe, name):
     assert {k: r["comm_bytes"].get(k) for k in ep} == ep, (r["comm_bytes"], ep)
 
 
-@pytest.mark.parametrize("name", list(MOE_CASES))
+@pytest.mark.parametrize("name", [*MOE_CASES, *FP8_MOE_CASES])
 def test_moe_peak_is_the_memory_models(moe, name):
     r = moe[name]
     assert r["predicted_peak_bytes"] == pytest.approx(r["peak_bytes"], rel=0.05), (r["peak_by_kind"],

@@ -47,6 +47,21 @@ def test_expert_groups_partition_each_slice(tp, cp, dp, pp, ep):
     assert ({tuple(g) for g in ep_groups}, {tuple(g) for g in edp_groups}) == _megatron(topo, ep)
 
 
+@pytest.mark.parametrize("tp,cp,dp,pp,ep", [*COMBOS, (1, 4, 1, 1, 2), (1, 4, 2, 1, 2), (2, 4, 1, 1, 1)])
+def test_expert_cp_view_is_the_same_experts_within_a_cp_group(tp, cp, dp, pp, ep):
+    """By hand: where ep divides cp, the ranks with this rank's tp, pp, dp and ep rank (d % ep); else itself."""
+    topo = Topology(tp=tp, cp=cp, dp=dp, pp=pp)
+    layout = ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    got = {tuple(g) for g in MESH_VIEWS["expert_cp"].rank_lists(topo, layout)}
+    want: dict = {}
+    for r in range(topo.world_size):
+        c = topo.coords(r)
+        d = c["cp"] + cp * c["dp"]
+        key = (c["tp"], c["pp"], c["dp"], d % ep) if cp % ep == 0 else r
+        want.setdefault(key, []).append(r)
+    assert got == {tuple(sorted(g)) for g in want.values()}
+
+
 def test_expert_groups_examples():
     assert expert_groups(Topology(dp=4), 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     # cp fastest inside d: ranks 0,1 are one replica's cp pair and form one ep group

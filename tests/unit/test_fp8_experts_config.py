@@ -1,15 +1,13 @@
 """Which routed experts go float8 (models/fp8.py apply_expert_fp8), their checkpointed per-expert
-delayed-scaling state, and the one-line refusal of experts split over tensor parallelism (etp > 1)."""
+delayed-scaling state, and the layouts they train on."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from mpformer.core.errors import ConfigError
-from mpformer.core.fp8_config import DEFAULT_KEEP_BF16, Fp8Config, Fp8Options, check_fp8_config
+from mpformer.core.fp8_config import DEFAULT_KEEP_BF16, Fp8Options
 from mpformer.core.model_config import ModelConfig
 from mpformer.core.model_options import ModelOptions
 from mpformer.models.transformer import Transformer
@@ -48,33 +46,17 @@ def test_unaligned_expert_width_names_the_layer_and_keep_bf16():
         _model(_moe(moe_ffn_hidden_size=24))
 
 
-def _parallel(**over):
-    return SimpleNamespace(**{"tp": 1, "etp": None, "cp": 1, "pp": 1, "zero": 0, "recompute": "none", **over})
+@pytest.mark.parametrize("over", [("parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true"),
+                                  ("parallel.cp=2",), ("parallel.cp=2", "parallel.ep=2"),
+                                  ("parallel.recompute=selective", "train.fp8.recipe=delayed"),
+                                  ("parallel.recompute=full", "train.fp8.recipe=delayed")])
+def test_float8_experts_train_on_every_layout(over):
+    """Experts split over etp, tokens split over cp (and tp under SP), and delayed scaling with recompute
+    are valid fp8 runs (their amaxes span the splits; the recompute replays the first forward's scales)."""
+    from mpformer.cli.compose import compose_config
+    from mpformer.core.config import check_training_config
 
-
-def test_experts_split_over_tensor_parallel_are_refused_in_one_line():
-    c = Fp8Config()
-    with pytest.raises(ConfigError, match=r"parallel.etp=2>1 is not yet supported.*valid: parallel.etp=1") as e:
-        check_fp8_config("fp8", c, _parallel(etp=2), False, moe_layers=range(12))
-    assert "\n" not in str(e.value)
-    check_fp8_config("fp8", c, _parallel(etp=2), False, moe_layers=())  # a dense model has no experts
-    check_fp8_config("fp8", c, _parallel(etp=1), False, moe_layers=range(12))
-    kept = Fp8Config(keep_bf16=[*DEFAULT_KEEP_BF16, "layers.*.mlp.experts"])
-    check_fp8_config("fp8", kept, _parallel(etp=2), False, moe_layers=range(12))  # experts kept bf16: nothing to split
-    # a pattern is read against each layer's name: "?" keeps layers 0-9 only, layers 10 and 11 go float8
-    with pytest.raises(ConfigError, match=r"parallel.etp=2>1"):
-        check_fp8_config("fp8", Fp8Config(keep_bf16=["layers.?.mlp.experts"]), _parallel(etp=2), False,
-                         moe_layers=range(12))
-    check_fp8_config("fp8", Fp8Config(keep_bf16=["layers.[0-9]*.mlp.experts"]), _parallel(etp=2), False,
-                     moe_layers=range(12))
-    check_fp8_config("fp8", Fp8Config(keep_bf16=["layers.1.mlp.experts"]), _parallel(etp=2), False, moe_layers=[1])
-
-
-def test_delayed_experts_refuse_selective_recompute():
-    """Selective recompute re-runs the experts' forward in backward: under delayed scaling it would cast with
-    the scales the first forward moved (and record twice)."""
-    delayed = Fp8Config(recipe="delayed")
-    with pytest.raises(ConfigError, match=r"recipe=delayed with parallel.recompute=selective .* routed experts"):
-        check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, moe_layers=range(12))
-    check_fp8_config("fp8", Fp8Config(), _parallel(recompute="selective"), False, moe_layers=range(12))  # tensorwise
-    check_fp8_config("fp8", delayed, _parallel(recompute="selective"), False, moe_layers=())
+    cfg = compose_config(["model=tiny-llama", "model.arch=mixtral", "model.num_experts=4", "model.mlp_kind=moe",
+                          "model.num_experts_per_tok=2", "model.moe_ffn_hidden_size=32", "train.precision=fp8",
+                          *over]).cfg
+    check_training_config(cfg)

@@ -117,6 +117,58 @@ def test_backward_adds_what_the_count_says(recipe, tol):
     assert abs(peak - at_start - lb.backward) <= tol * lb.saved, (peak - at_start, lb.backward, lb.saved)
 
 
+MOE = ModelConfig(arch="mixtral", num_layers=2, hidden_size=128, num_attention_heads=8, num_kv_heads=2,
+                  ffn_hidden_size=96, vocab_size=512, max_position_embeddings=S, mlp_kind="moe", num_experts=8,
+                  num_experts_per_tok=2, moe_ffn_hidden_size=96)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_float8_experts_saved_bytes_are_what_autograd_keeps(recipe, recompute, monkeypatch):
+    """One sparse block with only its routed experts in float8 (attention kept bf16): every storage autograd
+    saves = the bf16 count with the experts' float8 terms (fp8_terms.py), at the real padding (the count
+    uses the mean M + E (16 - 1) / 2; the routing here gives its own, read from the experts' counts)."""
+    from mpformer.autoconfig.fp8_terms import fp8_expert_bytes
+    from mpformer.core.model_options import ModelOptions
+    from mpformer.layers.moe import Experts
+    from mpformer.models.fp8 import recipe_of
+    from mpformer.models.transformer import Transformer
+
+    o = Fp8Options(recipe=recipe, keep_bf16=(*DEFAULT_KEEP_BF16, "layers.*.attn.*"))
+    model = Transformer(MOE, ModelOptions(recompute=recompute), seed=1).to(torch.bfloat16)
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.enable_fp8(recipe_of(o))
+    counts: list[int] = []
+    real = Experts.forward
+    monkeypatch.setattr(Experts, "forward", lambda self, x_mh, c: counts.extend(c) or real(self, x_mh, c))
+    tokens = torch.randint(0, MOE.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    seq = model.sequence(tokens)
+    x = model.embed_tokens(tokens, seq).detach().requires_grad_()
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {t.untyped_storage().data_ptr() for t in (seq.rope or ())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.run_layers(x, range(1), seq)
+    rows, padded = sum(counts), sum(-(-c // 16) * 16 for c in counts)
+    assert rows == S * B * 2 and padded > rows  # every token to 2 experts; some expert's block padded
+
+    def net(p: float | None) -> float:
+        t = fp8_expert_bytes(o, 128, 96, 8, rows, 2, recompute, padded=p)
+        return t.weight_copies - t.input_saving
+
+    want = layer_bytes(MOE, ParallelLayout(recompute=recompute), S, B, "fp8", kind="moe", fp8=o).saved
+    assert sum(seen.values()) == pytest.approx(want + net(padded) - net(None), rel=1e-9)
+    bf16 = layer_bytes(MOE, ParallelLayout(recompute=recompute), S, B, "bf16", kind="moe").saved
+    assert (want != bf16) == (recompute == "none")  # the experts' float8 terms are counted
+
+
 def test_each_term_by_its_formula():
     """h 128, q 128, kv 32 (2 kv heads of 64), f 352; 256 tokens: the four projections' inputs 1 byte an
     element instead of 2, their weights' float8 copies and two fp32 scales each, the delayed state."""
@@ -200,6 +252,24 @@ def test_float8_gemms_run_at_the_fp8_rate_and_casts_cost_their_bytes():
     assert fp8.bw.stream_bytes - bf16.bw.stream_bytes == 2 * (dys + xs)  # dY8^T and x8^T copies
 
 
+def test_float8_experts_grouped_gemms_are_priced_at_the_fp8_rate():
+    """A sparse layer's two grouped GEMMs (8 experts, their rows each) go float8 unless keep_bf16 names the
+    experts; their casts cost each expert's operands (rows x k, n x k, rows x n per expert, 8 of them)."""
+    from mpformer.autoconfig.kernels import layer_work
+
+    o = Fp8Options(keep_bf16=(*DEFAULT_KEEP_BF16, "layers.*.attn.*"))
+    kept = Fp8Options(keep_bf16=(*o.keep_bf16, "layers.*.mlp.experts"))
+    bf16 = layer_work(MOE, ParallelLayout(), S, B, "bf16", kind="moe")
+    fp8 = layer_work(MOE, ParallelLayout(), S, B, "fp8", kind="moe", fp8=o)
+    assert [g.dtype for g in fp8.f.gemms] == [None] * 3 + ["fp8", "fp8"]  # qkv, o, the router, the experts
+    assert [g.dtype for g in layer_work(MOE, ParallelLayout(), S, B, "fp8", kind="moe", fp8=kept).f.gemms] == [None] * 5
+    rows, h, f, E = fp8.f.gemms[3].m, 128, 96, 8
+    assert fp8.f.gemms[3].batch == E and rows == S * B * 2 // E
+    xs, ws = E * rows * (h + f), E * (2 * f * h + h * f)
+    assert fp8.f.stream_bytes - bf16.f.stream_bytes == CAST_BYTES_EAGER * (xs + ws)
+    assert fp8.bi.stream_bytes - bf16.bi.stream_bytes == CAST_BYTES_EAGER * E * rows * (2 * f + h) + 2 * ws
+
+
 def test_amax_reductions_are_priced_at_latency_under_tp():
     from dataclasses import replace
 
@@ -244,9 +314,8 @@ def test_fp8_on_an_a100_is_refused_in_one_line():
 
 
 def test_the_search_chooses_among_precisions_on_layouts_fp8_trains():
-    """autoconfig.precisions=[bf16, fp8]: each searched (fp8 on every layout of a dense model; with float8
-    routed experts at cp = etp = 1, the layouts their amaxes are exact on), the fastest plan's precision
-    returned with it and in its overrides."""
+    """autoconfig.precisions=[bf16, fp8]: each searched (fp8 on every layout, float8 routed experts at any
+    cp and etp too), the fastest plan's precision returned with it and in its overrides."""
     from mpformer.autoconfig.cluster import load_cluster
     from mpformer.autoconfig.precision import search_precisions
     from mpformer.autoconfig.workload import Workload
@@ -261,5 +330,6 @@ def test_the_search_chooses_among_precisions_on_layouts_fp8_trains():
     assert both.top[0].precision == chosen.precision
     assert f"train.precision={chosen.precision}" in both.top[0].overrides()
     moe = compose_config(["model=mixtral-8x7b"]).cfg.model
-    with pytest.raises(ConfigError, match=r"autoconfig\.fixed\.cp=2 with train\.precision=fp8"):
-        search_precisions(moe, c, w, ["fp8"], fixed={"cp": 2}, top_k=3, device="cuda")
+    res, chosen = search_precisions(moe, load_cluster("dgx-h100", 2), Workload(64, 1, 4096, "bf16"), ["fp8"],
+                                    fixed={"cp": 2, "etp": 2, "tp": 2}, top_k=3, device="cuda")
+    assert chosen.precision == "fp8" and res.top and all((x.layout.cp, x.layout.etp) == (2, 2) for x in res.top)
