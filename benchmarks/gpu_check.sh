@@ -10,8 +10,9 @@
 #             block kernels on CUDA's fused ops, the merged log-sum-exp, no host sync in the fused cross
 #             entropy, RMSNorm's saved bytes (tests/gpu/test_cuda_kernels.py), and the experts' grouped
 #             GEMM against the loop in bf16, an MoE layer cuda = cpu, one host read per dispatch
-#             (tests/gpu/test_cuda_moe.py), each fp8 recipe's float8 GEMMs against the CPU kernel's and an fp8
-#             block's saved bytes against the memory model (tests/gpu/test_cuda_fp8.py)
+#             (tests/gpu/test_cuda_moe.py), each fp8 recipe's float8 GEMMs against the CPU kernel's, the experts'
+#             float8 grouped kernel against the CPU's loop and an fp8 block's saved bytes against the memory
+#             model (tests/gpu/test_cuda_fp8.py)
 #   train     a 1B Llama, bf16, 30 steps, no checkpoint: MFU, peak memory, each beside the cost and
 #             memory models' prediction (benchmarks/gpu_check.py)
 #   fp8       the same run with train.precision=fp8 (tensorwise; issue 35): MFU against the bf16 run's (over
