@@ -46,6 +46,7 @@ RUNS = {  # name -> (world, overrides)
     "delayed_selective": (1, {"train.precision": "fp8", "train.fp8.recipe": "delayed",
                               "parallel.recompute": "selective"}),
     "delayed_full": (1, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "parallel.recompute": "full"}),
+    "delayed_4_layers": (1, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "model.num_layers": 4}),
     "experts_ep2": (2, {**EXPERTS_ONLY, "parallel.dp": 2, "parallel.ep": 2}),
     "experts_ep2_delayed": (2, {**EXPERTS_ONLY, "parallel.dp": 2, "parallel.ep": 2, "train.fp8.recipe": "delayed"}),
     # against experts_ref_mb2 (the same micro-batches): an expert's rows split over cp, over tp's sequence
@@ -55,6 +56,10 @@ RUNS = {  # name -> (world, overrides)
     "experts_tp2_sp": (2, {**EXPERTS_ONLY, "parallel.tp": 2, "parallel.etp": 1, "parallel.sequence_parallel": True}),
     "experts_etp2": (2, {**EXPERTS_ONLY, "parallel.tp": 2, "parallel.etp": 2, "parallel.sequence_parallel": True,
                          "train.fp8.recipe": "rowwise"}),
+    # a pipeline: each stage's experts whole, the zero-bubble V's split backward, delayed scaling replayed
+    "delayed_pp2_zbv_full": (2, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "model.num_layers": 4,
+                                 "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zb-v",
+                                 "parallel.recompute": "full"}),
 }
 
 
@@ -143,11 +148,13 @@ def test_experts_amaxes_span_the_ranks_that_split_them(results):
     assert results["experts_etp2"]["shards"] == [([], 2, 1), ([], 1, 2)]
 
 
-@pytest.mark.parametrize("run", ["delayed_selective", "delayed_full"])
+@pytest.mark.parametrize("run", ["delayed_selective", "delayed_full", "delayed_pp2_zbv_full"])
 def test_delayed_experts_under_recompute_equal_the_plain_run(results, run):
-    """Recomputed experts (selective: the experts alone; full: the block) replay the first forward's scales:
-    the losses equal the run without recompute bit for bit."""
-    assert results[run]["losses"] == results["delayed"]["losses"]
+    """Recomputed experts (selective: the experts alone; full: the block, also on a pp=2 ZB-V pipeline,
+    whose stages hold whole layers) replay the first forward's scales: the losses equal the one-process run
+    without recompute bit for bit."""
+    want = results["delayed_4_layers" if "pp2" in run else "delayed"]["losses"]
+    assert results[run]["losses"] == want
 
 
 def test_delayed_expert_histories_resume_exactly(results):
