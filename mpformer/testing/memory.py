@@ -112,3 +112,26 @@ def data_file(root: Path, vocab: int = 1024, documents: int = 200) -> str:
         builder.add_document(np.append(rng.integers(1, vocab, size=int(rng.integers(200, 600))), 0))
     builder.finalize()
     return str(prefix)
+
+
+def saved_layer_bytes(model, seq, x, autocast=None) -> int:
+    """Bytes of every storage autograd saves while ``model`` runs its first layer on ``x`` (``seq``: its
+    sequence info; parameters and rotary tables aside): what the memory model calls a layer's saved bytes,
+    seen by torch's saved-tensor hooks, each storage once. ``autocast``: the dtype to run under, if any."""
+    import contextlib
+
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {t.untyped_storage().data_ptr() for t in (seq.rope or ())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    amp = torch.autocast(x.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with amp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.run_layers(x, range(1), seq)
+    return sum(seen.values())

@@ -62,6 +62,7 @@ def test_a_block_saves_what_the_memory_model_counts():
     from mpformer.core.model_options import ModelOptions
     from mpformer.layers.linear import Linear
     from mpformer.models.transformer import Transformer
+    from mpformer.testing.memory import saved_layer_bytes
 
     s, b = 128, 2
     cfg = ModelConfig(arch="llama", num_layers=1, hidden_size=128, num_attention_heads=8, num_kv_heads=2,
@@ -73,22 +74,12 @@ def test_a_block_saves_what_the_memory_model_counts():
     tokens = torch.randint(0, cfg.vocab_size, (b, s), device=DEVICE)
     seq = model.sequence(tokens)
     x = model.embed_tokens(tokens, seq).detach().requires_grad_()
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip |= {t.untyped_storage().data_ptr() for t in (seq.rope or ())}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autocast(DEVICE, dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.run_layers(x, range(1), seq)
+    got = saved_layer_bytes(model, seq, x, torch.bfloat16)
     want = layer_bytes(cfg, ParallelLayout(), s, b, "fp8", fp8=Fp8Options()).saved
     if DEVICE == "cuda":  # the flash kernel's own extras (its rng state, a padded log-sum-exp) are not counted
-        assert abs(sum(seen.values()) / want - 1) <= 0.01, (sum(seen.values()), want)
+        assert abs(got / want - 1) <= 0.01, (got, want)
     else:
-        assert sum(seen.values()) == want
+        assert got == want
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])

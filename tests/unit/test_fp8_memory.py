@@ -26,6 +26,7 @@ from mpformer.core.errors import ConfigError
 from mpformer.core.fp8_config import DEFAULT_KEEP_BF16, Fp8Options
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
+from mpformer.testing.memory import saved_layer_bytes
 
 S, B = 128, 2
 LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=128, num_attention_heads=8, num_kv_heads=2,
@@ -66,20 +67,10 @@ def _fp8_block(recipe: str, recompute: str = "none"):
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_saved_bytes_are_what_autograd_keeps(recipe, recompute):
     """Every storage autograd saves in one fp8 block (parameters and rotary tables aside), exactly."""
-    model, seq, x, ctx = _fp8_block(recipe, recompute)
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip |= {t.untyped_storage().data_ptr() for t in (seq.rope or ())}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.run_layers(x, range(1), seq)
+    model, seq, x, _ = _fp8_block(recipe, recompute)
+    got = saved_layer_bytes(model, seq, x, torch.bfloat16)
     want = layer_bytes(LLAMA, ParallelLayout(recompute=recompute), S, B, "fp8", fp8=Fp8Options(recipe=recipe)).saved
-    assert sum(seen.values()) == pytest.approx(want, rel=1e-9)
+    assert got == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize("recipe,tol", [("tensorwise", 0.01), ("rowwise", 0.05)])
@@ -145,17 +136,7 @@ def test_float8_experts_saved_bytes_are_what_autograd_keeps(recipe, recompute, m
     tokens = torch.randint(0, MOE.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     seq = model.sequence(tokens)
     x = model.embed_tokens(tokens, seq).detach().requires_grad_()
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip |= {t.untyped_storage().data_ptr() for t in (seq.rope or ())}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.run_layers(x, range(1), seq)
+    got = saved_layer_bytes(model, seq, x, torch.bfloat16)
     rows, padded = sum(counts), sum(-(-c // 16) * 16 for c in counts)
     assert rows == S * B * 2 and padded > rows  # every token to 2 experts; some expert's block padded
 
@@ -164,7 +145,7 @@ def test_float8_experts_saved_bytes_are_what_autograd_keeps(recipe, recompute, m
         return t.weight_copies - t.input_saving
 
     want = layer_bytes(MOE, ParallelLayout(recompute=recompute), S, B, "fp8", kind="moe", fp8=o).saved
-    assert sum(seen.values()) == pytest.approx(want + net(padded) - net(None), rel=1e-9)
+    assert got == pytest.approx(want + net(padded) - net(None), rel=1e-9)
     bf16 = layer_bytes(MOE, ParallelLayout(recompute=recompute), S, B, "bf16", kind="moe").saved
     assert (want != bf16) == (recompute == "none")  # the experts' float8 terms are counted
 

@@ -19,6 +19,7 @@ from mpformer.autoconfig.memory import Workload, plan_memory, stage_params
 from mpformer.core.layout import ParallelLayout
 from mpformer.core.model_config import ModelConfig
 from mpformer.optim.memory import zero_formula_bytes
+from mpformer.testing.memory import saved_layer_bytes
 
 S, B = 128, 2
 MOE = ModelConfig(arch="mixtral", num_layers=2, hidden_size=128, num_attention_heads=8, num_kv_heads=2,
@@ -88,20 +89,10 @@ def test_saved_bytes_measured(recompute, monkeypatch):
     tokens = torch.randint(0, MOE.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     seq = model.sequence(tokens)
     x = model.embed_tokens(tokens, seq).detach().requires_grad_()
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip |= {t.untyped_storage().data_ptr() for t in (seq.rope or ())}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.run_layers(x, range(1), seq)
+    got = saved_layer_bytes(model, seq, x)
     kernels.process_kernels.cache_clear()
     kernels.process_attention.cache_clear()
-    assert sum(seen.values()) == layer_bytes(MOE, ParallelLayout(recompute=recompute), S, B, "fp32", kind="moe").saved
+    assert got == layer_bytes(MOE, ParallelLayout(recompute=recompute), S, B, "fp32", kind="moe").saved
 
 
 def test_expert_rows_scale_with_ep_and_capacity():
