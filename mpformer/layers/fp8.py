@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpformer.core.fp8_config import grad_format
+
 FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 TINY = torch.finfo(torch.float32).tiny
@@ -53,11 +55,12 @@ class Float8Recipe:
     (scale = amax * 2**margin / fmax, for every recipe; 0 leaves the top of the format in use)."""
 
     name: str = "tensorwise"
-    grad: str = "e5m2"
+    grad: str = "auto"  # the recipe's own (core/fp8_config.py grad_format): never "auto" once built
     history_len: int = 16
     margin: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "grad", grad_format(self.name, self.grad))
         if self.name not in RECIPES:
             raise ValueError(f"train.fp8.recipe={self.name!r}: not a recipe; valid: {', '.join(RECIPES)}")
         if self.grad not in FORMATS:

@@ -46,6 +46,9 @@ def test_grad_format_auto_follows_the_recipe(recipe, given, built):
     check_training_config(cfg)
     o = ModelOptions.for_run(cfg.parallel.layout(), cfg.train, None).fp8
     assert o.grad_dtype == built == Fp8Options(recipe=recipe, grad_dtype=given).grad_dtype
+    from mpformer.layers.fp8 import Float8Recipe
+
+    assert Float8Recipe(recipe, given).grad == built  # the numerics' own default is the same rule
 
 
 def test_unknown_key_is_an_error():
