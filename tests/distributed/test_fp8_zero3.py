@@ -99,12 +99,13 @@ def _dp2(data: str, root: str) -> dict:
             out[name] = train(overrides(base, Path(root) / name, **{"parallel.dp": 2, "parallel.zero": 3, **kw}))
         finally:
             torch._scaled_mm = real
-        out[name]["weights"] = _weights(calls)
-        back = [c for c in calls[LINEARS:] if c[0].dtype != torch.float8_e4m3fn]
+        out[name]["weights"], out[name]["units"] = _weights(calls), list(seen)
+        if kw.get("train.fp8.recipe") == "rowwise":  # its dY is e4m3 too, and its backward re-casts W
+            continue
+        back = [c for c in calls[LINEARS:] if c[0].dtype != torch.float8_e4m3fn]  # dY: e5m2
         out[name]["dgrad_weights"] = [back[2 * j][1].contiguous().view(torch.uint8) for j in range(LINEARS)][::-1]
         again = _weights([c for c in calls[LINEARS:] if c[0].dtype == torch.float8_e4m3fn])  # layers in reverse
         out[name]["recomputed_weights"] = [w for i in reversed(range(LINEARS // 4)) for w in again[4 * i:4 * i + 4]]
-        out[name]["units"] = list(seen)
     return out
 
 
