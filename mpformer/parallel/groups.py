@@ -3,7 +3,7 @@
 Built on torch's DeviceMesh over every registered mesh dimension, slowest first (core/topology.py
 MESH_DIMS reversed: ("pp", "dp", "cp", "tp") today) so that tp varies fastest, the same order as the
 topology's rank math (checked at construction); then one group per named view (MESH_VIEWS: "data",
-dp x cp; "ep" and "expert_data", carved from dp x cp by parallel.ep). A new dimension or view is an
+dp x cp; "ep" and "expert_data", carved from dp x cp by parallel.ep; "expert_cp"). A new dimension or view is an
 entry there, not a change here. Views with the same rank lists share one process group; a view whose
 groups are all single ranks and match no dimension's has none (its Comm is a group of one).
 """
