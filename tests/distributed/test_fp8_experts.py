@@ -56,6 +56,11 @@ RUNS = {  # name -> (world, overrides)
     "experts_tp2_sp": (2, {**EXPERTS_ONLY, "parallel.tp": 2, "parallel.etp": 1, "parallel.sequence_parallel": True}),
     "experts_etp2": (2, {**EXPERTS_ONLY, "parallel.tp": 2, "parallel.etp": 2, "parallel.sequence_parallel": True,
                          "train.fp8.recipe": "rowwise"}),
+    # delayed expert histories checkpointed at tp=2 etp=2 (each tp rank holds the same, reduced ones)
+    **{name: (2, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "parallel.tp": 2, "parallel.etp": 2,
+                  "parallel.sequence_parallel": True, **kw})
+       for name, kw in (("etp2_delayed", {}), ("etp2_delayed_half", {"train.stop_at": 3}),
+                        ("etp2_delayed_resumed", {"checkpoint.load": "{root}/etp2_delayed_half/checkpoints"}))},
     # a pipeline: each stage's experts whole, the zero-bubble V's split backward, delayed scaling replayed
     "delayed_pp2_zbv_full": (2, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "model.num_layers": 4,
                                  "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zb-v",
@@ -157,9 +162,10 @@ def test_delayed_experts_under_recompute_equal_the_plain_run(results, run):
     assert results[run]["losses"] == want
 
 
-def test_delayed_expert_histories_resume_exactly(results):
-    assert results["delayed_resumed"]["steps"] == [4, 5]
-    assert results["delayed_resumed"]["losses"] == results["delayed"]["losses"][3:]
+@pytest.mark.parametrize("run", ["delayed", "etp2_delayed"])
+def test_delayed_expert_histories_resume_exactly(results, run):
+    assert results[f"{run}_resumed"]["steps"] == [4, 5]
+    assert results[f"{run}_resumed"]["losses"] == results[run]["losses"][3:]
 
 
 @pytest.mark.parametrize("run", ["experts_ep2", "experts_ep2_delayed", "experts_cp2", "experts_cp2_delayed",
