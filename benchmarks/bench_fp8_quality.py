@@ -178,16 +178,25 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     print(f"wrote {path}")
 
 
-def add_control(payload: dict[str, Any], precision: str, data: Path, path: Path) -> None:
-    """Train the control run at ``precision`` with the result's settings and write it into ``path``."""
+def train_again(payload: dict[str, Any], name: str, recipe: str | None, data: Path, precision: str | None = None
+                ) -> dict[str, Any]:
+    """One more run with a written result's settings: fp8 ``recipe``, or (``recipe`` None) ``precision``;
+    its environment (commit, command, CPU) recorded with it."""
     ns = argparse.Namespace(steps=payload["steps"], batch=payload["batch"], seq=payload["seq"],
                             extra=payload.get("extra", []))
-    overrides = [o for o in run_overrides(ns, None) if not o.startswith("train.precision=")]
+    overrides = run_overrides(ns, recipe)
+    if precision is not None:
+        overrides = [*(o for o in overrides if not o.startswith("train.precision=")), f"train.precision={precision}"]
     with tempfile.TemporaryDirectory() as tmp:
-        run = train(f"{precision} (control)", [*overrides, f"train.precision={precision}"], demo_data(data),
-                    Path(tmp) / precision)
+        run = train(name, overrides, demo_data(data), Path(tmp) / "run")
     env = environment()
     run["environment"] = {k: env[k] for k in ("commit", "command", "cpu_model", "torch")}
+    return run
+
+
+def add_control(payload: dict[str, Any], precision: str, data: Path, path: Path) -> None:
+    """Train the control run at ``precision`` with the result's settings and write it into ``path``."""
+    run = train_again(payload, f"{precision} (control)", None, data, precision)
     payload.setdefault("control_runs", {})[precision] = run
     payload.setdefault("controls", {})[precision] = compare(payload["runs"]["bf16"]["loss"], run["loss"],
                                                             payload["window"])
@@ -198,12 +207,7 @@ def add_control(payload: dict[str, Any], precision: str, data: Path, path: Path)
 def rerun_recipe(payload: dict[str, Any], recipe: str, data: Path, path: Path) -> None:
     """Train fp8 ``recipe`` again with the result's settings and replace its run and metrics in ``path``
     (measured against the same bf16 curve; the replaced figures are kept under ``superseded``)."""
-    ns = argparse.Namespace(steps=payload["steps"], batch=payload["batch"], seq=payload["seq"],
-                            extra=payload.get("extra", []))
-    with tempfile.TemporaryDirectory() as tmp:
-        run = train(recipe, run_overrides(ns, recipe), demo_data(data), Path(tmp) / recipe)
-    env = environment()
-    run["environment"] = {k: env[k] for k in ("commit", "command", "cpu_model", "torch")}
+    run = train_again(payload, recipe, recipe, data)
     if recipe in payload["metrics"]:
         old = payload["runs"][recipe].get("environment", payload["environment"]).get("commit")
         payload.setdefault("superseded", {})[recipe] = {"commit": old, **payload["metrics"][recipe]}

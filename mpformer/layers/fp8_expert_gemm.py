@@ -45,12 +45,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from mpformer.core.shards import Shard
 from mpformer.layers.fp8 import ALIGN, ROLES, Float8Recipe, cast_to_fp8, scale_from_amax
 from mpformer.layers.fp8_linear import ONE, Fp8Shards, scaled_mm
-from mpformer.parallel.comm import Comm
 from mpformer.parallel.device import autocast_dtype, host_tensor, kernel_device, no_autocast
 
 E4M3 = torch.float8_e4m3fn
@@ -195,15 +193,7 @@ def cast_experts(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> t
     return out
 
 
-def reduced(a: torch.Tensor, comms: tuple[Comm, ...]) -> torch.Tensor:
-    """``a`` (amaxes, fp32) all-reduced (max) over ``comms``: over the ranks holding the other blocks."""
-    a = a.contiguous()
-    for c in comms:
-        c.all_reduce(a, op=dist.ReduceOp.MAX)
-    return a
-
-
-def _per_tensor(t: torch.Tensor, amax: Callable[[], torch.Tensor], role: str, dtype: torch.dtype,
+def _per_tensor(amax: Callable[[], torch.Tensor], role: str, dtype: torch.dtype,
                 recipe: Float8Recipe, state: ExpertScalingState | None, record: bool) -> torch.Tensor:
     """[E] scales of one tensor per expert from its amaxes [E] (``amax()``, taken over the shards): its own
     (tensorwise) or the history's; a recompute replays the first forward's (no amax, nothing recorded)."""
@@ -267,15 +257,14 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, g: Groups, recipe: Float8Recipe,
                 state: ExpertScalingState | None, method: str, out_dtype: torch.dtype, record: bool,
                 shards: Fp8Shards) -> torch.Tensor:
-        over = shards.over
         if recipe.name == "rowwise":  # amaxes along K: split over the down projection's etp
-            sx = scale_from_amax(reduced(x.detach().abs().amax(-1).float(), over("k")), E4M3, recipe.margin)  # [Mp]
-            sw = scale_from_amax(reduced(absmax(w, -1), over("k")), E4M3, recipe.margin)  # [E, n]
+            sx = scale_from_amax(shards.max(absmax(x, -1), "k"), E4M3, recipe.margin)  # [Mp]
+            sw = scale_from_amax(shards.max(absmax(w, -1), "k"), E4M3, recipe.margin)  # [E, n]
             x8, w8 = cast_to_fp8(x, sx[:, None], E4M3), cast_experts(w, sw[..., None], E4M3)
             ctx.save_for_backward(x, w)
         else:
-            sx = _per_tensor(x, lambda: reduced(g.amax(x), over("tokens", "k")), "input", E4M3, recipe, state, record)
-            sw = _per_tensor(w, lambda: reduced(absmax(w.flatten(1), -1), over("k", "n")),
+            sx = _per_tensor(lambda: shards.max(g.amax(x), "tokens", "k"), "input", E4M3, recipe, state, record)
+            sw = _per_tensor(lambda: shards.max(absmax(w.flatten(1), -1), "k", "n"),
                              "weight", E4M3, recipe, state, record)
             x8, w8 = cast_to_fp8(x, sx[g.ids, None], E4M3), cast_experts(w, sw[:, None, None], E4M3)
             ctx.save_for_backward(x8, sx, w8, sw)
@@ -286,25 +275,25 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        g, recipe, method, out, over = ctx.g, ctx.recipe, ctx.method, ctx.out_dtype, ctx.shards.over
+        g, recipe, method, out, shards = ctx.g, ctx.recipe, ctx.method, ctx.out_dtype, ctx.shards
         gdt = recipe.dtype("grad_output")  # e4m3 where the method is grouped (fp8_grouped_linear's rule)
         dy = dy.contiguous()
         dx = dw = None
         if recipe.name == "rowwise":
             x, w = ctx.saved_tensors
             if ctx.needs_input_grad[0]:  # amaxes along n: split over the up projection's etp
-                sdy = scale_from_amax(reduced(dy.abs().amax(-1).float(), over("n")), gdt, recipe.margin)  # [Mp]
-                sw = scale_from_amax(reduced(absmax(w, 1), over("n")), E4M3, recipe.margin)
+                sdy = scale_from_amax(shards.max(absmax(dy, -1), "n"), gdt, recipe.margin)  # [Mp]
+                sw = scale_from_amax(shards.max(absmax(w, 1), "n"), E4M3, recipe.margin)
                 dx = mm_rows(cast_to_fp8(dy, sdy[:, None], gdt), sdy, cast_experts(w, sw[:, None, :], E4M3), sw,
                              g, method, out)  # sw [E, k]
             if ctx.needs_input_grad[1]:  # amaxes along the group's rows: split over the token peers
-                sdy = scale_from_amax(reduced(g.col_amax(dy), over("tokens")), gdt, recipe.margin)  # [E, n]
-                sx = scale_from_amax(reduced(g.col_amax(x), over("tokens")), E4M3, recipe.margin)  # [E, k]
+                sdy = scale_from_amax(shards.max(g.col_amax(dy), "tokens"), gdt, recipe.margin)  # [E, n]
+                sx = scale_from_amax(shards.max(g.col_amax(x), "tokens"), E4M3, recipe.margin)  # [E, k]
                 dw = mm_wgrad(cast_to_fp8(dy, sdy[g.ids], gdt), sdy, cast_to_fp8(x, sx[g.ids], E4M3), sx,
                               g, method, out)
         else:
             x8, sx, w8, sw = ctx.saved_tensors
-            sdy = _per_tensor(dy, lambda: reduced(g.amax(dy), over("tokens", "n")), "grad_output", gdt, recipe,
+            sdy = _per_tensor(lambda: shards.max(g.amax(dy), "tokens", "n"), "grad_output", gdt, recipe,
                               ctx.state, True)
             dy8 = cast_to_fp8(dy, sdy[g.ids, None], gdt)
             if ctx.needs_input_grad[0]:

@@ -66,6 +66,10 @@ class Fp8Shards:
     n: Comm | None = None
     seq: Comm | None = None
 
+    def max(self, a: torch.Tensor, *dims: str) -> torch.Tensor:
+        """Amaxes ``a`` all-reduced (max) over the groups splitting ``dims``."""
+        return all_reduce_max(a, self.over(*dims))
+
     def over(self, *dims: str) -> tuple[Comm, ...]:
         """The groups of more than one rank splitting ``dims`` (of "tokens", "k", "n", "seq")."""
         out: list[Comm | None] = []
@@ -88,14 +92,19 @@ def fp8_weight(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return getattr(p, _FP8_WEIGHT, None)
 
 
+def all_reduce_max(a: torch.Tensor, comms: tuple[Comm, ...]) -> torch.Tensor:
+    """Amaxes ``a`` (fp32) all-reduced (max) over ``comms``: over the ranks holding the tensor's other blocks."""
+    a = a.contiguous()
+    for c in comms:
+        c.all_reduce(a, op=dist.ReduceOp.MAX)
+    return a
+
+
 def amax(t: torch.Tensor, comms: tuple[Comm, ...], dim: int | None = None) -> torch.Tensor:
     """fp32 amax of ``t`` (along ``dim``, kept as a dim of 1; whole tensor: 0-d) all-reduced (max) over
     ``comms``: the amax of the whole tensor whose blocks those ranks hold."""
     a = t.detach().abs()
-    a = (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float().contiguous()
-    for c in comms:
-        c.all_reduce(a, op=dist.ReduceOp.MAX)
-    return a
+    return all_reduce_max((a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float(), comms)
 
 
 def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
