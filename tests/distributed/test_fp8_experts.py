@@ -62,9 +62,9 @@ RUNS = {  # name -> (world, overrides)
        for name, kw in (("etp2_delayed", {}), ("etp2_delayed_half", {"train.stop_at": 3}),
                         ("etp2_delayed_resumed", {"checkpoint.load": "{root}/etp2_delayed_half/checkpoints"}))},
     # a pipeline: each stage's experts whole, the zero-bubble V's split backward, delayed scaling replayed
-    "delayed_pp2_zbv_full": (2, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "model.num_layers": 4,
-                                 "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zb-v",
-                                 "parallel.recompute": "full"}),
+    **{name: (2, {"train.precision": "fp8", "train.fp8.recipe": "delayed", "model.num_layers": 4, "parallel.pp": 2,
+                  "parallel.vpp": 2, "parallel.schedule": "zb-v", **kw})
+       for name, kw in (("delayed_pp2_zbv", {}), ("delayed_pp2_zbv_full", {"parallel.recompute": "full"}))},
 }
 
 
@@ -155,11 +155,14 @@ def test_experts_amaxes_span_the_ranks_that_split_them(results):
 
 @pytest.mark.parametrize("run", ["delayed_selective", "delayed_full", "delayed_pp2_zbv_full"])
 def test_delayed_experts_under_recompute_equal_the_plain_run(results, run):
-    """Recomputed experts (selective: the experts alone; full: the block, also on a pp=2 ZB-V pipeline,
-    whose stages hold whole layers) replay the first forward's scales: the losses equal the one-process run
-    without recompute bit for bit."""
-    want = results["delayed_4_layers" if "pp2" in run else "delayed"]["losses"]
-    assert results[run]["losses"] == want
+    """Recomputed experts (selective: the experts alone; full: the block, also on a pp=2 ZB-V pipeline)
+    replay the first forward's scales: the losses equal the same layout's run without recompute bit for bit
+    (one machine, the same ops); the pipeline tracks one process within the layout tolerance."""
+    plain = run.removesuffix("_full").removesuffix("_selective")
+    assert results[run]["losses"] == results[plain]["losses"]
+    if "pp2" in run:
+        for g, w in zip(results[run]["losses"], results["delayed_4_layers"]["losses"], strict=True):
+            assert abs(g - w) <= TOLERANCE * abs(w)
 
 
 @pytest.mark.parametrize("run", ["delayed", "etp2_delayed"])
